@@ -1,0 +1,299 @@
+"""Hugging Face checkpoints: the name/layout map, loading from a `save_pretrained` directory.
+
+A `save_pretrained` directory holds `config.json`, safetensors weights (one file or shards plus
+an index) and usually a tokenizer. Weights are read one tensor at a time from memory-mapped
+files, transformed to this model's layout, checked, cast and placed (optionally straight into a
+target sharding), so host memory holds at most one tensor's worth beyond what was placed.
+
+Only safetensors are read. Pickle-based weights (`pytorch_model.bin`, `*.pt`) can run code when
+loaded and are refused with instructions to convert them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig, UnsupportedModelError
+from jaxrl.models.safetensors_io import SafetensorsReader
+from jaxrl.models.transformer import Transformer
+
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# Tensors some checkpoints carry that the model recomputes or does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not fit the model its config describes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """How one model parameter is stored in a HF checkpoint.
+
+    `to_model` turns the HF array into this model's layout; `to_hf` is its inverse.
+    """
+
+    hf_name: str
+    to_model: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity() -> tuple[Callable, Callable]:
+    return (lambda w: w), (lambda w: w)
+
+
+def _transpose() -> tuple[Callable, Callable]:
+    # torch Linear stores [out, in]; this model's kernels are [in, out].
+    return (lambda w: w.T), (lambda w: w.T)
+
+
+def _in_heads(heads: int, head_dim: int) -> tuple[Callable, Callable]:
+    # q/k/v: HF [heads * head_dim, embed] <-> model [embed, heads, head_dim].
+    def to_model(w):
+        return w.T.reshape(w.shape[1], heads, head_dim)
+
+    def to_hf(w):
+        return w.reshape(w.shape[0], heads * head_dim).T
+
+    return to_model, to_hf
+
+
+def _out_heads(heads: int, head_dim: int) -> tuple[Callable, Callable]:
+    # o: HF [embed, heads * head_dim] <-> model [heads, head_dim, embed].
+    def to_model(w):
+        return w.T.reshape(heads, head_dim, w.shape[0])
+
+    def to_hf(w):
+        return w.reshape(heads * head_dim, w.shape[-1]).T
+
+    return to_model, to_hf
+
+
+def _bias_heads(heads: int, head_dim: int) -> tuple[Callable, Callable]:
+    return (lambda w: w.reshape(heads, head_dim)), (lambda w: w.reshape(heads * head_dim))
+
+
+def param_map(config: ModelConfig) -> dict[tuple, TensorMap]:
+    """Model parameter path (as in `nnx.state(model)`) -> how it is stored in HF checkpoints."""
+    c = config
+    out: dict[tuple, TensorMap] = {}
+
+    def add(path, name, fns):
+        out[path] = TensorMap(name, *fns)
+
+    add(("embedding",), "model.embed_tokens.weight", _identity())
+    add(("final_norm", "weight"), "model.norm.weight", _identity())
+    if not c.tie_word_embeddings:
+        add(("lm_head",), "lm_head.weight", _transpose())
+    heads = {"q": c.num_heads, "k": c.num_kv_heads, "v": c.num_kv_heads}
+    for i in range(c.num_layers):
+        hf = f"model.layers.{i}"
+        layer = ("layers", i)
+        add((*layer, "input_norm", "weight"), f"{hf}.input_layernorm.weight", _identity())
+        add(
+            (*layer, "post_attention_norm", "weight"),
+            f"{hf}.post_attention_layernorm.weight",
+            _identity(),
+        )
+        attn = (*layer, "attention")
+        for p, n in heads.items():
+            add((*attn, f"{p}_kernel"), f"{hf}.self_attn.{p}_proj.weight", _in_heads(n, c.head_dim))
+            if c.qkv_bias:
+                add(
+                    (*attn, f"{p}_bias"),
+                    f"{hf}.self_attn.{p}_proj.bias",
+                    _bias_heads(n, c.head_dim),
+                )
+        add(
+            (*attn, "o_kernel"),
+            f"{hf}.self_attn.o_proj.weight",
+            _out_heads(c.num_heads, c.head_dim),
+        )
+        if c.o_bias:
+            add((*attn, "o_bias"), f"{hf}.self_attn.o_proj.bias", _identity())
+        if c.qk_norm:
+            add((*attn, "q_norm", "weight"), f"{hf}.self_attn.q_norm.weight", _identity())
+            add((*attn, "k_norm", "weight"), f"{hf}.self_attn.k_norm.weight", _identity())
+        for p in ("gate", "up", "down"):
+            add((*layer, "mlp", f"{p}_kernel"), f"{hf}.mlp.{p}_proj.weight", _transpose())
+            if c.mlp_bias:
+                add((*layer, "mlp", f"{p}_bias"), f"{hf}.mlp.{p}_proj.bias", _identity())
+    return out
+
+
+def check_weights_dir(path: str) -> None:
+    """Raises a clear error unless `path` is a directory with safetensors weights."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return
+    pickles = [os.path.basename(p) for pat in _PICKLE_PATTERNS for p in glob.glob(f"{path}/{pat}")]
+    if pickles:
+        raise UnsupportedModelError(
+            f"{path} holds only pickle-based weights ({', '.join(sorted(pickles))}). Pickle files "
+            "can execute code when loaded, so they are never read here. Convert them once, in an "
+            "environment you trust: `transformers.AutoModelForCausalLM.from_pretrained(DIR)"
+            ".save_pretrained(OUT_DIR)` writes safetensors; then load OUT_DIR."
+        )
+    raise FileNotFoundError(f"no *.safetensors weights in {path}")
+
+
+def load_config(path: str, **overrides: Any) -> ModelConfig:
+    """Reads `config.json` through `transformers.AutoConfig` (never `trust_remote_code`)."""
+    import transformers
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path} has no config.json; is it a save_pretrained directory?")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as e:
+        # AutoConfig refuses model types it does not know; say what this library supports.
+        raise UnsupportedModelError(f"{path}/config.json: {e}") from None
+    return ModelConfig.from_hf(hf_config, **overrides)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved next to the weights, through `AutoTokenizer` (local files only)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def _path_key(path) -> tuple:
+    return tuple(p.key if hasattr(p, "key") else p for p in path)
+
+
+def load_params(path: str, config: ModelConfig, shardings: Any | None = None) -> nnx.State:
+    """Reads the weights of `config`'s model from `path` into an `nnx.State`.
+
+    `shardings`, if given, is a pytree matching the state with a `jax.sharding.Sharding` per
+    parameter; each tensor is then assembled shard by shard from the memory-mapped file.
+    Without it, parameters go to the default device.
+    """
+    check_weights_dir(path)
+    reader = SafetensorsReader(path)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    _, abstract_state = nnx.split(abstract)
+    mapping = param_map(config)
+    flat_shardings = None
+    if shardings is not None:
+        flat_shardings = {
+            _path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
+        }
+
+    expected_names = {m.hf_name for m in mapping.values()}
+    unexpected = [
+        n
+        for n in reader
+        if n not in expected_names
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_word_embeddings and n == "lm_head.weight")
+    ]
+    if unexpected:
+        raise CheckpointMismatchError(
+            f"{path} has tensors the {config.model_type} config does not describe: "
+            f"{sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}. Is config.json from "
+            "the same model?"
+        )
+
+    def load_leaf(key_path, variable):
+        key = _path_key(key_path)
+        spec = mapping.get(key)
+        if spec is None:
+            raise CheckpointMismatchError(f"no HF name known for model parameter {key}")
+        if spec.hf_name not in reader:
+            raise CheckpointMismatchError(
+                f"tensor {spec.hf_name!r} is missing from {path} (needed for model parameter "
+                f"{'/'.join(map(str, key))}, shape {tuple(variable.shape)})"
+            )
+        target_shape = tuple(variable.shape)
+        hf_array = reader[spec.hf_name]
+        expected_hf_shape = spec.to_hf(np.empty(target_shape, np.uint8)).shape
+        if hf_array.shape != expected_hf_shape:
+            raise CheckpointMismatchError(
+                f"tensor {spec.hf_name!r} in {path} has shape {hf_array.shape}, but the config "
+                f"needs {expected_hf_shape} (model parameter {'/'.join(map(str, key))})"
+            )
+        host = np.asarray(spec.to_model(hf_array)).astype(variable.dtype)
+        if flat_shardings is None:
+            return jnp.asarray(host)
+        sharding = flat_shardings[key]
+        return jax.make_array_from_callback(target_shape, sharding, lambda idx: host[idx])
+
+    values = jax.tree_util.tree_map_with_path(load_leaf, nnx.to_pure_dict(abstract_state))
+    nnx.replace_by_pure_dict(abstract_state, values)
+    return abstract_state
+
+
+def load_model(path: str, **config_overrides: Any) -> Transformer:
+    """A `Transformer` with the weights of the `save_pretrained` directory `path`.
+
+    `config_overrides` set what HF configs do not carry, e.g. `param_dtype="bfloat16"`,
+    `dtype="bfloat16"`, `attention_impl="cudnn"`.
+    """
+    config = load_config(path, **config_overrides)
+    state = load_params(path, config)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, state)
+
+
+def save_hf(model: Transformer, path: str, tokenizer=None, dtype: str | None = None) -> None:
+    """Writes a `save_pretrained`-style directory that `transformers` loads.
+
+    Tensors are fetched and converted one at a time. `dtype` (e.g. "bfloat16") casts on the way;
+    by default the parameters keep their dtype. The directory is written under a temporary name
+    and renamed into place, so a crash never leaves a half-written export at `path`.
+    """
+    import shutil
+    import tempfile
+
+    import ml_dtypes
+
+    from jaxrl.models.safetensors_io import SINGLE_FILE, write_safetensors
+
+    config = model.config
+    target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else None
+    if dtype not in (None, "bfloat16", "float32"):
+        raise ValueError(f"export dtype {dtype!r}; use 'float32' or 'bfloat16'")
+    if dtype == "float32":
+        target = np.dtype(np.float32)
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    mapping = param_map(config)
+    tensors = {}
+    for key_path, value in jax.tree_util.tree_leaves_with_path(state):
+        spec = mapping[_path_key(key_path)]
+        host = np.asarray(jax.device_get(value))
+        tensors[spec.hf_name] = np.ascontiguousarray(
+            spec.to_hf(host if target is None else host.astype(target))
+        )
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        hf_config = config.to_hf()
+        if dtype is not None:
+            hf_config.dtype = dtype
+        hf_config.architectures = [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+                config.model_type
+            ]
+        ]
+        hf_config.save_pretrained(tmp)
+        write_safetensors(os.path.join(tmp, SINGLE_FILE), tensors)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,256 @@
+"""Decoder-only LM (Llama 3 / Qwen2 / Qwen3) in Flax NNX.
+
+Sharding: every parameter is an `nnx.Param` whose `out_sharding` metadata holds *logical* axis
+names (`jaxrl.infra.sharding`), created with `eager_sharding=False`. The model itself never
+touches a mesh: a per-role rules table maps the logical names onto mesh axes
+(`nnx.get_partition_spec` under `flax.core.spmd.logical_axis_rules`), and params are born
+sharded by a jitted init with `out_shardings`. We prefer this to flax 0.12's eager sharding
+(which needs mesh axis names in the model and a mesh at construction) because the same model
+code must be laid out differently on the trainer mesh (FSDP x TP) and the generator mesh
+(TP x replicas), and abstract shapes must be computable without devices.
+
+Shapes: B batch, T query length, S key length, E hidden, H query heads, K kv heads, D head dim,
+F mlp width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.infra import sharding as ax
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+# One layer's cache: (keys_bskd, values_bskd), S = the preallocated cache length.
+LayerCache = tuple[jax.Array, jax.Array]
+KVCache = tuple[LayerCache, ...]
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None) -> nnx.Param:
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    elif std == 0.0:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)`, the statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, config: ModelConfig, rngs: nnx.Rngs, axis: str):
+        self.eps = eps
+        self.dtype = config.jnp_dtype
+        self.weight = _param(rngs, (dim,), (axis,), config.jnp_param_dtype, None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE, optional q/k/v/o biases and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, std: float):
+        c = config
+        e, h, k, d, pd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.jnp_param_dtype
+        self.config = c
+        self.q_kernel = _param(rngs, (e, h, d), (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM), pd, std)
+        self.k_kernel = _param(rngs, (e, k, d), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), pd, std)
+        self.v_kernel = _param(rngs, (e, k, d), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), pd, std)
+        self.o_kernel = _param(rngs, (h, d, e), (ax.Q_HEADS, ax.HEAD_DIM, ax.EMBED), pd, std)
+        if c.qkv_bias:
+            self.q_bias = _param(rngs, (h, d), (ax.Q_HEADS, ax.HEAD_DIM), pd, 0.0)
+            self.k_bias = _param(rngs, (k, d), (ax.KV_HEADS, ax.HEAD_DIM), pd, 0.0)
+            self.v_bias = _param(rngs, (k, d), (ax.KV_HEADS, ax.HEAD_DIM), pd, 0.0)
+        if c.o_bias:
+            self.o_bias = _param(rngs, (e,), (ax.EMBED,), pd, 0.0)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(d, c.rms_norm_eps, c, rngs, ax.HEAD_DIM)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps, c, rngs, ax.HEAD_DIM)
+
+    def _project(self, x_bte, name: str, heads_axis: str) -> jax.Array:
+        dtype = self.config.jnp_dtype
+        y = jnp.einsum("bte,ehd->bthd", x_bte, getattr(self, f"{name}_kernel")[...].astype(dtype))
+        if self.config.qkv_bias:
+            y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
+        return ax.constrain(y, (ax.ACT_BATCH, ax.ACT_LENGTH, heads_axis, ax.ACT_HEAD_DIM))
+
+    def __call__(
+        self,
+        x_bte: jax.Array,
+        cos_btd: jax.Array,
+        sin_btd: jax.Array,
+        mask_bts: jax.Array,
+        cache: LayerCache | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """Attends `x` to itself, or to the cache after writing `x`'s keys at `cache_index`.
+
+        `mask_bts[b, t, s]` is True where query t may attend key s (causal and not padding).
+        """
+        c = self.config
+        q = self._project(x_bte, "q", ax.ACT_HEADS)
+        k = self._project(x_bte, "k", ax.ACT_KV_HEADS)
+        v = self._project(x_bte, "v", ax.ACT_KV_HEADS)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos_btd, sin_btd)
+        k = apply_rope(k, cos_btd, sin_btd)
+        if cache is not None:
+            start = (0, cache_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
+            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
+            cache = (k, v)
+        out = jax.nn.dot_product_attention(
+            q,
+            k.astype(q.dtype),
+            v.astype(q.dtype),
+            mask=mask_bts[:, None, :, :],
+            implementation=c.attention_impl,
+        )
+        out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
+        y = jnp.einsum("bthd,hde->bte", out, self.o_kernel[...].astype(c.jnp_dtype))
+        if c.o_bias:
+            y = y + self.o_bias[...].astype(c.jnp_dtype)
+        return y, cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, std: float):
+        e, f, pd = config.hidden_size, config.intermediate_size, config.jnp_param_dtype
+        self.config = config
+        self.gate_kernel = _param(rngs, (e, f), (ax.EMBED, ax.MLP), pd, std)
+        self.up_kernel = _param(rngs, (e, f), (ax.EMBED, ax.MLP), pd, std)
+        self.down_kernel = _param(rngs, (f, e), (ax.MLP, ax.EMBED), pd, std)
+        if config.mlp_bias:
+            self.gate_bias = _param(rngs, (f,), (ax.MLP,), pd, 0.0)
+            self.up_bias = _param(rngs, (f,), (ax.MLP,), pd, 0.0)
+            self.down_bias = _param(rngs, (e,), (ax.EMBED,), pd, 0.0)
+
+    def _dense(self, x, name):
+        dtype = self.config.jnp_dtype
+        y = x @ getattr(self, f"{name}_kernel")[...].astype(dtype)
+        if self.config.mlp_bias:
+            y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
+        return y
+
+    def __call__(self, x_bte: jax.Array) -> jax.Array:
+        hidden_btf = jax.nn.silu(self._dense(x_bte, "gate")) * self._dense(x_bte, "up")
+        hidden_btf = ax.constrain(hidden_btf, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_MLP))
+        return self._dense(hidden_btf, "down")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, std: float):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config, rngs, ax.NORM)
+        self.attention = Attention(config, rngs, std)
+        self.post_attention_norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config, rngs, ax.NORM
+        )
+        self.mlp = MLP(config, rngs, std)
+
+    def __call__(self, x_bte, cos_btd, sin_btd, mask_bts, cache=None, cache_index=None):
+        attn_out, cache = self.attention(
+            self.input_norm(x_bte), cos_btd, sin_btd, mask_bts, cache, cache_index
+        )
+        h = x_bte + attn_out
+        out = h + self.mlp(self.post_attention_norm(h))
+        return ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), cache
+
+
+class Transformer(nnx.Module):
+    """The policy LM.
+
+    `model(tokens_bt, valid_bt)` returns float32 logits `[B, T, V]` for a (left- or right-)
+    padded batch. The pieces (`embed`, `hidden_states`, `logits`, `unembedding`) are public so
+    the sampler can run a KV cache and the losses can compute log-probs in vocabulary chunks.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
+        c = config
+        self.config = c
+        self.embedding = _param(
+            rngs, (c.vocab_size, c.hidden_size), (ax.VOCAB, ax.EMBED), c.jnp_param_dtype, init_std
+        )
+        self.layers = nnx.List([DecoderLayer(c, rngs, init_std) for _ in range(c.num_layers)])
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c, rngs, ax.NORM)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(
+                rngs,
+                (c.hidden_size, c.vocab_size),
+                (ax.EMBED, ax.VOCAB),
+                c.jnp_param_dtype,
+                init_std,
+            )
+
+    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+        x = jnp.take(self.embedding[...], tokens_bt, axis=0).astype(self.config.jnp_dtype)
+        return ax.constrain(x, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
+
+    def hidden_states(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        mask_bts: jax.Array,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final-norm hidden states `[B, T, E]` and the updated cache (None without a cache)."""
+        x = self.embed(tokens_bt)
+        inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope)
+        cos, sin = rope_cos_sin(positions_bt, inv_freq, self.config.jnp_dtype)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(
+                x, cos, sin, mask_bts, None if cache is None else cache[i], cache_index
+            )
+            new_cache.append(layer_cache)
+        return self.final_norm(x), (None if cache is None else tuple(new_cache))
+
+    def unembedding(self) -> jax.Array:
+        """The output projection `[E, V]` in the compute dtype (the embedding when tied)."""
+        w = self.embedding[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return w.astype(self.config.jnp_dtype)
+
+    def logits(self, hidden_bte: jax.Array) -> jax.Array:
+        """float32 logits `[B, T, V]` (accumulated in float32 even in bf16 compute)."""
+        logits = jnp.einsum(
+            "bte,ev->btv", hidden_bte, self.unembedding(), preferred_element_type=jnp.float32
+        )
+        return ax.constrain(logits, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_VOCAB))
+
+    def __call__(self, tokens_bt: jax.Array, valid_bt: jax.Array | None = None) -> jax.Array:
+        if valid_bt is None:
+            valid_bt = jnp.ones(tokens_bt.shape, bool)
+        hidden, _ = self.hidden_states(
+            tokens_bt, positions_from_mask(valid_bt), causal_mask(valid_bt)
+        )
+        return self.logits(hidden)
+
+
+def positions_from_mask(valid_bt: jax.Array) -> jax.Array:
+    """Token positions that skip padding: 0 at each row's first real token (left padding)."""
+    return jnp.maximum(jnp.cumsum(valid_bt.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(valid_bt: jax.Array) -> jax.Array:
+    """`mask[b, t, s]`: key s is a real token at or before query t."""
+    t = valid_bt.shape[-1]
+    causal_ts = jnp.tril(jnp.ones((t, t), bool))
+    return causal_ts[None] & valid_bt[:, None, :].astype(bool)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """A zeroed KV cache `[B, max_len, K, D]` per layer."""
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    dtype = dtype or config.jnp_dtype
+    return tuple(
+        (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
+    )

@@ -1,0 +1,26 @@
+"""Test-wide setup: 8 simulated CPU devices so sharded code runs on any machine.
+
+The device count must be fixed before JAX initialises its backend. The Makefile exports
+XLA_FLAGS for the whole pytest process; for a bare `pytest` we set the flag here and also use
+`jax_num_cpu_devices`, which works as long as no backend was created yet (importing jax alone
+does not create one).
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+NUM_TEST_DEVICES = 8
+assert len(jax.devices()) == NUM_TEST_DEVICES, (
+    f"tests expect {NUM_TEST_DEVICES} CPU devices, JAX sees {len(jax.devices())}: "
+    "something initialised the JAX backend before tests/conftest.py ran; run the suite with "
+    "XLA_FLAGS=--xla_force_host_platform_device_count=8 (as `make test` does)."
+)
