@@ -175,9 +175,11 @@ def _path_key(path) -> tuple:
 def load_params(path: str, config: ModelConfig, shardings: Any | None = None) -> nnx.State:
     """Reads the weights of `config`'s model from `path` into an `nnx.State`.
 
-    `shardings`, if given, is a pytree matching the state with a `jax.sharding.Sharding` per
-    parameter; each tensor is then assembled shard by shard from the memory-mapped file.
-    Without it, parameters go to the default device.
+    `shardings`, if given, matches the state (an `nnx.State` of `Sharding`s as
+    `jaxrl.infra.sharding.param_shardings` returns, or its pure dict); each tensor is then placed
+    shard by shard, so no device ever holds more than its shards. Without it, parameters go to
+    the default device. Host memory peaks at about two copies of the largest tensor (the bytes
+    read and their transformed layout) on top of what was placed.
     """
     check_weights_dir(path)
     reader = SafetensorsReader(path)
@@ -186,6 +188,8 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
     mapping = param_map(config)
     flat_shardings = None
     if shardings is not None:
+        if isinstance(shardings, nnx.State):
+            shardings = nnx.to_pure_dict(shardings)
         flat_shardings = {
             _path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
         }
@@ -223,7 +227,9 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
                 f"tensor {spec.hf_name!r} in {path} has shape {hf_array.shape}, but the config "
                 f"needs {expected_hf_shape} (model parameter {'/'.join(map(str, key))})"
             )
-        host = np.asarray(spec.to_model(hf_array)).astype(variable.dtype)
+        host = np.asarray(spec.to_model(hf_array))
+        del hf_array  # at most two host copies of this tensor are alive at once
+        host = host.astype(variable.dtype, copy=False)
         if flat_shardings is None:
             return jnp.asarray(host)
         sharding = flat_shardings[key]
@@ -234,15 +240,32 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
     return abstract_state
 
 
-def load_model(path: str, **config_overrides: Any) -> Transformer:
+def load_model(
+    path: str,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Any | None = None,
+    **config_overrides: Any,
+) -> Transformer:
     """A `Transformer` with the weights of the `save_pretrained` directory `path`.
 
+    With `mesh` and `rules` (a logical-axis rules table, e.g.
+    `jaxrl.infra.sharding.TRAINER_RULES`), every parameter is loaded straight into its sharding.
     `config_overrides` set what HF configs do not carry, e.g. `param_dtype="bfloat16"`,
     `dtype="bfloat16"`, `attention_impl="cudnn"`.
     """
     config = load_config(path, **config_overrides)
-    state = load_params(path, config)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    graphdef, abstract_state = nnx.split(
+        nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    )
+    shardings = None
+    if mesh is not None:
+        from jaxrl.infra.sharding import param_shardings
+
+        if rules is None:
+            raise ValueError("load_model(mesh=...) needs the rules table that maps logical axes")
+        shardings = param_shardings(abstract_state, mesh, rules)
+    state = load_params(path, config, shardings)
     return nnx.merge(graphdef, state)
 
 

@@ -1,9 +1,10 @@
-"""Memory-mapped safetensors reading and writing with NumPy (bfloat16 through `ml_dtypes`).
+"""safetensors reading and writing with NumPy (bfloat16 through `ml_dtypes`).
 
 The `safetensors` package's NumPy backend cannot represent bfloat16, and its Flax backend puts
-every tensor on the default device. Reading the (simple, documented) format directly gives a
-zero-copy `np.memmap` view per tensor, so a loader can move one tensor at a time straight into
-its target sharding without ever holding the whole model in host memory.
+every tensor on the default device. Reading the (simple, documented) format directly lets a
+loader read one tensor at a time (a positioned read into a fresh buffer, freed when the caller
+drops it) and move it straight into its target sharding, so host memory never holds the whole
+model. A memory map would look cheaper but keeps every page it touched resident until unmapped.
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the
@@ -58,7 +59,9 @@ def _read_header(path: str) -> tuple[dict, int]:
 
 
 class SafetensorsReader(Mapping):
-    """Read-only mapping `tensor name -> np.ndarray` (memory-mapped) over a checkpoint directory.
+    """Read-only mapping `tensor name -> np.ndarray` over a checkpoint directory.
+
+    Each lookup reads that tensor from disk into a new array.
 
     Accepts a single `model.safetensors`, a sharded checkpoint with
     `model.safetensors.index.json`, or any set of `*.safetensors` files in the directory.
@@ -84,21 +87,22 @@ class SafetensorsReader(Mapping):
             header.pop("__metadata__", None)
             for tensor, info in header.items():
                 self._entries[tensor] = (path, data_start, info)
-        self._maps: dict[str, np.memmap] = {}
 
     def __getitem__(self, name: str) -> np.ndarray:
         path, data_start, info = self._entries[name]
         if info["dtype"] not in _DTYPES:
             raise SafetensorsError(f"{name}: unsupported dtype {info['dtype']}")
-        if path not in self._maps:
-            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         begin, end = info["data_offsets"]
-        raw = self._maps[path][data_start + begin : data_start + end]
         dtype = _DTYPES[info["dtype"]]
         shape = tuple(info["shape"])
-        if raw.size != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
             raise SafetensorsError(f"{name}: data size does not match shape {shape}")
-        return raw.view(dtype).reshape(shape)
+        out = np.empty(shape, dtype)
+        with open(path, "rb") as f:
+            f.seek(data_start + begin)
+            if f.readinto(out.reshape(-1).view(np.uint8)) != end - begin:
+                raise SafetensorsError(f"{path}: truncated data for tensor {name}")
+        return out
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name][2]["shape"])
