@@ -8,8 +8,9 @@ can trace under its own role's table) and the mesh with `jax.set_mesh(mesh)`.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -161,6 +162,17 @@ def check_rules_fit_mesh(rules: LogicalRules, mesh: Mesh) -> None:
         )
 
 
+@contextlib.contextmanager
+def sharding_context(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
+    """Installs `mesh` (jax.set_mesh) and `rules` (thread-local) so that `constrain` applies.
+
+    Each executor thread traces its jitted functions under its own role's context.
+    """
+    check_rules_fit_mesh(rules, mesh)
+    with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(rules):
+        yield
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A sharding that puts a full copy on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())
@@ -291,6 +303,6 @@ def init_sharded(
     def init_state() -> nnx.State:
         return nnx.split(init_fn())[1]
 
-    with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(rules):
+    with sharding_context(mesh, rules):
         state = jax.jit(init_state, out_shardings=shardings)()
     return graphdef, state, shardings

@@ -1,0 +1,385 @@
+"""Gin at the edge: launch flags, config dataclasses bound in gin, validation, the run's workdir.
+
+The t5x pattern: library code takes frozen config dataclasses; gin binds those dataclasses and
+one launch function per job; the launcher resolves gin once and passes plain objects on. A job:
+
+    @register_config
+    @dataclasses.dataclass(frozen=True)
+    class TrainConfig:
+        learning_rate: float = 1e-3
+        def validate(self):
+            if not self.learning_rate > 0: raise ValueError(f"learning_rate={...} must be > 0")
+
+    @gin.configurable
+    def train(workdir: str, config: TrainConfig = gin.REQUIRED): ...
+
+    if __name__ == "__main__":
+        launch(train)   # --gin_file=configs/x.gin --gin_param='TrainConfig.learning_rate=3e-4'
+                        # --workdir=/tmp/run [--overwrite]
+
+`launch` parses the flags and gin files, builds every config the launch function is bound to
+(types checked against the dataclass annotations, then each `validate()`), all before any JAX
+device is touched; then it writes the run's `config.gin` into the workdir (refusing a workdir
+that holds a run with another config unless --overwrite) and calls the launch function. Config
+errors end the launch with `SystemExit` and a message that names the binding or parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import inspect
+import logging
+import re
+import shutil
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import gin
+import jax
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.gin"
+T = TypeVar("T")
+
+# Config dataclasses registered through `register_config`, by "module.ClassName".
+_CONFIGS: dict[str, type] = {}
+
+
+class ConfigError(ValueError):
+    """A bad flag, gin binding or config value; the message names it and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFlags:
+    """The command line of a launch: where the run lives and how it is configured."""
+
+    workdir: str
+    gin_files: tuple[str, ...] = ()
+    gin_params: tuple[str, ...] = ()
+    gin_search_paths: tuple[str, ...] = ()
+    overwrite: bool = False
+
+
+def parse_flags(argv: Sequence[str] | None = None, description: str | None = None) -> LaunchFlags:
+    """Parses --gin_file (repeatable), --gin_param (repeatable), --workdir, --overwrite."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workdir", required=True, help="Run directory: checkpoints, metrics.")
+    parser.add_argument("--gin_file", action="append", default=[], help="Gin file (repeatable).")
+    parser.add_argument(
+        "--gin_param", action="append", default=[], help="Gin binding, e.g. 'A.b = 1' (repeatable)."
+    )
+    parser.add_argument(
+        "--gin_search_path", action="append", default=[], help="Prefix for gin includes."
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a run with a different config in --workdir (deletes its files).",
+    )
+    args = parser.parse_args(argv)
+    return LaunchFlags(
+        workdir=args.workdir,
+        gin_files=tuple(args.gin_file),
+        gin_params=tuple(args.gin_param),
+        gin_search_paths=tuple(args.gin_search_path),
+        overwrite=args.overwrite,
+    )
+
+
+# Type checking ------------------------------------------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _check_sequence(value: Any, annotation: Any, where: str) -> Any:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{where}: expected {_type_name(annotation)}, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: expected {len(args)} items ({annotation}), got {value!r}")
+        items = [
+            check_type(v, a, f"{where}[{i}]")
+            for i, (v, a) in enumerate(zip(value, args, strict=True))
+        ]
+    else:
+        item_type = args[0] if args else Any
+        items = [check_type(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else list(items)
+
+
+def check_type(value: Any, annotation: Any, where: str) -> Any:
+    """Checks `value` against a type annotation; returns it, normalised (int -> float for float
+    fields, list -> tuple for tuple fields, since gin writes both kinds of sequences).
+
+    Supports None, bool, int, float, str, Literal, unions / Optional, tuple[...], list[...],
+    dict[...], Callable and classes (config dataclasses: isinstance). Anything else passes.
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any or annotation is inspect.Parameter.empty:
+        return value
+    if annotation is None or annotation is type(None):
+        if value is not None:
+            raise ConfigError(f"{where}: expected None, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return check_type(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(
+            f"{where}: expected {' | '.join(_type_name(a) for a in args)}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        return _check_sequence(value, annotation, where)
+    if origin is dict or annotation is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a dict, got {value!r}")
+        return dict(value)
+    if origin is not None:  # other generics (Callable[...], Sequence[...]): check the origin
+        annotation = origin
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected int, got bool {value!r}")
+    if annotation in (Callable, typing.Callable) or str(annotation) == "collections.abc.Callable":
+        if not callable(value):
+            raise ConfigError(f"{where}: expected a callable, got {value!r}")
+        return value
+    if isinstance(annotation, type) and not isinstance(value, annotation):
+        raise ConfigError(
+            f"{where}: expected {_type_name(annotation)}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def _run_validate(config: Any) -> None:
+    validate = getattr(config, "validate", None)
+    if validate is None:
+        return
+    try:
+        validate()
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{type(config).__name__}: {err}") from err
+
+
+def build_config(cls: type[T], kwargs: Mapping[str, Any]) -> T:
+    """Constructs `cls(**kwargs)` with every value type-checked, then runs `validate()`."""
+    types_by_field = _field_types(cls)
+    checked = {
+        name: check_type(value, types_by_field.get(name, Any), f"{cls.__name__}.{name}")
+        for name, value in kwargs.items()
+    }
+    try:
+        config = cls(**checked)
+    except TypeError as err:  # a field without default left unbound
+        raise ConfigError(
+            f"{cls.__name__}: {err}; bind it, e.g. in a gin file `{cls.__name__}.<field> = ...`"
+        ) from err
+    _run_validate(config)
+    return config
+
+
+def check_config(config: Any) -> Any:
+    """Type-checks a config built in Python (recursing into nested configs), runs validate()."""
+    for name, annotation in _field_types(type(config)).items():
+        value = getattr(config, name)
+        check_type(value, annotation, f"{type(config).__name__}.{name}")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_config(value)
+    _run_validate(config)
+    return config
+
+
+def register_config(cls: type[T]) -> type[T]:
+    """Class decorator: makes a frozen config dataclass bindable in gin under its class name.
+
+    Gin then builds it through `build_config`, so every gin-made instance is type-checked and
+    validated. The class itself is returned unchanged (Python callers construct it as usual and
+    may call `check_config`).
+    """
+    if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+        raise TypeError(f"{cls.__name__} must be a frozen dataclass to be a config.")
+
+    def build(**kwargs):
+        return build_config(cls, kwargs)
+
+    build.__signature__ = inspect.signature(cls)  # gin checks binding names against it
+    build.__name__ = cls.__name__
+    build.__qualname__ = cls.__qualname__
+    build.__module__ = cls.__module__
+    build.__doc__ = cls.__doc__
+    gin.external_configurable(build, name=cls.__name__, module=cls.__module__)
+    _CONFIGS[f"{cls.__module__}.{cls.__name__}"] = cls
+    return cls
+
+
+# Parsing and resolving ----------------------------------------------------------------------
+
+_UNKNOWN_PARAM = re.compile(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'")
+_UNKNOWN_CONFIGURABLE = re.compile(
+    r"No configurable matching (?:reference )?'@?([\w./]+?)(?:\(\))?'"
+)
+
+
+def _suggestion(message: str) -> str:
+    """A "did you mean" for typos in config class or field names."""
+    short_names = {key.rsplit(".", 1)[-1]: cls for key, cls in _CONFIGS.items()}
+    if match := _UNKNOWN_PARAM.search(message):
+        cls = _CONFIGS.get(match.group(1)) or short_names.get(match.group(1))
+        candidates = [f.name for f in dataclasses.fields(cls)] if cls else []
+        close = difflib.get_close_matches(match.group(2), candidates, n=3)
+    elif match := _UNKNOWN_CONFIGURABLE.search(message):
+        wanted = match.group(1).split("/")[-1].rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(wanted, sorted(short_names), n=3)
+    else:
+        return ""
+    return f"\n  Did you mean: {', '.join(close)}?" if close else ""
+
+
+def parse_gin(
+    gin_files: Sequence[str], gin_params: Sequence[str], search_paths: Sequence[str] = ()
+) -> None:
+    """Clears gin, then parses the files and the extra bindings (later ones win)."""
+    gin.clear_config()
+    for prefix in search_paths:
+        gin.add_config_file_search_path(prefix)
+    for path in gin_files:
+        if not Path(path).exists() and not search_paths:
+            raise ConfigError(f"--gin_file {path}: no such file.")
+    try:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
+    except (ValueError, SyntaxError, OSError) as err:
+        raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
+
+
+def _check_registered_bindings() -> None:
+    """Type-checks the values bound to every registered config, used by the launch or not."""
+    for selector, cls in _CONFIGS.items():
+        types_by_field = _field_types(cls)
+        for field, value in gin.get_bindings(selector).items():
+            check_type(value, types_by_field.get(field, Any), f"{cls.__name__}.{field}")
+
+
+def _launch_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", repr(fn))
+
+
+def resolve_bindings(launch_fn: Callable, skip: Sequence[str] = ("workdir",)) -> dict[str, Any]:
+    """The arguments gin binds for `launch_fn`, built, type-checked and validated.
+
+    Every `@SomeConfig()` reference is built here (through `build_config`), so a bad value fails
+    now, before the launch function runs or any device is used.
+    """
+    name = _launch_name(launch_fn)
+    try:
+        _check_registered_bindings()
+        kwargs = gin.get_bindings(launch_fn)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"gin: {err}") from err
+    signature = inspect.signature(launch_fn)
+    hints = typing.get_type_hints(launch_fn)
+    for param in signature.parameters.values():
+        if param.name in skip or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.name in kwargs:
+            where = f"{name}.{param.name}"
+            kwargs[param.name] = check_type(kwargs[param.name], hints.get(param.name, Any), where)
+        elif param.default is gin.REQUIRED or param.default is param.empty:
+            raise ConfigError(
+                f"{name}.{param.name} is required but not bound; add e.g. "
+                f"`{name}.{param.name} = @...()` to a gin file or --gin_param."
+            )
+    return kwargs
+
+
+# The run directory ---------------------------------------------------------------------------
+
+
+def _config_diff(old: str, new: str) -> str:
+    lines = difflib.unified_diff(
+        old.splitlines(), new.splitlines(), "existing config.gin", "this launch", lineterm="", n=0
+    )
+    return "\n".join(list(lines)[:40])
+
+
+def prepare_workdir(
+    workdir: str | Path, config_text: str, overwrite: bool, is_writer: bool = True
+) -> bool:
+    """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
+
+    Same config as the run already there: resume. A different one: ConfigError, unless
+    `overwrite`, which deletes the old run's files. A non-empty directory without a config.gin
+    is not a run directory: refused either way. Only `is_writer` (process 0) writes.
+    """
+    path = Path(workdir)
+    config_path = path / CONFIG_FILE
+    if config_path.exists():
+        old = config_path.read_text()
+        if old == config_text:
+            logger.info("resuming the run in %s (same config)", path)
+            return True
+        if not overwrite:
+            raise ConfigError(
+                f"--workdir {path} holds a run with a different config:\n"
+                f"{_config_diff(old, config_text)}\n"
+                "Pass --overwrite to replace that run (deletes its checkpoints and metrics) or "
+                "use a new --workdir."
+            )
+        logger.warning("--overwrite: deleting the previous run in %s", path)
+        if is_writer:
+            shutil.rmtree(path)
+    elif path.exists() and any(path.iterdir()):
+        raise ConfigError(
+            f"--workdir {path} is not empty and has no {CONFIG_FILE}, so it is not a run "
+            "directory; use a new --workdir (--overwrite never deletes such a directory)."
+        )
+    if is_writer:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp_path = path / f".{CONFIG_FILE}.tmp"
+        tmp_path.write_text(config_text)
+        tmp_path.replace(config_path)  # atomic: a reader never sees half a config
+    return False
+
+
+def launch(
+    launch_fn: Callable[..., T], argv: Sequence[str] | None = None, description: str | None = None
+) -> T:
+    """Flags -> gin -> built + validated configs -> workdir/config.gin -> `launch_fn(...)`.
+
+    `launch_fn` is a `gin.configurable` taking `workdir` and its gin-bound arguments. Config
+    errors raise SystemExit with the message (naming the binding) before any device is used.
+    """
+    flags = parse_flags(argv, description)
+    try:
+        parse_gin(flags.gin_files, flags.gin_params, flags.gin_search_paths)
+        kwargs = resolve_bindings(launch_fn)
+        # Only now touch JAX (process_index initialises the backend): configs are known good.
+        is_writer = jax.process_index() == 0
+        prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite, is_writer)
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from err
+    return launch_fn(workdir=flags.workdir, **kwargs)

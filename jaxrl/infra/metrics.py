@@ -1,0 +1,188 @@
+"""Run metrics: `WORKDIR/metrics.jsonl` + TensorBoard events, and a progress bar.
+
+Every process may call the writer; only process 0 writes (the others hold no files), so the
+training loop needs no `if process_index == 0`. One JSON object per line:
+`{"step": 120, "wall_time_s": 1718000000.5, "reward/mean": 0.31, "loss/aipo": 1.2}`.
+Keys are flat and namespaced with "/" (nested dicts are flattened that way), values are plain
+Python numbers (JAX / NumPy scalars are fetched and converted). Non-finite floats are written as
+Python's json writes them (NaN, Infinity), which `json.loads` and pandas read back. The file is
+appended to, so a resumed run continues it; readers keep the last line of a repeated step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+Scalar = int | float | bool
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"reward": {"mean": x}} -> {"reward/mean": x}; flat keys pass through unchanged."""
+    flat: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_metrics(value, f"{name}/"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def to_scalar(value: Any, name: str = "metric") -> Scalar:
+    """A JAX / NumPy / Python scalar (or size-1 array) as a Python bool, int or float."""
+    if isinstance(value, bool | int | float):
+        return value
+    array = np.asarray(jax.device_get(value))
+    if array.size != 1:
+        raise ValueError(
+            f"metric {name!r} has shape {array.shape}; write scalars (reduce it, or log a "
+            "histogram with write_histogram)."
+        )
+    item = array.reshape(()).item()
+    if not isinstance(item, bool | int | float):
+        raise TypeError(f"metric {name!r} is a {type(item).__name__}, not a number.")
+    return item
+
+
+class MetricsWriter:
+    """Appends scalar metrics to `workdir/metrics.jsonl` and TensorBoard (process 0 only).
+
+    Example:
+      with MetricsWriter(workdir) as writer:
+          writer.write(step, {"reward/mean": reward_mean, "loss": {"aipo": loss}})
+    """
+
+    def __init__(
+        self, workdir: str | Path, *, tensorboard: bool = True, flush_every_writes: int = 1
+    ):
+        self.workdir = Path(workdir)
+        self.is_writer = jax.process_index() == 0
+        self.flush_every_writes = flush_every_writes
+        self._writes_since_flush = 0
+        self._jsonl = None
+        self._tb = None
+        if not self.is_writer:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.workdir / METRICS_FILE, "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # slow import (protobuf): only when used
+
+            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR))
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.workdir / METRICS_FILE
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Scalar]:
+        """Writes one line for `step`; returns the converted flat metrics (on every process)."""
+        flat = {k: to_scalar(v, k) for k, v in flatten_metrics(metrics).items()}
+        if "step" in flat or "wall_time_s" in flat:
+            raise ValueError("metric names 'step' and 'wall_time_s' are reserved.")
+        if not self.is_writer:
+            return flat
+        record = {"step": int(step), "wall_time_s": round(time.time(), 3), **flat}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in flat.items():
+                self._tb.add_scalar(name, float(value), global_step=int(step))
+        self._writes_since_flush += 1
+        if self._writes_since_flush >= self.flush_every_writes:
+            self.flush()
+        return flat
+
+    def write_histogram(self, step: int, name: str, values: Any) -> None:
+        """A histogram (e.g. staleness in policy versions) to TensorBoard only."""
+        if self._tb is not None:
+            self._tb.add_histogram(name, np.asarray(jax.device_get(values)), global_step=int(step))
+
+    def flush(self) -> None:
+        self._writes_since_flush = 0
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the files. Idempotent."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, last record per step kept (a resumed run rewrites some)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+class _NoProgress:
+    """Stand-in for a disabled tqdm bar: same calls, no output."""
+
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def set_postfix(self, *args, **kwargs) -> None:
+        del args, kwargs
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoProgress:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+def progress_bar(
+    total_steps: int,
+    *,
+    initial_step: int = 0,
+    desc: str = "train",
+    enabled: bool | None = None,
+) -> Any:
+    """A tqdm bar on process 0; a no-op elsewhere.
+
+    `enabled=None` shows it only when stderr is a terminal (no progress spam in log files);
+    True / False force it on or off. Use `bar.update(1)` per step and `bar.set_postfix(...)`
+    for a few headline numbers.
+    """
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled or jax.process_index() != 0:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
+
+
+def non_finite_metrics(metrics: Mapping[str, Scalar]) -> list[str]:
+    """Names of the metrics that are NaN or infinite (for fail-fast checks in the loop)."""
+    return [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]

@@ -1,0 +1,145 @@
+"""Gin launch helpers: errors name the binding, config.gin in the workdir, workdir reuse rules."""
+
+import dataclasses
+
+import gin
+import pytest
+
+from jaxrl.infra import config as config_lib
+
+
+@config_lib.register_config
+@dataclasses.dataclass(frozen=True)
+class ToyOptimConfig:
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    betas: tuple[float, float] = (0.9, 0.999)
+
+    def validate(self):
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+
+
+@config_lib.register_config
+@dataclasses.dataclass(frozen=True)
+class ToyRunConfig:
+    optim: ToyOptimConfig = ToyOptimConfig()
+    num_steps: int = 10
+    schedule: str | None = None
+    mesh_axes: tuple[str, ...] = ("fsdp", "tp")
+
+
+CALLS = []
+
+
+@gin.configurable
+def toy_train(workdir: str, config: ToyRunConfig = gin.REQUIRED, seed: int = 0):
+    CALLS.append((workdir, config, seed))
+    return config
+
+
+BASE = """
+toy_train.config = @ToyRunConfig()
+ToyRunConfig.optim = @ToyOptimConfig()
+ToyRunConfig.num_steps = 5
+ToyOptimConfig.learning_rate = 3e-4
+"""
+
+
+@pytest.fixture
+def gin_file(tmp_path):
+    path = tmp_path / "base.gin"
+    path.write_text(BASE)
+    yield str(path)
+    gin.clear_config()
+    CALLS.clear()
+
+
+def _launch(gin_file, workdir, *extra):
+    return config_lib.launch(toy_train, ["--gin_file", gin_file, "--workdir", str(workdir), *extra])
+
+
+def test_launch_builds_configs_and_writes_config_gin(gin_file, tmp_path):
+    workdir = tmp_path / "run"
+    config = _launch(gin_file, workdir, "--gin_param", "ToyOptimConfig.betas = [0.8, 0.9]")
+    assert config == ToyRunConfig(optim=ToyOptimConfig(3e-4, 0, (0.8, 0.9)), num_steps=5)
+    assert CALLS == [(str(workdir), config, 0)]
+    written = (workdir / config_lib.CONFIG_FILE).read_text()
+    assert "ToyOptimConfig.learning_rate = 0.0003" in written and "betas = [0.8, 0.9]" in written
+
+
+@pytest.mark.parametrize(
+    "binding, message",
+    [
+        ("NoSuchConfig.x = 1", r"No configurable matching 'NoSuchConfig'"),
+        (
+            "toy_train.config = @ToyRunConfg()",
+            r"'@ToyRunConfg\(\)'(.|\n)*Did you mean: ToyRunConfig",
+        ),
+        (
+            "ToyOptimConfig.lerning_rate = 0.1",
+            r"ToyOptimConfig' doesn't have a parameter named 'lerning_rate'(.|\n)*"
+            r"Did you mean: learning_rate",
+        ),
+        ("ToyOptimConfig.learning_rate = 'fast'", r"ToyOptimConfig\.learning_rate: expected float"),
+        ("ToyRunConfig.num_steps = 2.5", r"ToyRunConfig\.num_steps: expected int, got float 2\.5"),
+        ("ToyOptimConfig.betas = (0.9,)", r"ToyOptimConfig\.betas: expected 2 items"),
+        ("ToyRunConfig.schedule = 3", r"ToyRunConfig\.schedule: expected str \| None, got int 3"),
+        ("toy_train.seed = 'x'", r"toy_train\.seed: expected int"),
+        ("ToyOptimConfig.learning_rate = -1.0", r"ToyOptimConfig: learning_rate=-1\.0 must be > 0"),
+        ("ToyRunConfig.num_steps = ", r"gin: "),  # a syntax error
+    ],
+)
+def test_bad_bindings_end_the_launch_naming_them(gin_file, tmp_path, binding, message):
+    with pytest.raises(SystemExit, match=message):
+        _launch(gin_file, tmp_path / "run", "--gin_param", binding)
+    assert not CALLS, "the launch function must not run"
+    assert not (tmp_path / "run").exists(), "nothing is written for a bad config"
+
+
+def test_wrong_type_in_an_unused_config_is_caught(gin_file, tmp_path):
+    unused = tmp_path / "unused.gin"
+    unused.write_text("toy_train.config = @ToyRunConfig()\nToyOptimConfig.warmup_steps = 'ten'\n")
+    with pytest.raises(SystemExit, match=r"ToyOptimConfig\.warmup_steps: expected int"):
+        config_lib.launch(toy_train, ["--gin_file", str(unused), "--workdir", str(tmp_path / "r")])
+
+
+def test_missing_required_binding(tmp_path):
+    try:
+        with pytest.raises(SystemExit, match=r"toy_train\.config is required"):
+            config_lib.launch(toy_train, ["--workdir", str(tmp_path / "run")])
+        with pytest.raises(SystemExit, match=r"--gin_file nope\.gin: no such file"):
+            config_lib.launch(toy_train, ["--gin_file", "nope.gin", "--workdir", str(tmp_path)])
+    finally:
+        gin.clear_config()
+
+
+def test_workdir_reuse_rules(gin_file, tmp_path):
+    workdir = tmp_path / "run"
+    _launch(gin_file, workdir)
+    (workdir / "checkpoints").mkdir()
+    _launch(gin_file, workdir)  # same config: resume allowed
+    assert (workdir / "checkpoints").exists() and len(CALLS) == 2
+
+    changed = ("--gin_param", "ToyRunConfig.num_steps = 7")
+    with pytest.raises(SystemExit, match=r"different config(.|\n)*num_steps = 7(.|\n)*--overwrite"):
+        _launch(gin_file, workdir, *changed)
+    assert len(CALLS) == 2
+    _launch(gin_file, workdir, *changed, "--overwrite")
+    assert not (workdir / "checkpoints").exists(), "--overwrite replaces the old run"
+    assert "num_steps = 7" in (workdir / config_lib.CONFIG_FILE).read_text()
+
+    stranger = tmp_path / "not_a_run"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not a run directory"):
+        _launch(gin_file, stranger, "--overwrite")
+    assert (stranger / "notes.txt").exists()
+
+
+def test_check_config_for_python_built_configs():
+    config_lib.check_config(ToyRunConfig(optim=ToyOptimConfig(learning_rate=1)))
+    with pytest.raises(config_lib.ConfigError, match=r"ToyOptimConfig\.warmup_steps: expected int"):
+        config_lib.check_config(ToyRunConfig(optim=ToyOptimConfig(warmup_steps="3")))
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        config_lib.register_config(dataclasses.dataclass(type("Loose", (), {})))

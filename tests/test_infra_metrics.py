@@ -1,0 +1,54 @@
+"""Metrics writer: parseable jsonl lines, TensorBoard events, scalar conversion, progress bar."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.infra import metrics as metrics_lib
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+    with metrics_lib.MetricsWriter(tmp_path) as writer:
+        writer.write(1, {"reward/mean": jnp.float32(0.25), "loss": {"aipo": np.float64(1.5)}})
+        writer.write(2, {"reward/mean": 0.5, "queue/dropped": jnp.int32(3), "ok": np.bool_(True)})
+        writer.write_histogram(2, "staleness", jnp.array([0, 1, 1, 2]))
+
+    lines = (tmp_path / metrics_lib.METRICS_FILE).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["reward/mean"] == 0.25 and records[0]["loss/aipo"] == 1.5
+    assert records[1]["queue/dropped"] == 3 and isinstance(records[1]["queue/dropped"], int)
+    assert records[1]["ok"] is True
+    assert all(isinstance(r["wall_time_s"], float) for r in records)
+    events = list((tmp_path / metrics_lib.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_resumed_run_appends_and_reader_keeps_last(tmp_path):
+    with metrics_lib.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(1, {"x": 1.0})
+        writer.write(2, {"x": 2.0})
+    with metrics_lib.MetricsWriter(tmp_path, tensorboard=False) as writer:  # resumed from step 1
+        writer.write(2, {"x": 20.0})
+    assert [r["x"] for r in metrics_lib.read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 20.0]
+
+
+def test_rejects_non_scalars_and_reserved_names(tmp_path):
+    with metrics_lib.MetricsWriter(tmp_path, tensorboard=False) as writer:
+        with pytest.raises(ValueError, match=r"'loss/per_token' has shape \(3,\)"):
+            writer.write(1, {"loss": {"per_token": jnp.ones(3)}})
+        with pytest.raises(ValueError, match="reserved"):
+            writer.write(1, {"step": 3})
+    assert metrics_lib.non_finite_metrics({"a": float("nan"), "b": 1.0}) == ["a"]
+
+
+def test_progress_bar_disabled_is_a_no_op():
+    with metrics_lib.progress_bar(10, enabled=False) as bar:
+        bar.update(1)
+        bar.set_postfix(loss=1.0)
+    bar = metrics_lib.progress_bar(10, initial_step=3, enabled=True)
+    bar.update(2)
+    assert bar.n == 5
+    bar.close()
