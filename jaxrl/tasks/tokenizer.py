@@ -21,9 +21,13 @@ spends no capacity on role markers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tokenizers
-import transformers
 from tokenizers import decoders, models, processors
+
+if TYPE_CHECKING:
+    import transformers
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -62,6 +66,10 @@ def build_arithmetic_tokenizer() -> transformers.PreTrainedTokenizerFast:
     `save_pretrained(dir)` followed by `AutoTokenizer.from_pretrained(dir)` gives the same ids and
     the same chat-template output.
     """
+    # Imported here: reward workers use this module's token constants, and importing
+    # transformers costs ~0.6 s.
+    import transformers
+
     vocab = arithmetic_vocab()
     # BPE without merges over a character vocabulary is exactly a character tokenizer, with <unk>
     # for anything else; no pre-tokenizer so spaces and newlines are ordinary tokens.

@@ -1,0 +1,165 @@
+"""Rollout records: one sampled completion on the host, and the fixed-shape batch the trainer eats.
+
+A `Rollout` is what the generator + reward executors produce for one sample: variable-length NumPy
+arrays plus scalars. `collate_rollouts` packs a list of them into a `RolloutBatch`, a pytree of
+arrays whose shapes depend only on (batch_size, prompt_len, completion_len), so a jitted train step
+compiles once per bucket:
+
+    prompt_ids_bp           int32 [B, P]  left-padded with pad_id (prompts end at column P-1)
+    prompt_mask_bp          bool  [B, P]
+    completion_ids_bt       int32 [B, T]  right-padded with pad_id
+    completion_mask_bt      bool  [B, T]  True on sampled tokens (EOS included when sampled)
+    behaviour_logprobs_bt   f32   [B, T]  log mu(y_t), from the sampler; 0 on padding
+    policy_version_b        int32 [B]     generator policy version that sampled the row
+    reward_b                f32   [B]
+    group_id_b              int32 [B]     rows with equal ids are samples of the same prompt
+    valid_b                 bool  [B]     False on rows that only fill the bucket
+
+Left-padded prompts followed by right-padded completions make one [B, P + T] teacher-forcing
+sequence in which every prompt ends at column P-1, so the hidden states predicting the completion
+are the static slice `[P-1, P+T-1)` (see `RolloutBatch.completion_hidden`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One scored sample on the host (variable length).
+
+    Attributes:
+      prompt_ids: int [P_i], without padding.
+      completion_ids: int [T_i], the sampled tokens (EOS included if sampled).
+      behaviour_logprobs: float [T_i], log mu of each sampled token under the sampling
+        distribution actually used (temperature applied).
+      policy_version: version of the generator weights that sampled it.
+      reward: scalar reward.
+      group_id: id shared by the n samples of one prompt.
+    """
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    behaviour_logprobs: np.ndarray
+    policy_version: int
+    reward: float
+    group_id: int
+
+    def __post_init__(self):
+        if len(self.completion_ids) != len(self.behaviour_logprobs):
+            raise ValueError(
+                f"completion has {len(self.completion_ids)} tokens but "
+                f"{len(self.behaviour_logprobs)} behaviour log-probs"
+            )
+
+
+@struct.dataclass
+class RolloutBatch:
+    """A fixed-shape batch of rollouts; see the module docstring for the fields' meaning."""
+
+    prompt_ids_bp: jax.Array
+    prompt_mask_bp: jax.Array
+    completion_ids_bt: jax.Array
+    completion_mask_bt: jax.Array
+    behaviour_logprobs_bt: jax.Array
+    policy_version_b: jax.Array
+    reward_b: jax.Array
+    group_id_b: jax.Array
+    valid_b: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.completion_ids_bt.shape[0]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids_bp.shape[1]
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_ids_bt.shape[1]
+
+    def sequence(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Teacher-forcing inputs `(tokens_bs, mask_bs, positions_bs)`, S = P + T.
+
+        Positions count real tokens only (left padding does not shift them), matching a sampler
+        that starts each prompt at position 0.
+        """
+        tokens_bs = jnp.concatenate([self.prompt_ids_bp, self.completion_ids_bt], axis=1)
+        mask_bs = jnp.concatenate([self.prompt_mask_bp, self.completion_mask_bt], axis=1)
+        # Padding inside the completion (after EOS) keeps counting; those positions are masked.
+        prompt_positions_bp = jnp.cumsum(self.prompt_mask_bp, axis=1) - 1
+        prompt_lengths_b1 = jnp.sum(self.prompt_mask_bp, axis=1, keepdims=True)
+        completion_positions_bt = prompt_lengths_b1 + jnp.arange(self.completion_len)[None, :]
+        positions_bs = jnp.concatenate(
+            [jnp.maximum(prompt_positions_bp, 0), completion_positions_bt], axis=1
+        )
+        return tokens_bs, mask_bs, positions_bs.astype(jnp.int32)
+
+    def completion_hidden(self, hidden_bsd: jax.Array) -> jax.Array:
+        """`[B, T, D]` hidden states that predict `completion_ids_bt` (a static slice)."""
+        p = self.prompt_len
+        return hidden_bsd[:, p - 1 : p - 1 + self.completion_len]
+
+
+def collate_rollouts(
+    rollouts: Sequence[Rollout],
+    *,
+    prompt_len: int,
+    completion_len: int,
+    pad_id: int,
+    batch_size: int | None = None,
+) -> RolloutBatch:
+    """Pack rollouts into a `RolloutBatch` of shape (batch_size, prompt_len, completion_len).
+
+    The leaves are host NumPy arrays, so the caller places them with `jax.device_put(batch,
+    shardings)` straight into the trainer layout. Raises instead of truncating: a prompt or
+    completion longer than its bucket means the bucket sizes are wrong, and silently cutting
+    tokens would bias the loss. Extra rows (when `batch_size > len(rollouts)`) are invalid:
+    all-False masks, group id -1, reward 0.
+    """
+    n = len(rollouts)
+    batch_size = n if batch_size is None else batch_size
+    if n == 0 or n > batch_size:
+        raise ValueError(f"need 1 <= len(rollouts) <= batch_size; got {n} and {batch_size}")
+    prompt_ids = np.full((batch_size, prompt_len), pad_id, np.int32)
+    prompt_mask = np.zeros((batch_size, prompt_len), bool)
+    completion_ids = np.full((batch_size, completion_len), pad_id, np.int32)
+    completion_mask = np.zeros((batch_size, completion_len), bool)
+    behaviour = np.zeros((batch_size, completion_len), np.float32)
+    version = np.zeros((batch_size,), np.int32)
+    reward = np.zeros((batch_size,), np.float32)
+    group = np.full((batch_size,), -1, np.int32)
+    valid = np.zeros((batch_size,), bool)
+    for i, r in enumerate(rollouts):
+        p, t = len(r.prompt_ids), len(r.completion_ids)
+        if p == 0 or p > prompt_len or t > completion_len:
+            raise ValueError(
+                f"rollout {i}: prompt of {p} tokens / completion of {t} tokens does not fit the "
+                f"bucket (prompt_len={prompt_len}, completion_len={completion_len}); pick a larger "
+                "bucket"
+            )
+        prompt_ids[i, prompt_len - p :] = r.prompt_ids
+        prompt_mask[i, prompt_len - p :] = True
+        completion_ids[i, :t] = r.completion_ids
+        completion_mask[i, :t] = True
+        behaviour[i, :t] = r.behaviour_logprobs
+        version[i], reward[i], group[i], valid[i] = r.policy_version, r.reward, r.group_id, True
+    return RolloutBatch(
+        prompt_ids_bp=prompt_ids,
+        prompt_mask_bp=prompt_mask,
+        completion_ids_bt=completion_ids,
+        completion_mask_bt=completion_mask,
+        behaviour_logprobs_bt=behaviour,
+        policy_version_b=version,
+        reward_b=reward,
+        group_id_b=group,
+        valid_b=valid,
+    )
