@@ -1,7 +1,7 @@
 """Checkpoints of a training run: sharded arrays + JSON-able run state, via Orbax.
 
 A step directory `<dir>/<step>/` holds two items: `state`, a pytree of (sharded) arrays (params,
-optimizer state, pending rollouts, ...) written by every process with Orbax's StandardSave, and
+optimizer state, pending rollouts, ...) written by every process with Orbax's PyTree handler, and
 `extra`, a JSON object (step, policy versions, RNG key data, data-iterator position) written by
 process 0 with JsonSave.
 
@@ -188,7 +188,9 @@ def uncommitted_step_dirs(directory: Path) -> list[Path]:
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     # Registered up front so that a fresh manager (a reader, a resumed run) can read metadata.
-    return {"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
+    # The PyTree handler (what StandardCheckpointHandler wraps) also restores a subtree
+    # (`partial_restore`), e.g. only the params of a run for export.
+    return {"state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
 
 
 def _manager_options(config: CheckpointConfig, read_only: bool) -> ocp.CheckpointManagerOptions:
@@ -280,15 +282,19 @@ class Checkpointer:
             raise PermissionError(f"Checkpointer on {self.directory} is read_only.")
         blob = to_json_value(dict(extra or {}))
         json.dumps(blob)  # fail here, not in the background thread
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(blob))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), extra=ocp.args.JsonSave(blob))
         return self._manager.save(step, args=args, force=force)
 
-    def restore(self, step: int | None = None, *, abstract_target: Any) -> Restored:
+    def restore(
+        self, step: int | None = None, *, abstract_target: Any, partial: bool = False
+    ) -> Restored:
         """Restores `step` (default: newest finished, falling back past corrupt ones).
 
         `abstract_target` is a pytree of `jax.ShapeDtypeStruct`s with `sharding` set (see
         `sharding.attach_shardings`), or of arrays whose shardings to reuse. Arrays come back
-        with those shardings, whatever mesh the checkpoint was saved from.
+        with those shardings, whatever mesh the checkpoint was saved from. With `partial=True`
+        the target may be a subtree of what was saved (e.g. only `{"params": ...}` to export a
+        model without reading the optimizer state).
         """
         self.wait_until_finished()
         target = _abstract(abstract_target)
@@ -304,14 +310,14 @@ class Checkpointer:
                     f"no finished checkpoint for step {step} in {self.directory}; finished "
                     f"steps: {steps}."
                 )
-            return self._restore_step(step, target)
-        return self._restore_newest(steps, target)
+            return self._restore_step(step, target, partial)
+        return self._restore_newest(steps, target, partial)
 
-    def _restore_newest(self, steps: list[int], target: Any) -> Restored:
+    def _restore_newest(self, steps: list[int], target: Any, partial: bool) -> Restored:
         failures = []
         for step in reversed(steps):
             try:
-                return self._restore_step(step, target)
+                return self._restore_step(step, target, partial)
             except CheckpointMismatchError:
                 raise
             except Exception as err:  # any read failure: try the previous step
@@ -328,11 +334,17 @@ class Checkpointer:
             f"every checkpoint in {self.directory} failed to restore:\n" + "\n".join(failures)
         )
 
-    def _restore_step(self, step: int, target: Any) -> Restored:
+    def _restore_step(self, step: int, target: Any, partial: bool) -> Restored:
         saved = self._manager.item_metadata(step)["state"]
-        check_target_matches(getattr(saved, "tree", saved), target, step)
+        saved = getattr(saved, "tree", saved)
+        check_target_matches(saved, target, step)
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
+            state=ocp.args.PyTreeRestore(
+                target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=partial,
+            ),
+            extra=ocp.args.JsonRestore(),
         )
         restored = self._manager.restore(step, args=args)
         return Restored(step=step, state=restored["state"], extra=dict(restored["extra"] or {}))

@@ -1,0 +1,96 @@
+"""What a run's workdir holds, so that every job (sft, rl, eval, generate, export) reads it alike.
+
+```
+WORKDIR/
+  config.gin          the operative gin config (jaxrl.infra.config)
+  model/              the policy's HF config.json and tokenizer (no weights)
+  checkpoints/<step>/ Orbax: `state` = {"params": ..., "opt_state": ..., ...}, `extra` = JSON
+  metrics.jsonl       one JSON object per logged step
+```
+
+`model/` makes a workdir self-describing: the architecture and tokenizer are read from it, the
+weights from the newest (or a chosen) checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
+from jaxrl.infra.sharding import attach_shardings
+from jaxrl.models import hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+
+MODEL_DIR = "model"
+CHECKPOINT_DIR = "checkpoints"
+PARAMS_KEY = "params"
+
+
+def model_dir(workdir: str) -> str:
+    return os.path.join(workdir, MODEL_DIR)
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(workdir, CHECKPOINT_DIR)
+
+
+def save_model_spec(workdir: str, config: ModelConfig, tokenizer=None) -> None:
+    """Writes the policy's HF `config.json` (and tokenizer) to `WORKDIR/model/`."""
+    path = model_dir(workdir)
+    os.makedirs(path, exist_ok=True)
+    config.to_hf().save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_model_spec(workdir: str, **config_overrides: Any) -> tuple[ModelConfig, Any]:
+    """(ModelConfig, tokenizer or None) of the run in `workdir`."""
+    path = model_dir(workdir)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{workdir} has no {MODEL_DIR}/ directory: it is not the workdir of a jaxrl run "
+            "(or the run never started)."
+        )
+    config = hf.load_config(path, **config_overrides)
+    has_tokenizer = any(n.startswith("tokenizer") for n in os.listdir(path))
+    return config, hf.load_tokenizer(path) if has_tokenizer else None
+
+
+def restore_params(
+    workdir: str,
+    config: ModelConfig,
+    *,
+    step: int | None = None,
+    shardings: Any | None = None,
+) -> tuple[int, nnx.State]:
+    """Only the params of checkpoint `step` (default: newest finished) as an `nnx.State`.
+
+    The optimizer state and anything else in the checkpoint is not read. `shardings` (a state of
+    `Sharding`s as `param_shardings` returns) places them; by default they go to the first device.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    abstract_params = nnx.to_pure_dict(abstract)
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract_params)
+    elif isinstance(shardings, nnx.State):
+        shardings = nnx.to_pure_dict(shardings)
+    target = {PARAMS_KEY: attach_shardings(abstract_params, shardings)}
+    with Checkpointer(checkpoint_dir(workdir), CheckpointConfig(), read_only=True) as ckpt:
+        restored = ckpt.restore(step, abstract_target=target, partial=True)
+    nnx.replace_by_pure_dict(abstract, restored.state[PARAMS_KEY])
+    return restored.step, abstract
+
+
+def load_policy(workdir: str, *, step: int | None = None, **config_overrides: Any):
+    """(step, Transformer, tokenizer) of a run: the architecture from `model/`, the weights from
+    the checkpoint."""
+    config, tokenizer = load_model_spec(workdir, **config_overrides)
+    step, params = restore_params(workdir, config, step=step)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    return step, nnx.merge(graphdef, params), tokenizer
