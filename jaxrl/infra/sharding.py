@@ -197,7 +197,20 @@ def _variable_sharding(
         raise ValueError(
             f"parameter {where} has shape {shape} but {len(names)} logical axis names {names}."
         )
-    return variable.replace(NamedSharding(mesh, logical_to_pspec(names, rules)))
+    spec = logical_to_pspec(names, rules)
+    for dim, (size, name, mesh_axes) in enumerate(zip(shape, names, spec, strict=True)):
+        axes = (
+            () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        )
+        split = math.prod(mesh.shape[a] for a in axes)
+        if size % split:
+            raise ValueError(
+                f"parameter {where} {shape}: dimension {dim} ({name!r}, size {size}) does not "
+                f"divide over mesh axes {tuple(axes)} ({split} devices). Pad it to a multiple of "
+                f"{split} (e.g. a vocabulary padded with unused ids), change the mesh, or map "
+                f"{name!r} to None in the rules."
+            )
+    return variable.replace(NamedSharding(mesh, spec))
 
 
 def param_shardings(
