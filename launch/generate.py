@@ -1,0 +1,158 @@
+"""Sample completions from a Hugging Face directory or a run's workdir.
+
+    python -m launch.generate --hf_dir=DIR --prompts=prompts.txt --output=out.jsonl
+    echo "12+7=" | python -m launch.generate --workdir=runs/arith --prompts=- --output=- --greedy
+
+Prompts: a text file with one prompt per line, or a `.jsonl` file of `{"prompt": ...}` objects;
+`-` reads standard input. Each output line holds the prompt, the completion text, its token ids,
+their log-probs (under the distribution they were sampled from) and whether a stop token ended it.
+On several devices `--tp` / `--dp` lay the model out tensor-parallel with data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+
+from jaxrl.generation.sampler import Sampler
+from jaxrl.generation.sampling import SamplingConfig
+
+
+def read_prompts(path: str) -> list[str]:
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    prompts = []
+    with stream:
+        for number, line in enumerate(stream, start=1):
+            line = line.rstrip("\n")
+            if path.endswith(".jsonl"):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    prompt = record["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(
+                        f'{path}:{number}: expected a JSON object with a "prompt" string ({e})'
+                    ) from None
+            else:
+                prompt = line
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{path}:{number}: empty prompt")
+            prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def load(args):
+    from jaxrl import workdir as run_dir
+    from jaxrl.models import hf
+
+    mesh = rules = None
+    if args.tp * args.dp > 1:
+        from jaxrl.infra.mesh import MeshConfig, make_mesh
+        from jaxrl.infra.sharding import GENERATOR_RULES
+
+        mesh = make_mesh(MeshConfig(("dp", "tp"), (args.dp, args.tp)))
+        rules = GENERATOR_RULES
+    if args.hf_dir:
+        model = hf.load_model(args.hf_dir, mesh=mesh, rules=rules)
+        tokenizer = hf.load_tokenizer(args.hf_dir)
+    else:
+        _, model, tokenizer = run_dir.load_policy(args.workdir)
+        if mesh is not None:
+            from flax import nnx
+
+            from jaxrl.infra.sharding import param_shardings
+
+            graphdef, state = nnx.split(model)
+            model = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, rules)))
+    if tokenizer is None:
+        raise ValueError("the checkpoint has no tokenizer; save one next to config.json")
+    return model, tokenizer, mesh, rules
+
+
+def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    if chat_template:
+        if not tokenizer.chat_template:
+            raise ValueError("--chat_template: this tokenizer has no chat template")
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+        )
+    return tokenizer.encode(prompt)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Sample completions with the KV-cache sampler.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf_dir", help="a save_pretrained directory (safetensors)")
+    source.add_argument("--workdir", help="a jaxrl run's workdir (newest checkpoint)")
+    p.add_argument("--prompts", required=True, help="prompt file (.txt lines or .jsonl), or -")
+    p.add_argument("--output", required=True, help="output .jsonl, or - for standard output")
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--batch_size", type=int, default=32, help="prompts per generate call")
+    p.add_argument("--chat_template", action="store_true", help="wrap prompts as a user turn")
+    p.add_argument("--truncate", action="store_true", help="keep the last tokens of long prompts")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    args = p.parse_args(argv)
+
+    sampling = SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+    prompts = read_prompts(args.prompts)
+    model, tokenizer, mesh, rules = load(args)
+    sampler, params = Sampler.for_model(
+        model,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        mesh=mesh,
+        rules=rules,
+    )
+    stop_ids = set(sampler.eos_ids) | set(sampling.stop_ids)
+    key = jax.random.key(args.seed)
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    start, total_tokens = time.perf_counter(), 0
+    with out:
+        for first in range(0, len(prompts), args.batch_size):
+            batch = prompts[first : first + args.batch_size]
+            ids = [encode(tokenizer, q, args.chat_template) for q in batch]
+            result = sampler.generate(
+                params, ids, sampling, jax.random.fold_in(key, first), truncate=args.truncate
+            )
+            for i, prompt in enumerate(batch):
+                n = int(result.lengths_b[i])
+                tokens = result.tokens_bn[i, :n].tolist()
+                record = {
+                    "prompt": prompt,
+                    "completion": tokenizer.decode(tokens, skip_special_tokens=True),
+                    "completion_ids": tokens,
+                    "logprobs": [round(float(x), 6) for x in result.logprobs_bn[i, :n]],
+                    "stopped": bool(n and tokens[-1] in stop_ids),
+                }
+                out.write(json.dumps(record) + "\n")
+                total_tokens += n
+            print(
+                f"generated {min(first + args.batch_size, len(prompts))}/{len(prompts)} prompts, "
+                f"{total_tokens} tokens, {time.perf_counter() - start:.1f}s",
+                file=sys.stderr,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
