@@ -18,6 +18,7 @@ the previous step.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
 import json
@@ -31,6 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+
+from jaxrl.infra import faults
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +286,21 @@ class Checkpointer:
         blob = to_json_value(dict(extra or {}))
         json.dumps(blob)  # fail here, not in the background thread
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), extra=ocp.args.JsonSave(blob))
+        if faults.wants_kill_in_save(step) and (force or self.should_save(step)):
+            self._die_inside_save(step, args)
         return self._manager.save(step, args=args, force=force)
+
+    def _die_inside_save(self, step: int, args) -> None:
+        """Fault injection: the save of `step` never commits; the process dies once its
+        temporary directory exists (the state a crash mid-save leaves on disk)."""
+        from orbax.checkpoint._src.path import atomicity
+
+        async def never_finalize(self_):
+            await asyncio.sleep(3600)
+
+        atomicity.AtomicRenameTemporaryPath.finalize = never_finalize
+        self._manager.save(step, args=args, force=True)
+        faults.kill_when_exists(self.directory / f"{step}.orbax-checkpoint-tmp")
 
     def restore(
         self, step: int | None = None, *, abstract_target: Any, partial: bool = False

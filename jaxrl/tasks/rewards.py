@@ -26,6 +26,7 @@ Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`) a
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -89,9 +90,26 @@ def register_reward(
 
 
 def get_reward(name: str) -> RewardFunction:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown reward {name!r}; registered: {list_rewards()}")
-    return _REGISTRY[name]
+    """A registered reward, or `"package.module:attribute"`: a batched reward function (or a
+    module-level reward model object) imported from the user's own code, so a config can name a
+    reward that lives outside this library without a registration step."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as e:
+            raise KeyError(
+                f"reward {name!r}: cannot import {attribute!r} from {module_name!r} ({e})"
+            ) from None
+        if not callable(fn):
+            raise TypeError(f"reward {name!r} is not callable")
+        return fn
+    raise KeyError(
+        f"unknown reward {name!r}; registered: {list_rewards()} (or name a function as "
+        "'package.module:function')"
+    )
 
 
 def list_rewards() -> list[str]:

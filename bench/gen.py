@@ -1,0 +1,140 @@
+"""Sampler throughput against `transformers` `generate` (PyTorch), same weights and workload.
+
+Workload (both sides): fp32, batch 32, prompts of 16 random tokens with the attention mask set,
+64 new tokens, plain sampling (temperature 1, no top-k / top-p), EOS disabled so both produce
+exactly batch x 64 tokens. One warm-up call, then the median of 3 timed calls; JAX's compile
+time (first call minus a steady call) is reported separately. PyTorch runs with
+`torch.set_num_threads(2)`.
+
+    python -m bench.gen            # rlbench-tiny and the ~100M Llama
+    python -m bench.gen --smoke    # a few seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from bench.common import command, machine, write_results
+from jaxrl.generation.sampler import Sampler
+from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.models import hf
+from jaxrl.models.presets import llama_100m, rlbench_tiny
+from jaxrl.models.transformer import Transformer
+
+
+def _time_jax(model, prompts, new_tokens, repeats):
+    sampler, params = Sampler.for_model(
+        model, prompt_buckets=(prompts.shape[1],), batch_buckets=(prompts.shape[0],)
+    )
+    sampling = SamplingConfig(new_tokens, ignore_eos=True)
+    rows = prompts.tolist()
+
+    def run(i):
+        start = time.perf_counter()
+        out = sampler.generate(params, rows, sampling, jax.random.key(i))
+        assert out.mask_bn.all()
+        return time.perf_counter() - start
+
+    first = run(0)
+    times = [run(i + 1) for i in range(repeats)]
+    steady = statistics.median(times)
+    return steady, max(first - steady, 0.0)
+
+
+def _time_torch(hf_dir, prompts, new_tokens, repeats):
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens), out.shape
+        return time.perf_counter() - start
+
+    run(0)
+    return statistics.median(run(i + 1) for i in range(repeats))
+
+
+def measure(name, config, batch, prompt_len, new_tokens, repeats, with_torch=True) -> dict:
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(0).integers(3, config.vocab_size, size=(batch, prompt_len))
+    tokens = batch * new_tokens
+    jax_s, compile_s = _time_jax(model, prompts, new_tokens, repeats)
+    row = {
+        "model": name,
+        "params_m": round(config.num_params() / 1e6, 1),
+        "batch": batch,
+        "prompt": prompt_len,
+        "new_tokens": new_tokens,
+        "jax_tok_s": round(tokens / jax_s, 1),
+        "jax_compile_s": round(compile_s, 2),
+    }
+    if with_torch:
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_hf(model, tmp)
+            torch_s = _time_torch(tmp, prompts, new_tokens, repeats)
+        row["torch_tok_s"] = round(tokens / torch_s, 1)
+        row["speedup"] = round(torch_s / jax_s, 2)
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no_torch", action="store_true", help="JAX side only")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        cases = [("rlbench-tiny", rlbench_tiny(num_layers=1), 4, 8, 8)]
+        repeats = 1
+    else:
+        cases = [
+            ("rlbench-tiny", rlbench_tiny(), 32, 16, 64),
+            ("llama-100m", llama_100m(), 32, 16, 64),
+        ]
+        repeats = args.repeats
+    rows = []
+    for name, config, batch, prompt_len, new_tokens in cases:
+        row = measure(name, config, batch, prompt_len, new_tokens, repeats, not args.no_torch)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    columns = [
+        ("model", "model"),
+        ("params_m", "params (M)"),
+        ("jax_tok_s", "jaxrl tok/s"),
+        ("torch_tok_s", "transformers tok/s"),
+        ("speedup", "speedup"),
+        ("jax_compile_s", "jaxrl compile (s)"),
+    ]
+    name = "gen_smoke" if args.smoke else "gen"
+    print(write_results(name, rows, columns, f"`{command()}` on {machine()}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Fault injection for resume tests: kill the process at an exact point, not after a timer.
+
+Set `JAXRL_FAULT` to one of
+  `kill_at_step=N`   SIGKILL right after optimizer step N completes (before any save of step N);
+  `kill_in_save=N`   SIGKILL inside the checkpoint save of step N, once its temporary directory
+                     exists and before it is committed.
+Unset (the default), every hook is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+ENV_VAR = "JAXRL_FAULT"
+
+
+def _fault() -> tuple[str, int] | None:
+    spec = os.environ.get(ENV_VAR, "").strip()
+    if not spec:
+        return None
+    kind, _, step = spec.partition("=")
+    if kind not in ("kill_at_step", "kill_in_save") or not step.isdigit():
+        raise ValueError(f"{ENV_VAR}={spec!r}; expected kill_at_step=N or kill_in_save=N")
+    return kind, int(step)
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_step(step: int, wait_for_saves=None) -> None:
+    """Called by training loops after step `step` (1-based count of updates) completes.
+
+    `wait_for_saves` (e.g. `Checkpointer.wait_until_finished`) runs before the kill, so the
+    fault lands *between* saves: the previous save is committed, the current step is not.
+    """
+    if _fault() == ("kill_at_step", step):
+        if wait_for_saves is not None:
+            wait_for_saves()
+        _kill()
+
+
+def wants_kill_in_save(step: int) -> bool:
+    return _fault() == ("kill_in_save", step)
+
+
+def kill_when_exists(path: Path, timeout_s: float = 60.0) -> None:
+    """Waits until `path` exists (the save's temporary directory), then kills the process."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fault injection: {path} never appeared")
+        time.sleep(0.005)
+    _kill()

@@ -1,0 +1,118 @@
+"""The plumbing every training loop shares: checkpoints of a `TrainState`, metrics, progress, and
+the fault-injection hooks, so the loops themselves read as the algorithm."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl import workdir as run_dir
+from jaxrl.infra import faults
+from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
+from jaxrl.infra.metrics import MetricsWriter, progress_bar
+from jaxrl.trainer import TrainState
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or the gradient norm became NaN / Inf."""
+
+
+def state_tree(state: TrainState) -> dict:
+    """The checkpointed form of a TrainState (a dict, so `params` can be restored alone)."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+def tree_to_state(tree: dict) -> TrainState:
+    return TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+
+
+class RunIO:
+    """Checkpoints under WORKDIR/checkpoints, metrics in WORKDIR/metrics.jsonl + TensorBoard, a
+    progress bar on a terminal (a log line every `log_every_steps` otherwise)."""
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        total_steps: int,
+        save_every_steps: int,
+        keep_last_n: int,
+        desc: str,
+        log_every_steps: int = 50,
+    ):
+        self.workdir, self.total_steps, self.desc = workdir, total_steps, desc
+        self.log_every_steps = log_every_steps
+        self.ckpt = Checkpointer(
+            run_dir.checkpoint_dir(workdir),
+            CheckpointConfig(save_every_steps=save_every_steps, keep_last_n=keep_last_n),
+        )
+        self.metrics = MetricsWriter(workdir)
+        self.bar = None
+        self._start = time.perf_counter()
+
+    def restore(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
+        """The newest finished checkpoint of this run, or None."""
+        if self.ckpt.latest_step() is None:
+            return None
+        restored = self.ckpt.restore(abstract_target=state_tree(abstract_state))
+        print(f"[{self.desc}] resuming {self.workdir} from step {restored.step}", flush=True)
+        return tree_to_state(restored.state), restored.extra
+
+    def finished(self) -> bool:
+        return self.ckpt.latest_step() == self.total_steps
+
+    def start(self, step: int) -> None:
+        self.bar = progress_bar(self.total_steps, initial_step=step, desc=self.desc)
+        self._start = time.perf_counter()
+
+    def log(self, step: int, metrics: dict[str, Any], headline: dict[str, str]) -> dict:
+        """Writes `metrics` for `step`; raises NonFiniteLossError naming the step if the loss or
+        gradient is NaN / Inf (the last good checkpoint is named too)."""
+        written = self.metrics.write(step, metrics)
+        for name in ("loss", "grad_norm"):
+            value = written.get(name)
+            if value is not None and not math.isfinite(value):
+                raise NonFiniteLossError(
+                    f"[{self.desc}] {name} is {value} at step {step}; the last good checkpoint "
+                    f"is step {self.ckpt.latest_step()} in {self.ckpt.directory}. Lower the "
+                    "learning rate or check the data / rewards."
+                )
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(headline, refresh=False)
+            if not sys.stderr.isatty() and (
+                step % self.log_every_steps == 0 or step == self.total_steps
+            ):
+                elapsed = time.perf_counter() - self._start
+                text = " ".join(f"{k}={v}" for k, v in headline.items())
+                print(
+                    f"[{self.desc}] step {step}/{self.total_steps} {text} ({elapsed:.0f}s)",
+                    flush=True,
+                )
+        return written
+
+    def save(self, state: TrainState, extra: dict, *, force: bool = False) -> None:
+        step = int(state.step)
+        self.ckpt.save(step, state_tree(state), extra=extra, force=force)
+
+    def after_step(self, step: int) -> None:
+        faults.after_step(step, wait_for_saves=self.ckpt.wait_until_finished)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.ckpt.wait_until_finished()
+        self.ckpt.close()
+        self.metrics.close()
+
+
+def to_host(metrics: dict) -> dict[str, float]:
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}

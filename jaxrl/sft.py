@@ -1,0 +1,148 @@
+"""Supervised warm start on the task's demonstrations.
+
+A finished stage means its learning-rate schedule has decayed (to zero by default): RL started
+from a checkpoint cut off at full learning rate would "improve" under any further low-rate
+training, RL or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxrl import workdir as run_dir
+from jaxrl.evaluation import evaluate
+from jaxrl.generation.sampler import Sampler
+from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.run_io import RunIO, to_host
+from jaxrl.specs import (
+    PolicySpec,
+    TaskSpec,
+    build_model_config,
+    build_source,
+    build_tokenizer,
+    reward_name,
+)
+from jaxrl.tasks.source import encode_prompts
+from jaxrl.trainer import OptimizerConfig, Params, Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    batch_size: int = 64
+    seq_len: int = 16
+    optimizer: OptimizerConfig = OptimizerConfig(
+        learning_rate=1e-3, warmup_steps=20, schedule="linear", end_learning_rate=0.0
+    )
+    eval_every_steps: int = 100
+    eval_size: int = 512
+    eval_samples: int = 4
+    max_new_tokens: int = 6
+    save_every_steps: int = 100
+    keep_last_n: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every_steps", "save_every_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1")
+
+
+def colocated_sampler(trainer: Trainer, tokenizer, max_total_len: int | None = None) -> Sampler:
+    """A sampler on the trainer's own mesh and rules (colocated generation)."""
+    return Sampler(
+        trainer.graphdef,
+        trainer.model_config,
+        pad_id=tokenizer.pad_token_id,
+        eos_ids=trainer.model_config.eos_token_ids,
+        max_total_len=max_total_len,
+        prompt_buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+        mesh=trainer.mesh,
+        rules=trainer.rules,
+    )
+
+
+def run_sft(
+    workdir: str, policy: PolicySpec, task: TaskSpec, config: SFTConfig, mesh_config: MeshConfig
+) -> Params:
+    """Trains (or resumes, or finds finished) the SFT stage in `workdir`; returns its params."""
+    tokenizer = build_tokenizer(policy, task)
+    model_config = build_model_config(policy, tokenizer)
+    source = build_source(task, tokenizer)
+    mesh = make_mesh(mesh_config)
+    optimizer = config.optimizer.make(config.steps)
+    trainer = Trainer(
+        model_config,
+        mesh,
+        TRAINER_RULES,
+        optimizer,
+        grad_accum_steps=config.optimizer.grad_accum_steps,
+    )
+    run_dir.save_model_spec(workdir, model_config, tokenizer)
+    io = RunIO(
+        workdir,
+        total_steps=config.steps,
+        save_every_steps=config.save_every_steps,
+        keep_last_n=config.keep_last_n,
+        desc="sft",
+    )
+    try:
+        restored = io.restore(trainer.abstract_state())
+        if restored is None:
+            if policy.init_from:
+                from jaxrl.models import hf
+
+                params = hf.load_params(policy.init_from, model_config, trainer.param_shardings)
+                import flax.nnx as nnx
+
+                params = nnx.to_pure_dict(params)
+            else:
+                params = trainer.init_params(config.seed)
+            state = trainer.init(params)
+        else:
+            state, _ = restored
+        step = int(state.step)
+        if step >= config.steps:
+            return state.params
+
+        sampler = colocated_sampler(trainer, tokenizer)
+        eval_items = source.eval_items(config.eval_size)
+        eval_ids = encode_prompts(tokenizer, eval_items, chat_formatted=False)
+
+        def run_eval(params) -> dict:
+            return evaluate(
+                sampler,
+                params,
+                tokenizer,
+                reward_name(task, source),
+                eval_items,
+                eval_ids,
+                max_new_tokens=config.max_new_tokens,
+                samples=config.eval_samples,
+                seed=config.seed,
+            )
+
+        io.start(step)
+        while step < config.steps:
+            tokens, loss_mask = source.demonstrations(
+                step * config.batch_size, config.batch_size, tokenizer, config.seq_len
+            )
+            state, metrics = trainer.sft_step(
+                state, {"tokens_bs": tokens, "loss_mask_bs": loss_mask}
+            )
+            step += 1
+            metrics = to_host(metrics)
+            metrics["learning_rate"] = float(config.optimizer.schedule_fn(config.steps)(step - 1))
+            if step % config.eval_every_steps == 0 or step == config.steps:
+                metrics |= run_eval(state.params)
+            io.log(step, metrics, {"loss": f"{metrics['loss']:.3f}"})
+            extra = {"data_position": step * config.batch_size, "stage": "sft"}
+            io.save(state, extra, force=step == config.steps)
+            io.after_step(step)
+        jax.block_until_ready(state.params)
+        return state.params
+    finally:
+        io.close()

@@ -1,0 +1,413 @@
+"""The trainer: optimizer, train state, and the jitted SFT and RL steps on the trainer mesh.
+
+Steps are pure functions `step(state, batch) -> (state, metrics)`, jitted once with explicit
+`in_shardings` / `out_shardings` on the trainer mesh and the state donated (MaxText style).
+Parameters are a pure dict of arrays (`nnx.to_pure_dict`), merged into the model's graph inside
+the step, so the state is a plain pytree that Orbax and optax handle directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from jaxrl.infra import sharding as ax
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.rl import PolicyLossInputs, RolloutBatch, make_advantage_estimator, make_loss
+from jaxrl.rl.logprobs import token_logprobs, token_logprobs_and_entropy
+
+Params = dict  # nested dict of arrays, as nnx.to_pure_dict returns
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warm-up + decay schedule.
+
+    schedule: "constant" (after warm-up), "linear" or "cosine" decay to `end_learning_rate` at
+      `decay_steps` (default: the run's total steps). An SFT warm start should decay to zero: a
+      checkpoint cut off at full learning rate "improves" under any further low-rate training.
+    """
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: int = 0
+    end_learning_rate: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum_steps: int = 1
+
+    def validate(self) -> None:
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"schedule={self.schedule!r}; use constant, linear or cosine")
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("warmup_steps and decay_steps must be >= 0")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps={self.grad_accum_steps} must be >= 1")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be > 0")
+
+    def __post_init__(self):
+        self.validate()
+
+    def schedule_fn(self, total_steps: int) -> optax.Schedule:
+        decay = self.decay_steps or total_steps
+        warm = min(self.warmup_steps, decay)
+        if self.schedule == "constant":
+            main = optax.constant_schedule(self.learning_rate)
+        elif self.schedule == "linear":
+            main = optax.linear_schedule(
+                self.learning_rate, self.end_learning_rate, max(decay - warm, 1)
+            )
+        else:
+            alpha = self.end_learning_rate / self.learning_rate
+            main = optax.cosine_decay_schedule(self.learning_rate, max(decay - warm, 1), alpha)
+        if warm == 0:
+            return main
+        ramp = optax.linear_schedule(0.0, self.learning_rate, warm)
+        return optax.join_schedules([ramp, main], [warm])
+
+    def make(self, total_steps: int) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.max_grad_norm),
+            optax.adamw(
+                self.schedule_fn(total_steps),
+                b1=self.b1,
+                b2=self.b2,
+                weight_decay=self.weight_decay,
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The RL objective: a registered loss (jaxrl.rl.make_loss) and advantage estimator.
+
+    Defaults are AIPO (rho=4) with the group-mean baseline and the per-token normaliser.
+    `temperature` must be the sampler's: log pi is computed under the same distribution the
+    behaviour log-probs were (no top-k / top-p in RL).
+    """
+
+    name: str = "aipo"
+    rho: float = 4.0
+    clip_eps: float = 0.2
+    normaliser: str = "tokens"
+    advantage: str = "group_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    vocab_chunk_size: int = 0
+
+    def validate(self) -> None:
+        self.make_loss()
+        make_advantage_estimator(self.advantage)
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0")
+
+    def make_loss(self):
+        hparams = dict(
+            normaliser=self.normaliser,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+        )
+        if self.name == "aipo":
+            hparams["rho"] = self.rho
+        else:
+            hparams["clip_eps"] = self.clip_eps
+        return make_loss(self.name, **hparams)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the optimizer loop carries: a plain pytree (checkpointed as is)."""
+
+    step: jax.Array  # int32 scalar: optimizer updates applied
+    params: Params
+    opt_state: Any
+
+
+def init_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+    )
+
+
+def sequence_mask(valid_bs: jax.Array) -> jax.Array:
+    """Causal attention mask `[B, S, S]` restricted to real tokens."""
+    s = valid_bs.shape[-1]
+    return jnp.tril(jnp.ones((s, s), bool))[None] & valid_bs[:, None, :].astype(bool)
+
+
+def _split_micro(tree: Any, num: int) -> Any:
+    def split(x):
+        if x.shape[0] % num:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num} micro-batches")
+        return x.reshape(num, x.shape[0] // num, *x.shape[1:])
+
+    return jax.tree.map(split, tree)
+
+
+def _accumulate(
+    loss_fn: Callable, params: Params, micro_batches: Any, weights_m: jax.Array
+) -> tuple[Any, dict]:
+    """Gradient of `sum_m weights_m * loss_fn(params, micro_m)`, one micro-batch at a time."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def body(acc, xs):
+        micro, weight = xs
+        grads, metrics = grad_fn(params, micro)
+        acc = jax.tree.map(lambda a, g: a + weight * g, acc, grads)
+        return acc, metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics_m = jax.lax.scan(body, zeros, (micro_batches, weights_m))
+    metrics = jax.tree.map(lambda m: jnp.sum(m * weights_m), metrics_m)
+    return grads, metrics
+
+
+def _apply(state: TrainState, grads, optimizer) -> tuple[TrainState, dict]:
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new, {"grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates)}
+
+
+# --- SFT -----------------------------------------------------------------------------------------
+
+
+def sft_loss(graphdef, params: Params, batch: dict, vocab_chunk_size: int | None):
+    """Mean next-token cross-entropy over `loss_mask_bs` (targets at s, predicted from s-1).
+
+    batch: `tokens_bs` int32, `loss_mask_bs` bool (True on tokens the model must emit).
+    """
+    model: Transformer = nnx.merge(graphdef, params)
+    tokens, loss_mask = batch["tokens_bs"], batch["loss_mask_bs"]
+    valid = tokens != -1  # every column is attended: right padding follows the targets
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    hidden, _ = model.hidden_states(tokens, positions, sequence_mask(valid))
+    logprobs = token_logprobs(
+        hidden[:, :-1], model.unembedding(), tokens[:, 1:], vocab_chunk_size=vocab_chunk_size
+    )
+    mask = loss_mask[:, 1:]
+    count = jnp.maximum(mask.sum(), 1)
+    nll = -jnp.sum(jnp.where(mask, logprobs, 0.0)) / count
+    accuracy = jnp.sum(mask & (logprobs > jnp.log(0.5))) / count
+    return nll, {"loss": nll, "token_confident_fraction": accuracy}
+
+
+def sft_step(
+    state: TrainState,
+    batch: dict,
+    *,
+    graphdef,
+    optimizer,
+    grad_accum_steps: int,
+    vocab_chunk_size: int | None,
+):
+    loss_fn = lambda p, b: sft_loss(graphdef, p, b, vocab_chunk_size)
+    micro = _split_micro(batch, grad_accum_steps)
+    counts_m = jnp.sum(micro["loss_mask_bs"][:, :, 1:], axis=(1, 2)).astype(jnp.float32)
+    weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
+    grads, metrics = _accumulate(loss_fn, state.params, micro, weights_m)
+    state, opt_metrics = _apply(state, grads, optimizer)
+    return state, metrics | opt_metrics
+
+
+# --- RL ------------------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    model: Transformer, batch: RolloutBatch, loss: LossConfig, with_entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`."""
+    tokens, mask, positions = batch.sequence()
+    hidden, _ = model.hidden_states(tokens, positions, sequence_mask(mask))
+    hidden_btd = batch.completion_hidden(hidden)
+    chunk = loss.vocab_chunk_size or None
+    if with_entropy:
+        return token_logprobs_and_entropy(
+            hidden_btd,
+            model.unembedding(),
+            batch.completion_ids_bt,
+            temperature=loss.temperature,
+            vocab_chunk_size=chunk,
+        )
+    logprobs = token_logprobs(
+        hidden_btd,
+        model.unembedding(),
+        batch.completion_ids_bt,
+        temperature=loss.temperature,
+        vocab_chunk_size=chunk,
+    )
+    return logprobs, None
+
+
+def rl_loss(graphdef, params: Params, micro: dict, loss: LossConfig):
+    """The configured policy loss on one micro-batch; `micro` holds the RolloutBatch fields plus
+    `advantages_b` (computed on the whole batch, since groups span micro-batches) and, with a KL
+    term, `ref_logprobs_bt`."""
+    model: Transformer = nnx.merge(graphdef, params)
+    batch = RolloutBatch(**{k: v for k, v in micro.items() if k in _BATCH_FIELDS})
+    logprobs, entropy = completion_logprobs(model, batch, loss, loss.entropy_coef > 0)
+    inputs = PolicyLossInputs(
+        logprobs_bt=logprobs,
+        behaviour_logprobs_bt=batch.behaviour_logprobs_bt,
+        advantages_b=micro["advantages_b"],
+        mask_bt=batch.completion_mask_bt & batch.valid_b[:, None],
+        ref_logprobs_bt=micro.get("ref_logprobs_bt"),
+        entropy_bt=entropy,
+    )
+    return loss.make_loss()(inputs)
+
+
+_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
+
+
+def rl_step(
+    state: TrainState,
+    batch: RolloutBatch,
+    ref_params: Params | None,
+    *,
+    graphdef,
+    optimizer,
+    loss: LossConfig,
+    grad_accum_steps: int,
+):
+    """One optimizer update on a batch of scored rollouts.
+
+    The frozen reference policy (KL term) lives on the trainer mesh with the params' sharding:
+    one extra forward pass per step and one more copy of the params in memory.
+    """
+    mask_bt = batch.completion_mask_bt & batch.valid_b[:, None]
+    advantages_b = make_advantage_estimator(loss.advantage)(
+        batch.reward_b, batch.group_id_b, batch.valid_b
+    )
+    micro_all = dataclasses.asdict(batch) | {"advantages_b": advantages_b}
+    if ref_params is not None and loss.kl_coef > 0:
+        ref_model = nnx.merge(graphdef, ref_params)
+        ref_logprobs, _ = completion_logprobs(ref_model, batch, loss, with_entropy=False)
+        micro_all["ref_logprobs_bt"] = jax.lax.stop_gradient(ref_logprobs)
+    micro = _split_micro(micro_all, grad_accum_steps)
+    if loss.normaliser == "tokens":
+        counts_m = jnp.sum(_split_micro(mask_bt, grad_accum_steps), axis=(1, 2))
+    else:
+        rows_b = jnp.any(mask_bt, axis=-1)
+        counts_m = jnp.sum(_split_micro(rows_b, grad_accum_steps), axis=1)
+    counts_m = counts_m.astype(jnp.float32)
+    weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
+    loss_fn = lambda p, m: rl_loss(graphdef, p, m, loss)
+    grads, metrics = _accumulate(loss_fn, state.params, micro, weights_m)
+    state, opt_metrics = _apply(state, grads, optimizer)
+    metrics = metrics | opt_metrics
+    metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantages_b) * batch.valid_b) / jnp.maximum(
+        batch.valid_b.sum(), 1
+    )
+    return state, metrics
+
+
+# --- the trainer executor ------------------------------------------------------------------------
+
+
+class Trainer:
+    """Holds the trainer mesh, the shardings and the jitted steps (compiled once per shape).
+
+    `state_shardings` lay params and optimizer state out as `rules` say (FSDP x TP by default);
+    batches are split along the batch axis; metrics come back replicated.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        mesh: jax.sharding.Mesh,
+        rules: ax.LogicalRules,
+        optimizer: optax.GradientTransformation,
+        *,
+        grad_accum_steps: int = 1,
+        loss: LossConfig | None = None,
+        vocab_chunk_size: int | None = None,
+    ):
+        self.model_config, self.mesh, self.rules = model_config, mesh, rules
+        self.optimizer = optimizer
+        self.loss = loss or LossConfig()
+        graphdef, abstract = nnx.split(
+            nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+        )
+        self.graphdef = graphdef
+        self.abstract_params = nnx.to_pure_dict(abstract)
+        self.param_shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
+        abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
+        self.state_shardings = TrainState(
+            step=ax.replicated(mesh),
+            params=self.param_shardings,
+            opt_state=ax.opt_state_shardings(
+                abstract_opt, self.abstract_params, self.param_shardings, mesh
+            ),
+        )
+        self.replicated = ax.replicated(mesh)
+        common = dict(graphdef=graphdef, optimizer=optimizer, grad_accum_steps=grad_accum_steps)
+        self._sft = jax.jit(
+            lambda s, b: sft_step(s, b, vocab_chunk_size=vocab_chunk_size, **common),
+            in_shardings=(self.state_shardings, None),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=0,
+        )
+        self._rl = jax.jit(
+            lambda s, b, r: rl_step(s, b, r, loss=self.loss, **common),
+            in_shardings=(self.state_shardings, None, None),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=0,
+        )
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: the restore target of a checkpoint."""
+        abstract = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.abstract_params)
+        return ax.attach_shardings(abstract, self.state_shardings)
+
+    def init(self, params: Params) -> TrainState:
+        """A fresh state around `params` (placed into the trainer layout first)."""
+        params = jax.device_put(params, self.param_shardings)
+        with self._context():
+            return jax.jit(
+                lambda p: init_state(p, self.optimizer), out_shardings=self.state_shardings
+            )(params)
+
+    def init_params(self, seed: int) -> Params:
+        """Random params born sharded (a jitted init with `out_shardings`)."""
+        key = jax.random.fold_in(jax.random.key(seed), 0)
+
+        def make():
+            return nnx.to_pure_dict(
+                nnx.state(Transformer(self.model_config, rngs=nnx.Rngs(params=key)))
+            )
+
+        with self._context():
+            return jax.jit(make, out_shardings=self.param_shardings)()
+
+    def place_batch(self, batch):
+        return jax.device_put(batch, ax.batch_shardings(batch, self.mesh, self.rules))
+
+    def _context(self):
+        return ax.sharding_context(self.mesh, self.rules)
+
+    def sft_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        with self._context():
+            return self._sft(state, self.place_batch(batch))
+
+    def rl_step(
+        self, state: TrainState, batch: RolloutBatch, ref_params: Params | None = None
+    ) -> tuple[TrainState, dict]:
+        with self._context():
+            return self._rl(state, self.place_batch(batch), ref_params)

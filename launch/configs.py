@@ -1,0 +1,24 @@
+"""The config dataclasses every launcher binds in gin, registered once (gin names must be unique).
+
+Gin files and --gin_param refer to them by class name, e.g. `RLConfig.total_steps = 2000`.
+"""
+
+from jaxrl.controller import RLConfig
+from jaxrl.infra.config import register_config
+from jaxrl.infra.mesh import MeshConfig
+from jaxrl.sft import SFTConfig
+from jaxrl.specs import PolicySpec, TaskSpec
+from jaxrl.trainer import LossConfig, OptimizerConfig
+
+for _cls in (RLConfig, MeshConfig, SFTConfig, PolicySpec, TaskSpec, LossConfig, OptimizerConfig):
+    register_config(_cls)
+
+__all__ = [
+    "LossConfig",
+    "MeshConfig",
+    "OptimizerConfig",
+    "PolicySpec",
+    "RLConfig",
+    "SFTConfig",
+    "TaskSpec",
+]

@@ -1,0 +1,28 @@
+"""Supervised warm start on the task's demonstrations.
+
+python -m launch.sft --gin_file=configs/sft/arith_tiny.gin --workdir=runs/sft
+"""
+
+from __future__ import annotations
+
+import gin
+
+from jaxrl.infra.config import launch
+from jaxrl.sft import run_sft
+from launch.configs import MeshConfig, PolicySpec, SFTConfig, TaskSpec
+
+
+@gin.configurable
+def sft_main(
+    workdir: str,
+    policy: PolicySpec = gin.REQUIRED,
+    task: TaskSpec = gin.REQUIRED,
+    sft: SFTConfig = gin.REQUIRED,
+    mesh: MeshConfig = MeshConfig(("fsdp", "tp"), (1, 1)),
+) -> None:
+    run_sft(workdir, policy, task, sft, mesh)
+    print(f"SFT finished: checkpoints in {workdir}/checkpoints, metrics in {workdir}/metrics.jsonl")
+
+
+if __name__ == "__main__":
+    launch(sft_main, description=__doc__.splitlines()[0])
