@@ -1,10 +1,11 @@
-"""`make demo`: the smallest end-to-end run of the library on any machine.
+"""`make demo`: the main job on its embedded default, on 8 simulated CPU devices.
 
-Builds a tiny random Llama 3 (the arithmetic tokenizer's vocabulary), saves it as a Hugging Face
-`save_pretrained` directory, loads it back through the safetensors loader, and greedily continues
-a few prompts on the CPU (or whatever JAX finds). It prints where the checkpoint went.
+Runs `launch.rl` with `configs/rl/arith_tiny_sync.gin` (SFT warm start, then sync RL with AIPO on
+1-2 digit addition, a 0.4M-parameter Llama) into `runs/demo`, with a shorter RL schedule so it
+ends in a few minutes, then prints where the metrics, the plot and the checkpoints are. Rerunning
+resumes (or, when finished, only reports).
 
-    python -m launch.demo [--workdir runs/demo] [--max_new_tokens 8]
+    python -m launch.demo [--workdir runs/demo] [--rl_steps 400]
 """
 
 from __future__ import annotations
@@ -13,93 +14,35 @@ import argparse
 import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from jaxrl.models import hf
-from jaxrl.models.config import ModelConfig, RopeConfig
-from jaxrl.models.transformer import Transformer
-from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
-
-PROMPTS = ("12+7=", "3+45=", "60+21=")
-
-
-def tiny_llama_config(vocab_size: int, tokenizer) -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope=RopeConfig(
-            theta=10000.0,
-            rope_type="llama3",
-            factor=8.0,
-            original_max_position_embeddings=64,
-        ),
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def greedy_continue(model: Transformer, prompts: list[list[int]], max_new_tokens: int, pad: int):
-    """Greedy continuation of left-padded prompts, one compiled forward over a fixed buffer."""
-    prompt_len = max(len(p) for p in prompts)
-    total = prompt_len + max_new_tokens
-    tokens = np.full((len(prompts), total), pad, np.int32)
-    valid = np.zeros((len(prompts), total), bool)
-    for row, p in enumerate(prompts):
-        tokens[row, prompt_len - len(p) : prompt_len] = p
-        valid[row, prompt_len - len(p) : prompt_len] = True
-
-    @nnx.jit
-    def next_token(model, tokens, valid, index):
-        logits = model(tokens, valid)
-        return jnp.argmax(logits[:, index - 1], axis=-1).astype(jnp.int32)
-
-    tokens, valid = jnp.asarray(tokens), jnp.asarray(valid)
-    for index in range(prompt_len, total):
-        new = next_token(model, tokens, valid, jnp.int32(index))
-        tokens = tokens.at[:, index].set(new)
-        valid = valid.at[:, index].set(True)
-    return np.asarray(tokens[:, prompt_len:])
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/demo")
-    parser.add_argument("--max_new_tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rl_steps", type=int, default=400)
     args = parser.parse_args(argv)
 
-    print(f"JAX {jax.__version__} on {len(jax.devices())} {jax.devices()[0].platform} device(s)")
-    tokenizer = build_arithmetic_tokenizer()
-    config = tiny_llama_config(len(tokenizer), tokenizer)
-    # A wide init so the untrained model's greedy tokens visibly depend on the prompt.
-    model = Transformer(config, rngs=nnx.Rngs(args.seed), init_std=0.2)
-    hf_dir = os.path.join(os.path.abspath(args.workdir), "hf_tiny_llama")
-    hf.save_hf(model, hf_dir, tokenizer=tokenizer)
-    print(f"saved a random {config.num_params():,}-parameter Llama 3 to {hf_dir}")
+    import jax
 
+    from jaxrl.infra.config import launch
+    from launch.rl import rl_main
+
+    devices = jax.devices()
+    print(f"JAX {jax.__version__}: {len(devices)} {devices[0].platform} devices")
     start = time.perf_counter()
-    loaded = hf.load_model(hf_dir)
-    loaded_tokenizer = hf.load_tokenizer(hf_dir)
-    print(f"loaded it back (config, safetensors, tokenizer) in {time.perf_counter() - start:.2f}s")
-
-    prompts = [loaded_tokenizer.encode(p) for p in PROMPTS]
-    new = greedy_continue(loaded, prompts, args.max_new_tokens, loaded_tokenizer.pad_token_id)
-    for prompt, ids in zip(PROMPTS, new, strict=True):
-        text = loaded_tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-        print(f"  {prompt!r:>10} -> greedy next tokens {ids.tolist()} {text!r}")
-    print("(an untrained model: the tokens are arbitrary; RL training makes them right)")
-    print(f"outputs: {os.path.abspath(args.workdir)}")
+    result = launch(
+        rl_main,
+        [
+            "--gin_file", os.path.join(REPO, "configs", "rl", "arith_tiny_sync.gin"),
+            "--workdir", args.workdir,
+            "--gin_param", f"RLConfig.total_steps = {args.rl_steps}",
+            "--gin_param", f"RLConfig.eval_every_steps = {max(args.rl_steps // 4, 1)}",
+            "--gin_param", f"RLConfig.save_every_steps = {max(args.rl_steps // 4, 1)}",
+        ],
+    )
+    print(f"demo finished in {time.perf_counter() - start:.0f}s (workdir {result['workdir']})")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,13 @@ def test_sync_rl_runs_end_to_end_on_a_2x2_mesh(tmp_path, capsys):
     assert any(not np.array_equal(sft[k], rl[k]) for k in sft)
     assert all(np.isfinite(v).all() for v in rl.values())
 
+    from launch import eval as eval_launch
+
+    assert eval_launch.main([f"--workdir={tmp_path / 'run'}", "--eval_size=8", "--samples=2"]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["step"] == 4 and 0 <= evaluated["eval/accuracy"] <= 1
+    assert "eval/pass@2" in evaluated
+
 
 RESUME = [
     "rl_main.sft = None",
