@@ -1,0 +1,9 @@
+"""Modality-specific distillation (MSD, Jin et al., arXiv:2101.01881) in JAX / Flax NNX.
+
+views      MultimodalBatch and its full / text-only / image-only views
+models     single-stream multimodal transformer (teacher / student sizes) and MLP fusion model
+losses     KD and MSD losses (fp32), namespaced metrics
+saliency   S1 / S2 / S3 modality saliency from cross-fitted teacher predictions
+weighting  uniform / population / instance / learned (bilevel) auxiliary weights, by name
+step       the jitted, sharded train step and the cached-teacher forward
+"""
