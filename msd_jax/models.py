@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.infra import sharding as ax
+from jaxrl.infra.sharding import logical_param as _param
 from msd_jax.views import NUM_VIEWS, MultimodalBatch, stack_views
 
 # Logical axes of the msd parameters beyond the shared ones in jaxrl.infra.sharding.
@@ -83,17 +84,6 @@ FSDP_RULES: ax.LogicalRules = ((ax.EMBED, "data"),) + _REPLICATED_PARAMS + _ACTI
 RULES = {"data_parallel": DATA_PARALLEL_RULES, "fsdp": FSDP_RULES}
 
 CLS_TYPE, TEXT_TYPE, IMAGE_TYPE = 0, 1, 2
-
-
-def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None) -> nnx.Param:
-    """A parameter ~ N(0, std^2) (std=None: ones, std=0: zeros) carrying logical axis names."""
-    if std is None:
-        value = jnp.ones(shape, dtype)
-    elif std == 0.0:
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -51,6 +52,21 @@ ACTIVATION_AXES = (
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def logical_param(rngs, shape, axes: Sequence[str | None], dtype, std: float | None) -> nnx.Param:
+    """A parameter ~ N(0, std^2) (std=None: ones, std=0: zeros) carrying logical axis names.
+
+    The names go into `out_sharding` metadata with `eager_sharding=False`: models never touch a
+    mesh; a role's rules table maps the names to mesh axes (`param_shardings`).
+    """
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    elif std == 0.0:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 def logical_to_pspec(logical_axes: Sequence[str | None], rules: LogicalRules) -> PartitionSpec:

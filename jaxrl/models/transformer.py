@@ -20,22 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.infra import sharding as ax
+from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 # One layer's cache: (keys_bskd, values_bskd), S = the preallocated cache length.
 LayerCache = tuple[jax.Array, jax.Array]
 KVCache = tuple[LayerCache, ...]
-
-
-def _param(rngs: nnx.Rngs, shape, axes, dtype, std: float | None) -> nnx.Param:
-    if std is None:
-        value = jnp.ones(shape, dtype)
-    elif std == 0.0:
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
