@@ -30,26 +30,24 @@ from jaxrl.models.presets import llama_100m, rlbench_tiny
 from jaxrl.models.transformer import Transformer
 
 
-def _time_jax(model, prompts, new_tokens, repeats):
+def _jax_runner(model, prompts, new_tokens):
+    """A callable that runs one timed generate; the first call compiles."""
     sampler, params = Sampler.for_model(
         model, prompt_buckets=(prompts.shape[1],), batch_buckets=(prompts.shape[0],)
     )
     sampling = SamplingConfig(new_tokens, ignore_eos=True)
     rows = prompts.tolist()
 
-    def run(i):
+    def run(seed):
         start = time.perf_counter()
-        out = sampler.generate(params, rows, sampling, jax.random.key(i))
+        out = sampler.generate(params, rows, sampling, jax.random.key(seed))
         assert out.mask_bn.all()
         return time.perf_counter() - start
 
-    first = run(0)
-    times = [run(i + 1) for i in range(repeats)]
-    steady = statistics.median(times)
-    return steady, max(first - steady, 0.0)
+    return run
 
 
-def _time_torch(hf_dir, prompts, new_tokens, repeats):
+def _torch_runner(hf_dir, prompts, new_tokens):
     import torch
     import transformers
 
@@ -77,15 +75,29 @@ def _time_torch(hf_dir, prompts, new_tokens, repeats):
         assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens), out.shape
         return time.perf_counter() - start
 
-    run(0)
-    return statistics.median(run(i + 1) for i in range(repeats))
+    return run
 
 
 def measure(name, config, batch, prompt_len, new_tokens, repeats, with_torch=True) -> dict:
+    """Warm-up of both sides, then `repeats` timed calls of each, interleaved (JAX, torch, JAX,
+    ...) so that load from anything else on the machine hits both alike; medians."""
     model = Transformer(config, rngs=nnx.Rngs(0))
     prompts = np.random.default_rng(0).integers(3, config.vocab_size, size=(batch, prompt_len))
     tokens = batch * new_tokens
-    jax_s, compile_s = _time_jax(model, prompts, new_tokens, repeats)
+    jax_run = _jax_runner(model, prompts, new_tokens)
+    first = jax_run(0)
+    jax_times, torch_times = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch_run = None
+        if with_torch:
+            hf.save_hf(model, tmp)
+            torch_run = _torch_runner(tmp, prompts, new_tokens)
+            torch_run(0)
+        for i in range(repeats):
+            jax_times.append(jax_run(i + 1))
+            if torch_run is not None:
+                torch_times.append(torch_run(i + 1))
+    jax_s = statistics.median(jax_times)
     row = {
         "model": name,
         "params_m": round(config.num_params() / 1e6, 1),
@@ -93,12 +105,10 @@ def measure(name, config, batch, prompt_len, new_tokens, repeats, with_torch=Tru
         "prompt": prompt_len,
         "new_tokens": new_tokens,
         "jax_tok_s": round(tokens / jax_s, 1),
-        "jax_compile_s": round(compile_s, 2),
+        "jax_compile_s": round(max(first - jax_s, 0.0), 2),
     }
-    if with_torch:
-        with tempfile.TemporaryDirectory() as tmp:
-            hf.save_hf(model, tmp)
-            torch_s = _time_torch(tmp, prompts, new_tokens, repeats)
+    if torch_times:
+        torch_s = statistics.median(torch_times)
         row["torch_tok_s"] = round(tokens / torch_s, 1)
         row["speedup"] = round(torch_s / jax_s, 2)
     return row

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -145,9 +144,15 @@ def main(argv=None) -> None:
     rl_only = rl_evals[-1]["wall_time_s"] - rl_evals[0]["wall_time_s"]
 
     shuffled_dir = os.path.join(workdir, "rl_shuffled")
-    os.makedirs(shuffled_dir, exist_ok=True)
-    shutil.copytree(sft_dir, os.path.join(shuffled_dir, "sft"))
-    _rl(shuffled_dir, overrides + ["RLConfig.shuffle_rewards = True"])
+    _rl(
+        shuffled_dir,
+        overrides
+        + [
+            "RLConfig.shuffle_rewards = True",
+            "rl_main.sft = None",
+            f"PolicySpec.init_from = '{sft_dir}'",
+        ],
+    )
 
     lr = 5e-5
     control_path, control_seconds = continued_sft(
