@@ -26,6 +26,17 @@ mmapped, so pushes (and `np.copy`) pay page faults; prefixing the command with
 
     python -m bench.sync            # ~100M params, 7 layout pairs, about 2 minutes on 2 cores
     python -m bench.sync --smoke    # tiny model, 5 pairs, a few seconds (tests/test_bench_sync.py)
+
+`--cross_process` measures `jaxrl.weight_sync_xproc` instead: the first pair (fsdp2 tp2 -> dp2
+tp2) pushed in this process (8 devices, the in-process figure, transport "assemble") and then
+in a 2-process job (`launch.local_cluster`, 4 devices each, gloo) with both cross-process
+transports, (split) trainer on process 0 and generator on process 1, (span, not in --smoke)
+each role on two devices of each process. Push seconds are the slowest process's; `cross_mb`
+are the bytes that cross between processes (the rest are copies inside one process). Results
+go to bench/results/sync_xproc.{json,md}.
+
+    python -m bench.sync --cross_process           # ~100M params
+    python -m bench.sync --cross_process --smoke   # tiny (tests/test_distributed_bench_sync.py)
 """
 
 from __future__ import annotations
@@ -41,9 +52,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -219,26 +232,41 @@ def measure(pair: LayoutPair, host_params, abstract, repeats: int, chunk_bytes: 
     }
 
 
+def _model(args):
+    """(abstract params, random host params of that shape, repeats, chunk bytes)."""
+    config = rlbench_tiny(num_layers=1) if args.smoke else llama_100m()
+    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    # Random values of the model's shapes: what a push costs does not depend on them.
+    rng = np.random.default_rng(0)
+    host_params = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32), abstract)
+    repeats = 1 if args.smoke else args.repeats
+    chunk_bytes = int((1.0 if args.smoke else args.chunk_mb) * MB)
+    return abstract, host_params, repeats, chunk_bytes
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few seconds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk_mb", type=float, default=64.0)
+    parser.add_argument("--cross_process", action="store_true", help="2-process transports")
+    parser.add_argument("--xproc_worker", metavar="OUT_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.xproc_worker:  # one process of the --cross_process job: join it before anything
+        return _xproc_worker(args)
     if len(jax.devices()) < 8:
         raise SystemExit(
             f"bench.sync needs 8 devices, JAX sees {len(jax.devices())}; run it with "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 in a fresh process."
         )
-    config = rlbench_tiny(num_layers=1) if args.smoke else llama_100m()
-    repeats = 1 if args.smoke else args.repeats
-    chunk_bytes = int((1.0 if args.smoke else args.chunk_mb) * MB)
-    command = "python -m bench.sync" + "".join(f" {a}" for a in (argv or []))
-
-    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    # Random values of the model's shapes: what a push costs does not depend on them.
-    rng = np.random.default_rng(0)
-    host_params = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32), abstract)
+    abstract, host_params, repeats, chunk_bytes = _model(args)
+    flags = sys.argv[1:] if argv is None else argv
+    command = "python -m bench.sync" + "".join(f" {a}" for a in flags)
+    if args.cross_process:
+        in_process = measure(PAIRS[0], host_params, abstract, repeats, chunk_bytes)
+        del host_params
+        gc.collect()
+        return _cross_process(args, in_process, abstract, chunk_bytes, command)
     rows = []
     # Smoke: one pair per route kind (joined, resharded, cast, cut, plain device_put).
     pairs = [PAIRS[i] for i in (0, 1, 2, 5, 6)] if args.smoke else PAIRS
@@ -268,6 +296,143 @@ def main(argv=None) -> list[dict]:
     name = "sync_smoke" if args.smoke else "sync"
     params_m = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract)) / 1e6
     note = f"`{command}` on {machine()}; {params_m:.1f}M params, chunk {chunk_bytes / MB:g} MB"
+    print(write_results(name, rows, columns, note))
+    return rows
+
+
+# Cross-process (--cross_process) ------------------------------------------------------------
+
+XPROC_LAYOUTS = {
+    "split": "trainer = process 0, generator = process 1",
+    "span": "each role: 2 devices on each process",
+}
+
+
+def _xproc_worker(args) -> list[dict]:
+    """One process of the 2 x 4-device job: every layout x transport; process 0 writes rows."""
+    from jax.experimental import multihost_utils
+
+    from jaxrl.infra.distributed import initialize_from_env
+    from jaxrl.weight_sync_xproc import CrossProcessWeightSync
+
+    info = initialize_from_env()
+    abstract, host_params, repeats, chunk_bytes = _model(args)
+    by_process = [jax.local_devices(process_index=p) for p in range(jax.process_count())]
+    rows = []
+    for layout in ["split"] if args.smoke else XPROC_LAYOUTS:
+        if layout == "split":
+            trainer_devices, gen_devices = by_process[0][:4], by_process[1][:4]
+        else:
+            trainer_devices = by_process[0][:2] + by_process[1][:2]
+            gen_devices = by_process[0][2:4] + by_process[1][2:4]
+        ids = tuple(d.id for d in trainer_devices)
+        trainer_mesh = make_mesh(dataclasses.replace(PAIRS[0].trainer, device_ids=ids))
+        ids = tuple(d.id for d in gen_devices)
+        gen_mesh = make_mesh(dataclasses.replace(PAIRS[0].generator, device_ids=ids))
+        trainer_shardings = param_shardings(abstract, trainer_mesh, TRAINER_RULES)
+        gen_shardings = param_shardings(abstract, gen_mesh, GENERATOR_RULES)
+        params = jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(
+                x.shape, s, lambda i, x=x: x[i], dtype=x.dtype
+            ),
+            host_params,
+            trainer_shardings,
+        )
+        for transport in ("device_put", "ppermute"):
+            sync = CrossProcessWeightSync(
+                trainer_shardings, gen_shardings, chunk_bytes=chunk_bytes, transport=transport
+            )
+            plan = sync.plan(params)
+            src = np.ones(plan.bytes_moved // 4, np.float32)
+            dst = np.zeros_like(src)
+            memcpy = functools.partial(np.copyto, dst, src)
+            gen, first = sync.push(params, 0)
+            times = collections.defaultdict(list)
+            for version in range(1, repeats + 1):
+                gen, metrics = sync.push(params, version, gen)
+                times["push"].append(metrics.seconds)
+                times["memcpy"].append(_seconds(memcpy))
+            gen.delete()
+            del src, dst, memcpy
+            mine = [statistics.median(times["push"]), first.seconds]
+            gathered = multihost_utils.process_allgather(np.asarray(mine, np.float64))
+            push_s, first_s = (float(t) for t in np.max(gathered, 0))
+            memcpy_s = statistics.median(times["memcpy"])
+            rows.append(
+                {
+                    "layout": f"{layout}: {XPROC_LAYOUTS[layout]}",
+                    "processes": jax.process_count(),
+                    "transport": transport,
+                    "params_mb": round(plan.params_bytes / MB, 1),
+                    "moved_mb": round(plan.bytes_moved / MB, 1),
+                    "cross_mb": round(plan.cross_process_bytes / MB, 1),
+                    "chunks": len(plan.chunks),
+                    "push_s": round(push_s, 4),
+                    "first_push_s": round(first_s, 3),
+                    "gbps": round(plan.bytes_moved / push_s / 1e9, 3),
+                    "memcpy_gbps": round(plan.bytes_moved / memcpy_s / 1e9, 2),
+                }
+            )
+            gc.collect()
+        jax.tree.map(lambda x: x.delete(), params)
+    if info.process_index == 0:
+        with open(args.xproc_worker, "w") as f:
+            json.dump(rows, f)
+    return rows
+
+
+def _cross_process(args, in_process: dict, abstract, chunk_bytes: int, command: str):
+    """Runs the 2-process job, merges its rows with the in-process figure, writes results."""
+    import tempfile
+
+    from launch import local_cluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        worker = [sys.executable, "-m", "bench.sync", "--xproc_worker", out]
+        worker += ["--smoke"] if args.smoke else []
+        worker += ["--repeats", str(args.repeats), "--chunk_mb", str(args.chunk_mb)]
+        status = local_cluster.run(worker, 2, 4, timeout_s=1800, heartbeat_timeout_s=30)
+        if status != 0:
+            raise SystemExit(f"the cross-process bench job failed with status {status}")
+        with open(out) as f:
+            rows = json.load(f)
+    baseline = {
+        "layout": "in-process: trainer devices 0-3, generator 4-7",
+        "processes": 1,
+        "transport": in_process["transport"],
+        "params_mb": in_process["params_mb"],
+        "moved_mb": in_process["moved_mb"],
+        "cross_mb": 0.0,
+        "chunks": in_process["chunks"],
+        "push_s": in_process["push_s"],
+        "first_push_s": in_process["first_push_s"],
+        "gbps": in_process["gbps"],
+        "memcpy_gbps": in_process["memcpy_gbps"],
+    }
+    rows = [baseline, *rows]
+    for row in rows:
+        row["vs_in_process"] = round(row["gbps"] / baseline["gbps"], 2)
+        row["command"] = command
+        print(json.dumps(row), flush=True)
+    columns = [
+        ("layout", f"{PAIRS[0].name}: placement"),
+        ("processes", "processes"),
+        ("transport", "transport"),
+        ("moved_mb", "moved MB"),
+        ("cross_mb", "cross-process MB"),
+        ("push_s", "push s"),
+        ("gbps", "push GB/s"),
+        ("vs_in_process", "vs in-process"),
+        ("first_push_s", "first push s"),
+        ("memcpy_gbps", "memcpy GB/s"),
+    ]
+    name = "sync_xproc_smoke" if args.smoke else "sync_xproc"
+    params_m = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract)) / 1e6
+    note = (
+        f"`{command}` on {machine()} (the 2-process job: 2 x 4 CPU devices, gloo); "
+        f"{params_m:.1f}M params fp32, chunk {chunk_bytes / MB:g} MB"
+    )
     print(write_results(name, rows, columns, note))
     return rows
 

@@ -1,0 +1,74 @@
+"""`python -m launch.local_cluster`: per-process environment and XLA flags, output prefixed by
+process id, and when one process fails the others are stopped (even one that ignores SIGTERM,
+as JAX processes do) and its exit status is the launcher's. Commands here are tiny Python
+snippets, so no JAX job is started."""
+
+import subprocess
+import sys
+import time
+
+from test_distributed_weight_sync import REPO
+
+from jaxrl.infra.distributed import DistributedConfig
+from launch import local_cluster
+
+
+def _launch(snippet: str, *flags: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "launch.local_cluster", *flags, "--"]
+    command += [sys.executable, "-c", snippet]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_process_env_sets_the_job_and_keeps_other_xla_flags():
+    config = DistributedConfig("127.0.0.1:9", 2, 1, transfer_address="127.0.0.1:10")
+    base = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", "A": "b"}
+    env = local_cluster.process_env(base, config, devices_per_process=3)
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3"
+    assert env["A"] == "b" and env["JAX_PLATFORMS"] == "cpu"
+    assert DistributedConfig.from_env(env) == config
+
+
+def test_outputs_are_prefixed_and_each_process_gets_its_id():
+    snippet = (
+        "import os; e = os.environ; "
+        "print('id', e['JAXRL_PROCESS_ID'], 'of', e['JAXRL_NUM_PROCESSES'], e['XLA_FLAGS'], "
+        "e['JAXRL_COORDINATOR_ADDRESS'].startswith('127.0.0.1:'))"
+    )
+    result = _launch(snippet, "--num_processes", "3", "--devices_per_process", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for i in range(3):
+        line = f"[{i}] id {i} of 3 --xla_force_host_platform_device_count=2 True"
+        assert line in result.stdout.splitlines(), result.stdout
+
+
+def test_a_failing_process_stops_the_others_and_sets_the_exit_status():
+    snippet = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like JAX's preemption handler\n"
+        "if os.environ['JAXRL_PROCESS_ID'] == '1':\n"
+        "    print('failing', flush=True); sys.exit(3)\n"
+        "print('sleeping', flush=True); time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    result = _launch(
+        snippet, "--num_processes", "2", "--devices_per_process", "1", "--grace_s", "1"
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "[1] failing" in result.stdout and "[0] sleeping" in result.stdout
+    assert "[local_cluster] process 1 exited with status 3; stopping the others" in result.stdout
+    assert time.monotonic() - start < 15
+
+
+def test_timeout_stops_everything():
+    snippet = "import time; time.sleep(60)"
+    flags = ("--num_processes", "2", "--devices_per_process", "1", "--timeout_s", "1")
+    result = _launch(snippet, *flags)
+    assert result.returncode == local_cluster.EXIT_TIMEOUT
+    assert "timed out after 1 s" in result.stdout
+
+
+def test_bad_flags():
+    result = _launch("pass", "--num_processes", "0", "--devices_per_process", "1")
+    assert result.returncode == 2 and "must both be >= 1" in result.stderr
