@@ -44,7 +44,7 @@ def llama_100m(**overrides) -> ModelConfig:
             factor=8.0,
             original_max_position_embeddings=8192,
         ),
-        max_position_embeddings=2048,
+        max_position_embeddings=8192,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
