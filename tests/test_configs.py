@@ -25,6 +25,10 @@ def _launch_fn(path: str):
         from launch.sft import sft_main
 
         return sft_main
+    if kind == "msd":
+        from launch.msd import msd_main
+
+        return msd_main
     raise AssertionError(f"{path}: no launcher known for configs/{kind}/")
 
 

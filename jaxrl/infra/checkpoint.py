@@ -295,6 +295,8 @@ class Checkpointer:
         temporary directory exists (the state a crash mid-save leaves on disk)."""
         from orbax.checkpoint._src.path import atomicity
 
+        self.wait_until_finished()  # an earlier save in flight must commit, not hang on the patch
+
         async def never_finalize(self_):
             await asyncio.sleep(3600)
 
