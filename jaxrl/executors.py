@@ -7,20 +7,28 @@ job draws exactly the same samples.
 
 RewardExecutor: decodes completions and scores them with a registered (or given) reward function;
 a reward that raises or returns non-finite values stops the run with a message naming it.
+
+Async mode (the generator on its own mesh): `mesh_sampler` and `generator_param_shardings` place
+the generator, and `GeneratorWeights` hands it the trainer's pushed weights version by version.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra.sharding import param_shardings
+from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout
+from jaxrl.rollout_queue import QueueClosed
 from jaxrl.tasks.rewards import RewardError, compute_rewards
 from jaxrl.tasks.source import PromptItem
 
@@ -139,3 +147,128 @@ class RewardExecutor:
             "time/reward_s": time.perf_counter() - start,
         }
         return rollouts, metrics
+
+
+# --- async mode: the generator on its own mesh --------------------------------------------------
+
+
+def mesh_sampler(trainer, tokenizer, mesh: jax.sharding.Mesh, rules) -> Sampler:
+    """A sampler for the trainer's model on another mesh with that role's rules table (the
+    generator's own devices in async mode); prompt buckets as the colocated sampler's."""
+    return Sampler(
+        trainer.graphdef,
+        trainer.model_config,
+        pad_id=tokenizer.pad_token_id,
+        eos_ids=trainer.model_config.eos_token_ids,
+        prompt_buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+        mesh=mesh,
+        rules=rules,
+    )
+
+
+def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules):
+    """The params' shardings on the generator mesh (same pure-dict tree as the trainer's)."""
+    model = nnx.eval_shape(lambda: Transformer(trainer.model_config, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
+
+
+class GeneratorWeights:
+    """The generator's copies of the policy, by version: the trainer thread publishes each new
+    version (a `WeightSync` push into fresh generator buffers), the generator thread acquires the
+    version each batch is sampled with.
+
+    No rollout is sampled from half-updated weights: a push never writes into buffers a batch
+    samples from (the version in use stays whole until the generator, between two batches,
+    acquires a newer one and frees it), and a version is visible only once its push returned.
+
+    Memory on the generator devices: at most two copies of the params (the one in use and one
+    newer) -- a double buffer. Before pushing, `publish` waits until the generator holds at most
+    one copy (fixed lag: every version is used, so it waits for the generator to take the
+    pending one) or, with `latest_only` (free-running: the generator always takes the newest),
+    frees the pending version that the new one supersedes and never waits. Why not WeightSync's
+    pause-and-swap (peak params + one chunk): a swap must wait for the batch being sampled to
+    finish, so the trainer would idle up to one generate call per step, the very overlap async
+    mode exists for; one extra copy of the params on the generator buys it back.
+
+    Args:
+      sync: the trainer -> generator transport (built for the trainer's and generator's
+        shardings); pushes run with `previous=None`, so its strategy does not matter here.
+      latest_only: free-running schedule (see above).
+    """
+
+    def __init__(self, sync, *, latest_only: bool):
+        self.sync, self.latest_only = sync, latest_only
+        self._held: dict[int, object] = {}  # version -> GeneratorParams
+        self._in_use: int | None = None
+        self._closed: QueueClosed | None = None
+        self._cond = threading.Condition()
+
+    def publish(self, trainer_params, version: int, timeout: float | None = None):
+        """Pushes `trainer_params` as `version` (trainer thread; before the next step donates
+        them). Returns (SyncMetrics, seconds spent waiting for the generator to free a slot)."""
+        start = time.perf_counter()
+        with self._cond:
+            if self.latest_only:
+                for v in [v for v in self._held if v != self._in_use]:
+                    self._held.pop(v).delete()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while len(self._held) >= 2:
+                self._wait(deadline, f"the generator to take version {min(self._held)}")
+        waited = time.perf_counter() - start
+        params, metrics = self.sync.push(trainer_params, version)
+        with self._cond:
+            self._held[version] = params
+            self._cond.notify_all()
+        return metrics, waited
+
+    def acquire(self, version: int | None, timeout: float | None = None):
+        """The `GeneratorParams` of `version` (None: the newest published), waiting until it is
+        published (generator thread, between batches). Frees every older version: the schedules
+        never ask for an older version than the last one acquired."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if None not in (version, self._in_use) and version < self._in_use:
+                raise ValueError(f"version {version} asked for after version {self._in_use}")
+            while True:
+                if self._closed is not None:
+                    raise QueueClosed(self._closed.error)
+                if version is None and self._held:
+                    version = max(self._held)
+                if version in self._held:
+                    break
+                self._wait(deadline, f"policy version {version}")
+            for v in [v for v in self._held if v < version]:
+                self._held.pop(v).delete()
+            self._in_use = version
+            self._cond.notify_all()
+            return self._held[version]
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Wakes every waiter (they raise QueueClosed(error)); the first close wins."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = QueueClosed(error)
+            self._cond.notify_all()
+
+    def free(self) -> None:
+        """Deletes every held copy (end of run; the generator thread has stopped)."""
+        with self._cond:
+            for params in self._held.values():
+                params.delete()
+            self._held.clear()
+
+    @property
+    def held_versions(self) -> list[int]:
+        with self._cond:
+            return sorted(self._held)
+
+    def _wait(self, deadline: float | None, what: str) -> None:
+        if self._closed is not None:
+            raise QueueClosed(self._closed.error)
+        if deadline is None:
+            self._cond.wait()
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"timed out waiting for {what}")
+        self._cond.wait(remaining)

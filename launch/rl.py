@@ -1,29 +1,40 @@
 """RL post-training of a policy (LlamaRL-style controller).
 
+    python -m launch.rl --gin_file=configs/rl/arith_tiny.gin --workdir=runs/arith        # async
     python -m launch.rl --gin_file=configs/rl/arith_tiny_sync.gin --workdir=runs/arith_sync
 
-Recipe: config (already validated by `launch`) -> tokenizer, model config, task -> trainer mesh
-and shardings -> initial params (this run's newest checkpoint, else `init_from`, else the SFT
-stage in WORKDIR/sft, else random) -> executors -> controller loop -> wait for checkpoints.
+Recipe: config (already validated by `launch`) -> tokenizer, model config, task -> meshes (the
+trainer's; in async mode also the generator's, on disjoint devices) and shardings -> initial
+params (this run's newest checkpoint, else `init_from`, else the SFT stage in WORKDIR/sft, else
+random) -> executors (async: the generator's sampler on its mesh, the trainer -> generator
+WeightSync) -> controller loop -> wait for checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 
 import gin
 from flax import nnx
 
 from jaxrl import workdir as run_dir
 from jaxrl.controller import Controller, sampling_config
-from jaxrl.executors import GeneratorExecutor, RewardExecutor
+from jaxrl.executors import (
+    GeneratorExecutor,
+    GeneratorWeights,
+    RewardExecutor,
+    generator_param_shardings,
+    mesh_sampler,
+)
 from jaxrl.infra.config import launch
-from jaxrl.infra.mesh import make_mesh
-from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.infra.mesh import check_disjoint, make_mesh
+from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
 from jaxrl.sft import colocated_sampler, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
 from jaxrl.trainer import Trainer
+from jaxrl.weight_sync import WeightSync
 from launch.configs import (
     LossConfig,
     MeshConfig,
@@ -57,6 +68,15 @@ def initial_params(workdir, policy, task, sft, mesh_config, trainer, model_confi
     return trainer.init_params(0)
 
 
+def _keep_cause_visible(error: BaseException) -> None:
+    """gin re-raises an exception that escapes a configurable as a proxy `from None`, which
+    hides its cause (e.g. a user reward's own traceback under the RewardError); keep it as a
+    note, which the proxy shows."""
+    if error.__cause__ is not None:
+        cause = "".join(traceback.format_exception(error.__cause__)).rstrip()
+        error.add_note(f"Caused by:\n{cause}")
+
+
 @gin.configurable
 def rl_main(
     workdir: str,
@@ -66,8 +86,12 @@ def rl_main(
     optimizer: OptimizerConfig = gin.REQUIRED,
     loss: LossConfig = LossConfig(),
     mesh: MeshConfig = MeshConfig(("fsdp", "tp"), (1, 1)),
+    generator_mesh: MeshConfig | None = None,
     sft: SFTConfig | None = None,
 ) -> dict:
+    """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
+    `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
+    laid out by GENERATOR_RULES (axes ("dp", "tp"))."""
     tokenizer = build_tokenizer(policy, task)
     model_config = build_model_config(policy, tokenizer)
     source = build_source(task, tokenizer)
@@ -77,10 +101,19 @@ def rl_main(
             f"LossConfig.temperature={loss.temperature} differs from RLConfig.temperature="
             f"{rl.temperature}: the trainer must score tokens under the sampling distribution"
         )
+    if (rl.mode == "async") != (generator_mesh is not None):
+        raise SystemExit(
+            f"RLConfig.mode={rl.mode!r} with rl_main.generator_mesh="
+            f"{'set' if generator_mesh else 'None'}: async mode needs the generator's own "
+            "devices (bind rl_main.generator_mesh = @generator/MeshConfig()); sync mode is "
+            "colocated (no generator_mesh; for on-policy on disjoint meshes use async with "
+            "RLConfig.lag = 0)"
+        )
 
+    trainer_mesh = make_mesh(mesh)
     trainer = Trainer(
         model_config,
-        make_mesh(mesh),
+        trainer_mesh,
         TRAINER_RULES,
         optimizer.make(rl.total_steps),
         grad_accum_steps=optimizer.grad_accum_steps,
@@ -97,8 +130,9 @@ def rl_main(
     )
     try:
         restored = io.restore(trainer.abstract_state())
+        extra = None
         if restored is not None:
-            state, _ = restored
+            state, extra = restored
         else:
             state = trainer.init(
                 initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
@@ -108,7 +142,18 @@ def rl_main(
         if loss.kl_coef > 0:
             ref_params = initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
 
-        sampler = colocated_sampler(trainer, tokenizer)
+        weights = None
+        if generator_mesh is None:
+            sampler = colocated_sampler(trainer, tokenizer)
+        else:
+            gen_mesh = make_mesh(generator_mesh)
+            check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
+            sampler = mesh_sampler(trainer, tokenizer, gen_mesh, GENERATOR_RULES)
+            sync = WeightSync(
+                trainer.param_shardings,
+                generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
+            )
+            weights = GeneratorWeights(sync, latest_only=rl.schedule == "free_running")
         generator = GeneratorExecutor(
             sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed
         )
@@ -125,8 +170,14 @@ def rl_main(
             io,
             reward=reward,
             ref_params=ref_params,
+            weights=weights,
+            eval_sampler=colocated_sampler(trainer, tokenizer) if weights else None,
         )
-        state = controller.run_sync(state)
+        try:
+            state = controller.run(state, extra)
+        except Exception as error:
+            _keep_cause_visible(error)
+            raise
     finally:
         io.close()
 

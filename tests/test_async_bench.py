@@ -1,0 +1,22 @@
+"""`python -m bench.rl --smoke` runs both settings end to end (8 fake devices through the
+library's Controller, and the CPU proxy's pinned processes) and its figures are self-consistent;
+the full run (`python -m bench.rl`) is the measurement quoted in the README."""
+
+from bench import rl
+
+
+def test_bench_rl_smoke():
+    rows = rl.main(["--smoke"])
+    assert [r["setting"] for r in rows] == [rl.FAKE8] * 2 + [rl.PROXY] * 2
+    for row in rows:
+        assert row["command"] == "python -m bench.rl --smoke"
+        assert row["step_s"] > 0 and row["train_s"] > 0 and row["generate_s"] > 0
+        assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["generator_idle_frac"] <= 1
+        assert 0 <= row["overlap_frac"] <= 1
+        if row["baseline"]:
+            assert row["mode"].startswith("sync") and row["speedup"] == 1.0
+            assert row["sync_s"] == 0 and "bound" not in row
+        else:  # fixed lag 1: every batch after warm-up is one version old, none dropped
+            assert row["mode"].startswith("async fixed lag 1") and row["dropped_samples"] == 0
+            assert row["staleness_mean"] == 1.0 and row["sync_s"] > 0
+            assert 1.0 <= row["bound"] <= 2.0 and row["speedup"] > 0

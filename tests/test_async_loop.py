@@ -1,0 +1,233 @@
+"""The async loop end to end through `launch.rl` on configs/rl/arith_tiny.gin (trainer FSDP 2 x TP 2
+on devices 0-3, generator 2 x TP 2 on devices 4-7): fixed-lag runs are reproducible bit for bit
+and resume exactly after kills between and inside saves; a failing reward or generator ends the
+run quickly, loudly, with the last checkpoint intact.
+
+Subprocesses share a persistent XLA compilation cache (same programs, so only the first run
+compiles); that changes no result, only the seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxrl import workdir as run_dir
+from jaxrl.infra.metrics import read_metrics
+from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
+MARK_ENV = "JAXRL_TEST_FAULT_MARK"
+# Six steps of fixed-lag-2 async RL from random weights, saved (and kept) every 2 steps, no
+# evaluation.
+TINY = [
+    "rl_main.sft = None",
+    "TaskSpec.reward = 'rewards_for_tests:even_length'",
+    "RLConfig.total_steps = 6",
+    "RLConfig.num_prompts = 4",
+    "RLConfig.samples_per_prompt = 4",
+    "RLConfig.eval_size = 0",
+    "RLConfig.save_every_steps = 2",
+    "RLConfig.keep_last_n = 3",
+    "RLConfig.lag = 2",
+    "RLConfig.max_staleness = 2",
+    "RLConfig.queue_size = 3",
+    "OptimizerConfig.learning_rate = 1e-2",
+    "OptimizerConfig.warmup_steps = 0",
+]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    return str(tmp_path_factory.getbasetemp() / "async_xla_cache")
+
+
+def _flags(workdir, params):
+    flags = ["--gin_file", CONFIG, "--workdir", str(workdir)]
+    for p in params:
+        flags += ["--gin_param", p]
+    return flags
+
+
+def _start(workdir, cache, params=(), fault=None, entry=("-m", "launch.rl"), mark=None):
+    env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
+    env["JAX_COMPILATION_CACHE_DIR"] = cache
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    if fault:
+        env["JAXRL_FAULT"] = fault
+    if mark:
+        env[MARK_ENV] = str(mark)
+    return subprocess.Popen(
+        [sys.executable, *entry, *_flags(workdir, TINY + list(params))],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(process) -> subprocess.CompletedProcess:
+    """Waits for `process`; `.ended` is the wall-clock time it exited (as seen from here)."""
+    stdout, stderr = process.communicate(timeout=600)
+    result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    result.ended = time.time()
+    return result
+
+
+def _run(workdir, cache, params=(), fault=None):
+    return _finish(_start(workdir, cache, params, fault))
+
+
+def _params(workdir, step=None):
+    config = build_model_config(PolicySpec(), build_tokenizer(PolicySpec(), TaskSpec()))
+    from flax import nnx
+
+    step, state = run_dir.restore_params(str(workdir), config, step=step)
+    return step, {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(state)}
+
+
+def _extra(workdir, step):
+    extra_dir = Path(workdir) / "checkpoints" / str(step) / "extra"
+    return json.loads(next(p for p in extra_dir.iterdir() if p.suffix != ".txt").read_text())
+
+
+def _last_records(workdir):
+    by_step = {r["step"]: r for r in read_metrics(str(Path(workdir) / "metrics.jsonl"))}
+    return [by_step[s] for s in sorted(by_step) if s > 0]
+
+
+def test_fixed_lag_is_reproducible_and_resumes_exactly_after_kills(tmp_path, xla_cache):
+    """A run killed after step 3 (step 2 saved) and inside the save of step 4, then rerun, ends
+    bitwise equal to an uninterrupted run with the same seed, having trained batch k at step
+    k + 1 exactly once: the batches sampled ahead by older versions came back from the
+    checkpoint. Its first process, a fresh same-seed run, also matches the reference's step-2
+    checkpoint bit for bit, rollouts sampled ahead included."""
+    reference = _run(tmp_path / "reference", xla_cache)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "run"
+    killed = _run(run, xla_cache, fault="kill_at_step=3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    _, ref_2 = _params(tmp_path / "reference", 2)
+    _, run_2 = _params(run, 2)
+    assert all(ref_2[k].tobytes() == run_2[k].tobytes() for k in ref_2)
+    sampled = [  # batches 2 and 3, sampled ahead (timings aside)
+        [(b["batch_index"], b["policy_version"], b["rollouts"]) for b in extra["pending_rollouts"]]
+        for extra in (_extra(tmp_path / "reference", 2), _extra(run, 2))
+    ]
+    assert sampled[0][:2] == sampled[1][:2]
+    # The step-2 checkpoint holds the batches sampled by versions older than 2 (lag 2: batches
+    # 2 and 3, by versions 0 and 1) and where the generator stopped.
+    extra = _extra(run, 2)
+    pending = extra["pending_rollouts"]
+    assert [b["batch_index"] for b in pending] == list(range(2, extra["data_position"]))
+    assert [b["policy_version"] for b in pending] == [
+        max(k - 2, 0) for k in range(2, 2 + len(pending))
+    ]
+    assert extra["data_position"] >= 4 and len(pending[0]["rollouts"]) == 16
+    killed = _run(run, xla_cache, fault="kill_in_save=4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "from step 2" in killed.stdout
+    assert (run / "checkpoints" / "4.orbax-checkpoint-tmp").exists()
+    resumed = _run(run, xla_cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "from step 2" in resumed.stdout
+
+    _, ref = _params(tmp_path / "reference")
+    step, params = _params(run)
+    assert step == 6
+    for name, value in ref.items():
+        assert value.tobytes() == params[name].tobytes(), name
+    _, at_4 = _params(run, 4)
+    assert any(at_4[k].tobytes() != ref[k].tobytes() for k in ref)  # RL moved them
+    for workdir in (tmp_path / "reference", run):
+        records = _last_records(workdir)
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        assert [r["data/batch_index"] for r in records] == [0, 1, 2, 3, 4, 5]
+        assert [r["async/staleness"] for r in records] == [0, 1, 2, 2, 2, 2]
+        assert records[-1]["async/dropped_samples"] == 0
+        assert records[-1]["async/staleness_mean"] == pytest.approx(9 / 6)
+        assert _extra(workdir, 6)["prompts_trained"] == 6 * 4
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+_CALLS = {"reward": 0}
+
+
+def reward_fails_at_batch_4(prompts, completions, references):
+    """`even_length`, except that its fifth call (batch 4; evaluation is off) raises."""
+    _CALLS["reward"] += 1
+    if _CALLS["reward"] == 5:
+        Path(os.environ[MARK_ENV]).write_text(repr(time.time()))
+        raise RuntimeError("injected reward failure")
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+def launch_with_generator_fault() -> None:
+    """`launch.rl` whose generator raises while sampling batch 4 (run in a subprocess)."""
+    from jaxrl.executors import GeneratorExecutor
+    from jaxrl.infra.config import launch
+    from launch.rl import rl_main
+
+    generate = GeneratorExecutor.generate
+
+    def failing(self, params, items, prompt_ids, policy_version, batch_index):
+        if batch_index == 4:
+            Path(os.environ[MARK_ENV]).write_text(repr(time.time()))
+            raise RuntimeError("injected generator failure")
+        return generate(self, params, items, prompt_ids, policy_version, batch_index)
+
+    GeneratorExecutor.generate = failing
+    launch(rl_main, sys.argv[1:])
+
+
+def test_a_failing_reward_or_generator_ends_the_run_fast_with_its_traceback(tmp_path, xla_cache):
+    """Batch 4 fails (lag 1), in the reward function of one run and in the generator of another
+    (run side by side). The trainer, waiting at the step-4 save for batch 4, re-raises the
+    original exception: non-zero exit within 10 s of the fault, the traceback through the failing
+    function, and the step-2 checkpoint intact (nothing half written)."""
+    lag_1 = ["RLConfig.lag = 1", "RLConfig.max_staleness = 1"]
+    reward = lag_1 + ["TaskSpec.reward = 'test_async_loop:reward_fails_at_batch_4'"]
+    generator = ("-c", "import sys, test_async_loop as t; t.launch_with_generator_fault()")
+    started = {
+        "reward": _start(tmp_path / "reward", xla_cache, reward, mark=tmp_path / "reward.t"),
+        "generator": _start(
+            tmp_path / "generator", xla_cache, lag_1, entry=generator, mark=tmp_path / "generator.t"
+        ),
+    }
+    expected = {
+        "reward": ["RuntimeError: injected reward failure", "in reward_fails_at_batch_4"],
+        "generator": ["RuntimeError: injected generator failure", "in failing"],
+    }
+    results = {}
+    waiters = [
+        threading.Thread(target=lambda w=w, p=p: results.__setitem__(w, _finish(p)))
+        for w, p in started.items()
+    ]
+    for waiter in waiters:
+        waiter.start()
+    for waiter in waiters:
+        waiter.join()
+    for where, result in results.items():
+        workdir = tmp_path / where
+        assert result.returncode == 1, (where, result.returncode, result.stderr[-3000:])
+        fault_time = float((tmp_path / f"{where}.t").read_text())
+        assert result.ended - fault_time < 10.0, where
+        for text in expected[where] + ["Traceback", "raised in the generator thread at batch 4"]:
+            assert text in result.stderr, (where, result.stderr[-3000:])
+        assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"], where
+        step, params = _params(workdir)
+        assert step == 2 and all(np.isfinite(v).all() for v in params.values()), where
