@@ -3,15 +3,17 @@
 1. SFT: `configs/rl/arith_tiny_sync.gin`'s warm start (lr decayed to 0), evaluated on the
    held-out set (>= 512 problems disjoint from training).
 2. RL: sync mode from that checkpoint, evaluated every `eval_every_steps`.
-3. Control A: continued SFT from the same checkpoint at the RL learning rate, for the same wall
-   time as the RL run (a checkpoint cut off at full lr would "improve" under any low-lr training;
-   ours is decayed to 0, and this control shows what plain extra training buys).
+3. Control A: continued SFT from the same checkpoint on the same demonstrations (the config's
+   pool of `SFTConfig.num_demonstrations`, continuing from the SFT stage's data position) at the
+   RL learning rate, for the same wall time as the RL run (a checkpoint cut off at full lr would
+   "improve" under any low-lr training; ours is decayed to 0, and this control shows what plain
+   extra training on the demonstrations there are buys).
 4. Control B: RL with the rewards shuffled within each batch (no information in the signal).
 
 Reports greedy and temperature-1 accuracy at the start and the mean of the last 3 evaluations,
 as JSON and a markdown table (bench/results/rl_learning.*), plus a plot.
 
-    python -m bench.rl_learning                 # the full experiment (~15 min on 2 CPU cores)
+    python -m bench.rl_learning                 # the full experiment (~20 min on 2 CPU cores)
     python -m bench.rl_learning --smoke         # seconds, checks the plumbing
 """
 
@@ -63,9 +65,28 @@ def _summary(name, evals, seconds):
     return row
 
 
-def continued_sft(sft_dir, out_dir, learning_rate, seconds, eval_every_steps, eval_size):
+def _config_values(overrides) -> dict:
+    """The SFT demonstrations and the RL learning rate the config (with `overrides`) binds."""
+    import launch.configs  # noqa: F401  (registers the configurables)
+
+    gin.parse_config_files_and_bindings([CONFIG], overrides)
+    try:
+        return {
+            "rl_learning_rate": gin.query_parameter("OptimizerConfig.learning_rate"),
+            "pool": gin.query_parameter("SFTConfig.num_demonstrations"),
+            "sft_position": gin.query_parameter("SFTConfig.steps")
+            * gin.query_parameter("SFTConfig.batch_size"),
+        }
+    finally:
+        gin.clear_config()
+
+
+def continued_sft(
+    sft_dir, out_dir, learning_rate, seconds, eval_every_steps, eval_size, pool, position
+):
     """Control A: SFT from the finished SFT checkpoint at a constant `learning_rate` for
-    `seconds` of wall time, evaluated like the RL run."""
+    `seconds` of wall time on the stage's demonstrations (`pool`, from data `position` on),
+    evaluated like the RL run."""
     from jaxrl import workdir as run_dir
     from jaxrl.evaluation import evaluate
     from jaxrl.infra.mesh import MeshConfig, make_mesh
@@ -101,9 +122,8 @@ def continued_sft(sft_dir, out_dir, learning_rate, seconds, eval_every_steps, ev
 
     run_eval(0)
     start, step = time.perf_counter(), 0
-    offset = 10_000_000  # demonstrations the SFT stage never saw
     while time.perf_counter() - start < seconds:
-        tokens, mask = source.demonstrations(offset + step * 64, 64, tokenizer, 16)
+        tokens, mask = source.demonstrations(position + step * 64, 64, tokenizer, 16, pool=pool)
         state, metrics = trainer.sft_step(state, {"tokens_bs": tokens, "loss_mask_bs": mask})
         step += 1
         if step % eval_every_steps == 0:
@@ -154,9 +174,16 @@ def main(argv=None) -> None:
         ],
     )
 
-    lr = 5e-5
+    values = _config_values(overrides)
     control_path, control_seconds = continued_sft(
-        sft_dir, os.path.join(workdir, "sft_continued"), lr, rl_only, eval_every, eval_size
+        sft_dir,
+        os.path.join(workdir, "sft_continued"),
+        values["rl_learning_rate"],
+        rl_only,
+        eval_every,
+        eval_size,
+        values["pool"],
+        values["sft_position"],
     )
     sft_evals = _evals(os.path.join(sft_dir, "metrics.jsonl"))
     rows = [

@@ -31,6 +31,11 @@ from jaxrl.trainer import OptimizerConfig, Params, Trainer
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
+    """The supervised warm start: `steps` AdamW steps on batches of `batch_size` demonstrations
+    (padded to `seq_len` tokens), evaluated greedily on `eval_size` held-out problems.
+    `num_demonstrations` > 0 limits the demonstrations to a pool of that many worked problems,
+    cycled (a scarce-data warm start); 0 draws fresh ones from the task's unlimited stream."""
+
     steps: int = 300
     batch_size: int = 64
     seq_len: int = 16
@@ -44,8 +49,14 @@ class SFTConfig:
     save_every_steps: int = 100
     keep_last_n: int = 2
     seed: int = 0
+    num_demonstrations: int = 0
 
     def validate(self) -> None:
+        if self.num_demonstrations < 0:
+            raise ValueError(
+                f"SFTConfig.num_demonstrations={self.num_demonstrations}: use 0 (an unlimited "
+                "stream of demonstrations) or a positive pool size"
+            )
         for name in ("steps", "batch_size", "seq_len", "eval_every_steps", "save_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1")
@@ -128,7 +139,11 @@ def run_sft(
         io.start(step)
         while step < config.steps:
             tokens, loss_mask = source.demonstrations(
-                step * config.batch_size, config.batch_size, tokenizer, config.seq_len
+                step * config.batch_size,
+                config.batch_size,
+                tokenizer,
+                config.seq_len,
+                pool=config.num_demonstrations,
             )
             state, metrics = trainer.sft_step(
                 state, {"tokens_bs": tokens, "loss_mask_bs": loss_mask}

@@ -37,9 +37,14 @@ class ArithmeticSource:
     def eval_items(self, limit: int) -> list[PromptItem]:
         return [PromptItem(p.prompt, p.answer) for p in self.task.heldout_problems(limit)]
 
-    def demonstrations(self, start: int, count: int, tokenizer, seq_len: int):
-        """SFT batch `(tokens_bs, loss_mask_bs)` of train items [start, start + count)."""
-        problems = [self.task.problem(i, "train") for i in range(start, start + count)]
+    def demonstrations(self, start: int, count: int, tokenizer, seq_len: int, pool: int = 0):
+        """SFT batch `(tokens_bs, loss_mask_bs)` of train items [start, start + count); with
+        `pool` > 0 the demonstrations are only train items [0, pool), cycled (a scarce-data
+        warm start: item i of the stream is item i mod pool)."""
+        indices = range(start, start + count)
+        if pool:
+            indices = [i % pool for i in indices]
+        problems = [self.task.problem(i, "train") for i in indices]
         return encode_demonstrations(problems, tokenizer, seq_len)
 
     def demonstration_text(self, index: int) -> str:
@@ -54,6 +59,11 @@ class JsonlMathSource:
 
     def __init__(self, train_path: str, eval_path: str | None, tokenizer, seed: int = 0):
         self.examples = load_math_jsonl(train_path)
+        if not self.examples:
+            raise ValueError(
+                f"{train_path}: no training problems (the file is empty); give a jsonl file "
+                "with one {\"question\": ..., \"answer\": ...} object per line"
+            )
         self.eval_examples = load_math_jsonl(eval_path) if eval_path else []
         self.tokenizer, self.seed = tokenizer, seed
 
