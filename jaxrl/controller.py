@@ -350,7 +350,7 @@ class Controller:
         `step` is generated and queued, since the saved weights cannot regenerate them)."""
         c = self.config
         force = step == c.total_steps
-        if not (force or self.io.ckpt.should_save(step)):
+        if not self.io.save_due(step, force):
             return 0.0
         start = time.perf_counter()
         if c.schedule == "fixed_lag":

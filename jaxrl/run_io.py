@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxrl import workdir as run_dir
-from jaxrl.infra import faults
+from jaxrl.infra import faults, preemption
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
 from jaxrl.infra.metrics import MetricsWriter, progress_bar
 from jaxrl.trainer import TrainState
@@ -57,6 +58,8 @@ class RunIO:
         self.metrics = MetricsWriter(workdir)
         self.bar = None
         self._start = time.perf_counter()
+        self._saved_step: int | None = None
+        preemption.install()
 
     def restore(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
         """The newest finished checkpoint of this run, or None."""
@@ -76,7 +79,7 @@ class RunIO:
     def log(self, step: int, metrics: dict[str, Any], headline: dict[str, str]) -> dict:
         """Writes `metrics` for `step`; raises NonFiniteLossError naming the step if the loss or
         gradient is NaN / Inf (the last good checkpoint is named too)."""
-        written = self.metrics.write(step, metrics)
+        written = self.metrics.write(step, {**metrics, "host/rss_mb": host_rss_mb()})
         for name in ("loss", "grad_norm"):
             value = written.get(name)
             if value is not None and not math.isfinite(value):
@@ -99,12 +102,23 @@ class RunIO:
                 )
         return written
 
+    def save_due(self, step: int, force: bool = False) -> bool:
+        """Whether `save` writes `step`: its schedule, `force`, or a requested stop (SIGTERM)."""
+        return force or preemption.requested() or self.ckpt.should_save(step)
+
     def save(self, state: TrainState, extra: dict, *, force: bool = False) -> None:
         step = int(state.step)
-        self.ckpt.save(step, state_tree(state), extra=extra, force=force)
+        if self.save_due(step, force):
+            self.ckpt.save(step, state_tree(state), extra=extra, force=True)
+            self._saved_step = step
 
     def after_step(self, step: int) -> None:
+        """Fault hooks; on a requested stop (SIGTERM), waits for this step's checkpoint and
+        raises `preemption.StopRequested`."""
         faults.after_step(step, wait_for_saves=self.ckpt.wait_until_finished)
+        if preemption.requested() and self._saved_step == step:
+            self.ckpt.wait_until_finished()
+            preemption.check(step, self._saved_step, self.ckpt.directory)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -112,6 +126,18 @@ class RunIO:
         self.ckpt.wait_until_finished()
         self.ckpt.close()
         self.metrics.close()
+
+
+def host_rss_mb() -> float:
+    """This process's resident memory in MB (Linux /proc; elsewhere the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def to_host(metrics: dict) -> dict[str, float]:

@@ -374,12 +374,31 @@ def load_tokenizer(tokenizer_dir: str):
 
 
 def _read_image(path: Path, config: JsonlDataConfig) -> np.ndarray:
-    """`[S, S, C]` float32 in [0, 1]; raises OSError / ValueError for an unreadable image."""
+    """`[S, S, C]` float32 in [0, 1]; raises OSError / ValueError for an unreadable image.
+
+    Any size is resized (bilinear) to `image_size`. Modes: 8-bit ones (L, RGB, P, CMYK, ...)
+    convert as PIL does; 16-bit grayscale keeps its full range (scaled by 65535, where a plain
+    conversion to 8 bits would clip it); transparency (RGBA, LA, P with a transparent colour) is
+    composited onto white; 32-bit integer / float images are refused (their range is unknown).
+    """
     from PIL import Image
 
+    size = (config.image_size, config.image_size)
     with Image.open(path) as image:
+        if image.mode.startswith("I;16"):
+            scaled = np.asarray(image, np.float32) / 65535.0
+            resized = Image.fromarray(scaled, "F").resize(size, Image.Resampling.BILINEAR)
+            gray = np.clip(np.asarray(resized, np.float32), 0.0, 1.0)
+            return gray[..., None] if config.grayscale else np.repeat(gray[..., None], 3, -1)
+        if image.mode in ("I", "F"):
+            raise ValueError(
+                f"image mode {image.mode!r} (32-bit) has no known pixel range; save the image "
+                "as 8- or 16-bit (PNG, JPEG)"
+            )
+        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+            rgba = image.convert("RGBA")
+            image = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba)
         image = image.convert("L" if config.grayscale else "RGB")
-        size = (config.image_size, config.image_size)
         image = image.resize(size, Image.Resampling.BILINEAR)
         pixels = np.asarray(image, np.float32) / 255.0
     return pixels[..., None] if config.grayscale else pixels

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl.infra import faults
+from jaxrl.infra import faults, preemption
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
 from jaxrl.infra.metrics import MetricsWriter, progress_bar
@@ -339,6 +339,7 @@ def run_training(
     A run whose last step is already saved is restored and returned without training.
     """
     run_dir = Path(run_dir)
+    preemption.install()
     ckpt = checkpointer(run_dir, config)
     writer = MetricsWriter(run_dir, tensorboard=False)
     bar = None
@@ -369,9 +370,16 @@ def run_training(
             if faults.wants_kill_in_save(done):
                 # The previous (async) save must commit first: the fault belongs to this save.
                 ckpt.wait_until_finished()
-            ckpt.save(done, state_tree(state), extra={"step": done}, force=done == config.steps)
+            stopping = preemption.requested()  # SIGTERM: save this step, then stop
+            force = done == config.steps or stopping
+            if force or ckpt.should_save(done):  # never checkpoint a non-finite state
+                _check_finite(float(metrics["loss/total"]), done, ckpt, desc)
+            ckpt.save(done, state_tree(state), extra={"step": done}, force=force)
             bar.update(1)
             faults.after_step(done, wait_for_saves=ckpt.wait_until_finished)
+            if stopping:
+                ckpt.wait_until_finished()
+                preemption.check(done, ckpt.latest_step(), str(ckpt.directory))
         ckpt.wait_until_finished()
     finally:
         if bar is not None:
@@ -384,7 +392,12 @@ def run_training(
 def _log(writer: MetricsWriter, step: int, metrics: dict, ckpt: Checkpointer, desc: str) -> None:
     written = writer.write(step, metrics)
     loss = written.get("loss/total")
-    if loss is not None and not math.isfinite(loss):
+    if loss is not None:
+        _check_finite(loss, step, ckpt, desc)
+
+
+def _check_finite(loss: float, step: int, ckpt: Checkpointer, desc: str) -> None:
+    if not math.isfinite(loss):
         raise NonFiniteLossError(
             f"[{desc}] loss is {loss} at step {step}; the last good checkpoint is step "
             f"{ckpt.latest_step()} in {ckpt.directory}. Lower the learning rate."

@@ -109,11 +109,12 @@ def _last_records(workdir):
 
 
 def test_fixed_lag_is_reproducible_and_resumes_exactly_after_kills(tmp_path, xla_cache):
-    """A run killed after step 3 (step 2 saved) and inside the save of step 4, then rerun, ends
-    bitwise equal to an uninterrupted run with the same seed, having trained batch k at step
-    k + 1 exactly once: the batches sampled ahead by older versions came back from the
-    checkpoint. Its first process, a fresh same-seed run, also matches the reference's step-2
-    checkpoint bit for bit, rollouts sampled ahead included."""
+    """A run killed after step 3 (step 2 saved), inside the save of step 4, and stopped by SIGTERM
+    after step 3 (it saves step 4, exits 0), then rerun, ends bitwise equal to an uninterrupted
+    run with the same seed, having trained batch k at step k + 1 exactly once: the batches
+    sampled ahead by older versions came back from the checkpoint. Its first process, a fresh
+    same-seed run, also matches the reference's step-2 checkpoint bit for bit, rollouts sampled
+    ahead included."""
     reference = _run(tmp_path / "reference", xla_cache)
     assert reference.returncode == 0, reference.stderr[-3000:]
     run = tmp_path / "run"
@@ -141,9 +142,15 @@ def test_fixed_lag_is_reproducible_and_resumes_exactly_after_kills(tmp_path, xla
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "from step 2" in killed.stdout
     assert (run / "checkpoints" / "4.orbax-checkpoint-tmp").exists()
+    # SIGTERM after step 3 (a graceful stop): the run saves step 4 and exits 0.
+    stopped = _run(run, xla_cache, fault="sigterm_at_step=3")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "from step 2" in stopped.stdout
+    assert "stopped by SIGTERM after step 4" in stopped.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
     resumed = _run(run, xla_cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "from step 2" in resumed.stdout
+    assert "from step 4" in resumed.stdout
 
     _, ref = _params(tmp_path / "reference")
     step, params = _params(run)
@@ -160,6 +167,35 @@ def test_fixed_lag_is_reproducible_and_resumes_exactly_after_kills(tmp_path, xla
         assert records[-1]["async/dropped_samples"] == 0
         assert records[-1]["async/staleness_mean"] == pytest.approx(9 / 6)
         assert _extra(workdir, 6)["prompts_trained"] == 6 * 4
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, xla_cache):
+    """A real SIGTERM from outside while the run trains: it finishes the step, saves it with the
+    async state, exits 0 within 30 s and says where the checkpoint is; the rerun resumes there."""
+    run = tmp_path / "run"
+    long = ["RLConfig.total_steps = 100", "RLConfig.save_every_steps = 1000"]
+    process = _start(run, xla_cache, long)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and any(r["step"] >= 2 for r in read_metrics(str(metrics)))):
+        assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.1)
+    sent = time.time()
+    process.send_signal(signal.SIGTERM)
+    stopped = _finish(process)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.ended - sent < 30.0
+    line = next(x for x in stopped.stdout.splitlines() if "stopped by SIGTERM after step" in x)
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert 2 <= step < 100
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(step)]
+    assert _extra(run, step)["data_position"] >= step + 2  # lag 2: batches sampled ahead kept
+    resumed = _run(run, xla_cache, long[:1] + ["RLConfig.total_steps = " + str(step + 2)])
+    assert resumed.returncode != 0  # a different config is refused, not silently mixed
+    assert "holds a run with a different config" in resumed.stderr
+    resumed = _run(run, xla_cache, long)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"from step {step}" in resumed.stdout
 
 
 # --- faults ------------------------------------------------------------------------------------

@@ -199,6 +199,26 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, caplog):
     assert "step 2" in caplog.text and "falling back" in caplog.text
 
 
+def test_writer_moves_a_corrupt_latest_aside_and_saves_that_step_again(tmp_path, capsys):
+    """A run resuming past a corrupt newest step must be able to save that step again: the
+    writer moves it to `N.corrupt` (Orbax would otherwise skip or refuse the step)."""
+    directory = tmp_path / "ckpt"
+    with ckpt_lib.Checkpointer(directory, _config(async_save=False)) as ckpt:
+        ckpt.save(1, _tiny_state(1.0))
+        ckpt.save(2, _tiny_state(2.0))
+    for data_dir in (directory / "2" / "state").glob("**/d"):
+        shutil.rmtree(data_dir)
+    with ckpt_lib.Checkpointer(directory, _config(async_save=False)) as ckpt:
+        assert ckpt.restore(abstract_target=_tiny_target()).step == 1
+        assert "moved to 2.corrupt and resumed from step 1" in capsys.readouterr().out
+        assert ckpt.latest_step() == 1
+        ckpt.save(2, _tiny_state(5.0), force=True)
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2", "2.corrupt"]
+    with ckpt_lib.Checkpointer(directory, read_only=True) as reader:
+        restored = reader.restore(abstract_target=_tiny_target())
+    assert restored.step == 2 and float(restored.state["w"][0, 0]) == 5.0
+
+
 _KILLED_WRITER = """
 import os, sys, time
 import jax.numpy as jnp

@@ -117,14 +117,18 @@ def test_missing_required_binding(tmp_path):
 def test_workdir_reuse_rules(gin_file, tmp_path):
     workdir = tmp_path / "run"
     _launch(gin_file, workdir)
-    (workdir / "checkpoints").mkdir()
-    _launch(gin_file, workdir)  # same config: resume allowed
-    assert (workdir / "checkpoints").exists() and len(CALLS) == 2
-
     changed = ("--gin_param", "ToyRunConfig.num_steps = 7")
+    # No checkpoint yet (the first launch failed early, say): a fixed config takes the workdir.
+    _launch(gin_file, workdir, *changed)
+    assert "num_steps = 7" in (workdir / config_lib.CONFIG_FILE).read_text()
+    _launch(gin_file, workdir, "--overwrite")
+    (workdir / "checkpoints" / "1").mkdir(parents=True)
+    _launch(gin_file, workdir)  # same config: resume allowed
+    assert (workdir / "checkpoints").exists() and len(CALLS) == 4
+
     with pytest.raises(SystemExit, match=r"different config(.|\n)*num_steps = 7(.|\n)*--overwrite"):
         _launch(gin_file, workdir, *changed)
-    assert len(CALLS) == 2
+    assert len(CALLS) == 4
     _launch(gin_file, workdir, *changed, "--overwrite")
     assert not (workdir / "checkpoints").exists(), "--overwrite replaces the old run"
     assert "num_steps = 7" in (workdir / config_lib.CONFIG_FILE).read_text()

@@ -70,6 +70,8 @@ def test_greedy_is_deterministic_and_tp2_agrees(hf_dir, tmp_path):
 
 
 def test_bad_prompt_files_name_the_line(hf_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"prompts.txt: no prompts"):
+        _run(hf_dir, tmp_path, "")
     with pytest.raises(ValueError, match=r"prompts.txt:2: empty prompt"):
         _run(hf_dir, tmp_path, "1+1=\n\n2+2=\n")
     with pytest.raises(ValueError, match=r"p.jsonl:1: expected a JSON object"):

@@ -269,3 +269,31 @@ def test_jsonl_config_errors(tmp_path):
         JsonlDataConfig(data_dir=".", tokenizer_dir=".", image_size=30, patch_size=8).validate()
     with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("grayscale", [True, False])
+def test_images_of_any_mode_are_read_in_range_or_refused(memes, grayscale):
+    """16-bit grayscale keeps its range (not clipped to 8 bits), transparency is composited onto
+    white, palette / CMYK / LA convert, 32-bit float images are refused with the fix."""
+    from msd_jax.data import _read_image
+
+    root, config = memes
+    config = JsonlDataConfig(**{**config.__dict__, "grayscale": grayscale, "image_size": 8})
+    channels = 1 if grayscale else 3
+    half = np.full((10, 10), 32768, np.uint16)  # mid-grey at 16 bits
+    Image.fromarray(half).save(root / "i16.png")
+    rgba = np.zeros((10, 10, 4), np.uint8)  # black, fully transparent
+    Image.fromarray(rgba, "RGBA").save(root / "rgba.png")
+    Image.fromarray(_image(1, 12)).convert("P").save(root / "p.png")
+    Image.fromarray(_image(2, 12)).convert("CMYK").save(root / "cmyk.jpg")
+    Image.fromarray(_image(3, 12)).convert("LA").save(root / "la.png")
+    Image.fromarray(np.ones((6, 6), np.float32), "F").save(root / "f.tiff")
+    got = {name: _read_image(root / name, config) for name in
+           ("i16.png", "rgba.png", "p.png", "cmyk.jpg", "la.png")}  # fmt: skip
+    for name, pixels in got.items():
+        assert pixels.shape == (8, 8, channels) and pixels.dtype == np.float32, name
+        assert 0.0 <= pixels.min() and pixels.max() <= 1.0, name
+    np.testing.assert_allclose(got["i16.png"], 32768 / 65535, atol=1e-6)
+    np.testing.assert_allclose(got["rgba.png"], 1.0)  # transparent -> white, not black
+    with pytest.raises(ValueError, match="'F' .*save the image as 8- or 16-bit"):
+        _read_image(root / "f.tiff", config)

@@ -230,8 +230,9 @@ def _state_bytes(run_dir, step=None) -> dict[str, bytes]:
 
 def test_killed_student_resumes_bitwise_equal(smoke, tmp_path):
     """Killed inside the save of step 4 (its temporary directory exists, never committed; step 2
-    is saved), the same command, rerun, resumes from step 2 and ends with the state of the smoke
-    study's uninterrupted msd/learned student."""
+    is saved), the same command, rerun, resumes from step 2; stopped there by SIGTERM after step
+    4, it saves step 5 and exits 0; rerun again, it resumes from step 5 and ends with the state
+    of the smoke study's uninterrupted msd/learned student."""
     reference = smoke[0] / "students" / "msd-learned" / "seed_0"
     workdir, cache = tmp_path / "run", smoke[0].parent / "jax_cache"
     run = workdir / "students" / "msd-learned" / "seed_0"
@@ -240,15 +241,21 @@ def test_killed_student_resumes_bitwise_equal(smoke, tmp_path):
     assert (workdir / "teacher" / "logits.npz").exists()  # the teacher (2 steps) finished
     assert (run / CHECKPOINT_DIR / "4.orbax-checkpoint-tmp").exists()
     assert sorted(p.name for p in (run / CHECKPOINT_DIR).glob("[0-9]")) == ["2"]
+    # SIGTERM after step 4: the student saves step 5 (off the save interval) and exits 0.
+    stopped = _run(workdir, RESUME, cache, "sigterm_at_step=4")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "cached logits" in stopped.stdout  # the teacher was not trained again
+    assert "from step 2" in stopped.stdout  # the half-written step 4 was not restored
+    assert "stopped by SIGTERM after step 5" in stopped.stdout
+    assert sorted(p.name for p in (run / CHECKPOINT_DIR).glob("[0-9]")) == ["4", "5"]
     resumed = _run(workdir, RESUME, cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "cached logits" in resumed.stdout  # the teacher was not trained again
-    assert "from step 2" in resumed.stdout  # the half-written step 4 was not restored
+    assert "from step 5" in resumed.stdout
 
     final = _state_bytes(run)
     assert final == _state_bytes(reference)
     assert any("weighting" in name for name in final)
-    assert final != _state_bytes(run, step=4)  # training moved the state
+    assert final != _state_bytes(run, step=5)  # training moved the state
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [2, 4, 6]
     result = json.loads((run / "result.json").read_text())
     assert result == json.loads((reference / "result.json").read_text()) | {

@@ -134,9 +134,10 @@ def _run(workdir, fault=None):
 
 
 def test_resume_after_kills_is_bitwise_equal(tmp_path):
-    """Killed once between saves (after step 3; step 2 is saved) and once inside the save of
-    step 4 (its temporary directory exists, never committed), the same command, rerun, ends with
-    the parameters of an uninterrupted run, having trained on the same prompts."""
+    """Killed once between saves (after step 3; step 2 is saved), once inside the save of step 4
+    (its temporary directory exists, never committed), and stopped by SIGTERM after step 4 (a
+    saved step: it exits 0 at once), the same command, rerun, ends with the parameters of an
+    uninterrupted run, having trained on the same prompts."""
     reference = _run(tmp_path / "reference")
     assert reference.returncode == 0, reference.stderr[-3000:]
     run = tmp_path / "run"
@@ -147,9 +148,14 @@ def test_resume_after_kills_is_bitwise_equal(tmp_path):
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "resuming" in killed.stdout and "from step 2" in killed.stdout
     assert (run / "checkpoints" / "4.orbax-checkpoint-tmp").exists()
+    # SIGTERM right after step 4, which is saved on schedule: the process stops there, exit 0.
+    stopped = _run(run, "sigterm_at_step=4")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "from step 2" in stopped.stdout  # the half-written step 4 was not restored
+    assert "stopped by SIGTERM after step 4" in stopped.stdout
     resumed = _run(run)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "from step 2" in resumed.stdout  # the half-written step 4 was not restored
+    assert "from step 4" in resumed.stdout
 
     ref_step, ref = _final_params(tmp_path / "reference")
     step, params = _final_params(run)

@@ -92,3 +92,11 @@ def test_math_reward_against_loaded_references(tmp_path):
         "math_answer", ["q"] * 3, ["8", "#### 1,201", "3/5"], [e.reference for e in examples]
     )
     assert scores.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_empty_training_file_is_refused_by_name(tmp_path):
+    from jaxrl.tasks.source import JsonlMathSource
+
+    empty = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no training problems"):
+        JsonlMathSource(str(empty), None, build_arithmetic_tokenizer())

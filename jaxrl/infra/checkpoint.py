@@ -336,7 +336,7 @@ class Checkpointer:
         failures = []
         for step in reversed(steps):
             try:
-                return self._restore_step(step, target, partial)
+                restored = self._restore_step(step, target, partial)
             except CheckpointMismatchError:
                 raise
             except Exception as err:  # any read failure: try the previous step
@@ -349,6 +349,10 @@ class Checkpointer:
                     type(err).__name__,
                     str(err)[:500],
                 )
+            else:
+                if failures and not self.read_only:
+                    self._quarantine([s for s in steps if s > step], restored_step=step)
+                return restored
         raise CheckpointCorruptError(
             f"every checkpoint in {self.directory} failed to restore:\n" + "\n".join(failures)
         )
@@ -367,6 +371,24 @@ class Checkpointer:
         )
         restored = self._manager.restore(step, args=args)
         return Restored(step=step, state=restored["state"], extra=dict(restored["extra"] or {}))
+
+    def _quarantine(self, steps: list[int], restored_step: int) -> None:
+        """Moves the unreadable `steps` aside (`N.corrupt`), so that the resumed run saves those
+        steps afresh instead of Orbax treating them as already saved."""
+        if jax.process_index() == 0:
+            for step in steps:
+                aside = self.directory / f"{step}.corrupt"
+                if aside.exists():
+                    shutil.rmtree(aside)
+                (self.directory / str(step)).rename(aside)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxrl_checkpointer_quarantine")
+        self._manager.reload()
+        print(
+            f"[checkpoint] step(s) {steps} in {self.directory} could not be restored; moved to "
+            f"{', '.join(f'{s}.corrupt' for s in steps)} and resumed from step {restored_step}",
+            flush=True,
+        )
 
     def read_extra(self, step: int | None = None) -> dict[str, Any]:
         """Only the JSON run state of `step` (default newest), without touching any arrays."""

@@ -42,6 +42,8 @@ from typing import Any, TypeVar
 import gin
 import jax
 
+from jaxrl.infra import preemption
+
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.gin"
@@ -326,14 +328,20 @@ def _config_diff(old: str, new: str) -> str:
     return "\n".join(list(lines)[:40])
 
 
+def _has_checkpoints(path: Path) -> bool:
+    """Whether a run directory (or a stage inside it, e.g. WORKDIR/sft) saved any checkpoint."""
+    return any(any(p.iterdir()) for p in path.glob("**/checkpoints") if p.is_dir())
+
+
 def prepare_workdir(
     workdir: str | Path, config_text: str, overwrite: bool, is_writer: bool = True
 ) -> bool:
     """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
 
     Same config as the run already there: resume. A different one: ConfigError, unless
-    `overwrite`, which deletes the old run's files. A non-empty directory without a config.gin
-    is not a run directory: refused either way. Only `is_writer` (process 0) writes.
+    `overwrite`, which deletes the old run's files, or the old run never saved a checkpoint
+    (it failed early: its files are replaced without asking). A non-empty directory without a
+    config.gin is not a run directory: refused either way. Only `is_writer` (process 0) writes.
     """
     path = Path(workdir)
     config_path = path / CONFIG_FILE
@@ -342,6 +350,11 @@ def prepare_workdir(
         if old == config_text:
             logger.info("resuming the run in %s (same config)", path)
             return True
+        if not overwrite and not _has_checkpoints(path):
+            # The earlier launch failed before its first checkpoint (a config fixed since):
+            # nothing to resume or to lose, so the new config takes the workdir.
+            print(f"[jaxrl] {path} holds no checkpoint yet: starting it with the new config")
+            overwrite = True
         if not overwrite:
             raise ConfigError(
                 f"--workdir {path} holds a run with a different config:\n"
@@ -380,6 +393,14 @@ def launch(
         # Only now touch JAX (process_index initialises the backend): configs are known good.
         is_writer = jax.process_index() == 0
         prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite, is_writer)
+        if jax.process_count() > 1:  # the others wait until process 0 has claimed the workdir
+            from jaxrl.infra.distributed import barrier
+
+            barrier(f"workdir:{flags.workdir}")
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from err
-    return launch_fn(workdir=flags.workdir, **kwargs)
+    try:
+        return launch_fn(workdir=flags.workdir, **kwargs)
+    except preemption.StopRequested as stop:
+        print(f"[jaxrl] {stop}", flush=True)
+        raise SystemExit(0) from None

@@ -3,7 +3,9 @@
 Set `JAXRL_FAULT` to one of
   `kill_at_step=N`   SIGKILL right after optimizer step N completes (before any save of step N);
   `kill_in_save=N`   SIGKILL inside the checkpoint save of step N, once its temporary directory
-                     exists and before it is committed.
+                     exists and before it is committed;
+  `sigterm_at_step=N` SIGTERM to itself right after step N (the graceful stop of
+                     `jaxrl.infra.preemption`: the run saves a later step and exits 0).
 Unset (the default), every hook is a no-op.
 """
 
@@ -22,8 +24,10 @@ def _fault() -> tuple[str, int] | None:
     if not spec:
         return None
     kind, _, step = spec.partition("=")
-    if kind not in ("kill_at_step", "kill_in_save") or not step.isdigit():
-        raise ValueError(f"{ENV_VAR}={spec!r}; expected kill_at_step=N or kill_in_save=N")
+    if kind not in ("kill_at_step", "kill_in_save", "sigterm_at_step") or not step.isdigit():
+        raise ValueError(
+            f"{ENV_VAR}={spec!r}; expected kill_at_step=N, kill_in_save=N or sigterm_at_step=N"
+        )
     return kind, int(step)
 
 
@@ -41,6 +45,8 @@ def after_step(step: int, wait_for_saves=None) -> None:
         if wait_for_saves is not None:
             wait_for_saves()
         _kill()
+    if _fault() == ("sigterm_at_step", step):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def wants_kill_in_save(step: int) -> bool:

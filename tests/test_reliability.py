@@ -1,0 +1,105 @@
+"""Rows of docs/RELIABILITY.md that no other test file covers: a non-finite loss, ENOSPC inside
+the Orbax writer, and config / placement mistakes refused by `launch.rl` before any training."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrl.infra import checkpoint as ckpt_lib
+from jaxrl.infra.config import launch
+from jaxrl.infra.distributed import ProcessLayoutError
+from jaxrl.run_io import NonFiniteLossError, RunIO
+from jaxrl.trainer import TrainState
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(step: int, value: float) -> TrainState:
+    return TrainState(
+        step=jnp.int32(step), params={"w": jnp.full((4, 2), value)}, opt_state={"m": jnp.zeros(2)}
+    )
+
+
+def test_non_finite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
+    io = RunIO(str(tmp_path), total_steps=10, save_every_steps=1, keep_last_n=2, desc="rl")
+    try:
+        io.log(1, {"loss": 0.5}, {})
+        io.save(_state(1, 1.0), {"step": 1})
+        io.ckpt.wait_until_finished()
+        for name in ("loss", "grad_norm"):
+            with pytest.raises(
+                NonFiniteLossError,
+                match=rf"{name} is (nan|inf) at step 2; the last good checkpoint is step 1 in ",
+            ):
+                io.log(2, {"loss": 0.1, name: math.nan if name == "loss" else math.inf}, {})
+    finally:
+        io.close()
+    assert io.ckpt.all_steps() == [1]
+
+
+def test_enospc_in_the_checkpoint_writer_fails_loudly_and_leaves_the_last_save_intact(
+    tmp_path, monkeypatch
+):
+    """The disk fills while step 2 is written: the error reaches the caller (the training loop,
+    which exits with it), step 2 never counts as saved, and the next run cleans up and restores
+    step 1."""
+    from orbax.checkpoint._src.path import atomicity
+
+    directory = tmp_path / "ckpt"
+    config = ckpt_lib.CheckpointConfig(save_every_steps=1, keep_last_n=3)
+    ckpt = ckpt_lib.Checkpointer(directory, config)
+    ckpt.save(1, {"w": jnp.ones((4, 2))}, extra={"step": 1})
+    ckpt.wait_until_finished()
+
+    async def disk_full(self_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+    with pytest.raises(Exception, match="No space left on device"):
+        ckpt.save(2, {"w": jnp.zeros((4, 2))}, extra={"step": 2})
+        ckpt.wait_until_finished()
+    monkeypatch.undo()
+    ckpt.close()
+    with ckpt_lib.Checkpointer(directory, config) as fresh:
+        assert fresh.all_steps() == [1]
+        restored = fresh.restore(abstract_target=jax.eval_shape(lambda: {"w": jnp.ones((4, 2))}))
+        assert restored.step == 1 and restored.extra == {"step": 1}
+    assert sorted(p.name for p in directory.iterdir()) == ["1"]
+
+
+def _launch_rl(workdir, *params):
+    from launch.rl import rl_main
+
+    flags = ["--gin_file", os.path.join(REPO, "configs", "rl", "arith_tiny.gin")]
+    flags += ["--workdir", str(workdir)]
+    for p in ("rl_main.sft = None", *params):
+        flags += ["--gin_param", p]
+    try:
+        return launch(rl_main, flags)
+    finally:
+        gin.clear_config()
+
+
+def test_rl_launch_refuses_bad_settings_before_training(tmp_path):
+    workdir = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"config error: .*lag=-1"):
+        _launch_rl(workdir, "RLConfig.lag = -1")
+    with pytest.raises(SystemExit, match=r"config error: .*max_staleness=1 < lag=2"):
+        _launch_rl(workdir, "RLConfig.max_staleness = 1")
+    # Placement: the trainer asks for devices [0, 16) of 8; the same workdir is reused after
+    # each refusal (no checkpoint was written, so the fixed config takes it).
+    with pytest.raises(ProcessLayoutError, match=r"trainer mesh .* uses devices \[0, 16\)"):
+        _launch_rl(workdir, "trainer/MeshConfig.axis_sizes = (4, 4)",
+                   "trainer/MeshConfig.num_devices = 16")  # fmt: skip
+    with pytest.raises(SystemExit, match=r"async mode needs the generator's own devices"):
+        _launch_rl(workdir, "rl_main.generator_mesh = None")
+    with pytest.raises(ValueError, match=r"device \d+ is in both the 'trainer' and"):
+        _launch_rl(workdir, "generator/MeshConfig.first_device = 2")
+    assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
