@@ -40,7 +40,12 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def save_model_spec(workdir: str, config: ModelConfig, tokenizer=None) -> None:
-    """Writes the policy's HF `config.json` (and tokenizer) to `WORKDIR/model/`."""
+    """Writes the policy's HF `config.json` (and tokenizer) to `WORKDIR/model/` (process 0 of a
+    multi-process job; the others have nothing to write)."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
     path = model_dir(workdir)
     os.makedirs(path, exist_ok=True)
     config.to_hf().save_pretrained(path)

@@ -17,6 +17,7 @@ from pathlib import Path
 import gin
 
 from jaxrl.infra.config import launch
+from jaxrl.infra.distributed import initialize_from_argv
 from jaxrl.infra.mesh import make_mesh
 from launch.msd_configs import (
     DigitsCaptionConfig,
@@ -100,4 +101,4 @@ def msd_main(
 
 
 if __name__ == "__main__":
-    launch(msd_main, description=__doc__.splitlines()[0])
+    launch(msd_main, initialize_from_argv(), description=__doc__.splitlines()[0])

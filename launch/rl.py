@@ -28,13 +28,14 @@ from jaxrl.executors import (
     mesh_sampler,
 )
 from jaxrl.infra.config import launch
+from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv
 from jaxrl.infra.mesh import check_disjoint, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
 from jaxrl.sft import colocated_sampler, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
 from jaxrl.trainer import Trainer
-from jaxrl.weight_sync import WeightSync
+from jaxrl.weight_sync_xproc import make_weight_sync
 from launch.configs import (
     LossConfig,
     MeshConfig,
@@ -110,6 +111,7 @@ def rl_main(
             "RLConfig.lag = 0)"
         )
 
+    check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
     trainer_mesh = make_mesh(mesh)
     trainer = Trainer(
         model_config,
@@ -149,7 +151,7 @@ def rl_main(
             gen_mesh = make_mesh(generator_mesh)
             check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
             sampler = mesh_sampler(trainer, tokenizer, gen_mesh, GENERATOR_RULES)
-            sync = WeightSync(
+            sync = make_weight_sync(
                 trainer.param_shardings,
                 generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
             )
@@ -181,8 +183,12 @@ def rl_main(
     finally:
         io.close()
 
+    import jax
+
     from launch.plot import write_plot
 
+    if jax.process_index() != 0:  # process 0 wrote the metrics and reports
+        return {"workdir": workdir, "plot": None, "final_step": int(state.step)}
     plot = write_plot(workdir)
     print(f"metrics:     {os.path.abspath(os.path.join(workdir, 'metrics.jsonl'))}")
     print(f"plot:        {plot}")
@@ -191,4 +197,4 @@ def rl_main(
 
 
 if __name__ == "__main__":
-    launch(rl_main, description=__doc__.splitlines()[0])
+    launch(rl_main, initialize_from_argv(), description=__doc__.splitlines()[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gin
 
 from jaxrl.infra.config import launch
+from jaxrl.infra.distributed import initialize_from_argv
 from jaxrl.sft import run_sft
 from launch.configs import MeshConfig, PolicySpec, SFTConfig, TaskSpec
 
@@ -25,4 +26,4 @@ def sft_main(
 
 
 if __name__ == "__main__":
-    launch(sft_main, description=__doc__.splitlines()[0])
+    launch(sft_main, initialize_from_argv(), description=__doc__.splitlines()[0])
