@@ -11,6 +11,13 @@ import time
 
 import jax
 
+# The RL learning benchmarks' --smoke: a few steps of everything, to check the plumbing.
+LEARNING_SMOKE = [
+    "SFTConfig.steps = 4", "SFTConfig.eval_every_steps = 2", "SFTConfig.eval_size = 16",
+    "RLConfig.total_steps = 6", "RLConfig.eval_every_steps = 2",
+    "RLConfig.eval_size = 16", "RLConfig.num_prompts = 4",
+]  # fmt: skip
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -54,3 +61,35 @@ def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], n
     with open(os.path.join(RESULTS_DIR, f"{name}.md"), "w") as f:
         f.write(table + "\n")
     return table
+
+
+def run_rl(config: str, workdir: str, params: list[str] = ()) -> float:
+    """`python -m launch.rl --gin_file=config --workdir=workdir --gin_param=...` in this process;
+    returns its wall seconds."""
+    import gin
+
+    from jaxrl.infra.config import launch
+    from launch.rl import rl_main
+
+    flags = ["--gin_file", config, "--workdir", workdir]
+    for p in params:
+        flags += ["--gin_param", p]
+    start = time.perf_counter()
+    try:
+        launch(rl_main, flags)
+    finally:
+        gin.clear_config()
+    return time.perf_counter() - start
+
+
+def gin_values(config: str, overrides: list[str], *names: str) -> dict:
+    """The values `config` (with `overrides`) binds to `names` (e.g. "RLConfig.queue_size")."""
+    import gin
+
+    import launch.configs  # noqa: F401  (registers the configurables)
+
+    gin.parse_config_files_and_bindings([config], overrides)
+    try:
+        return {name: gin.query_parameter(name) for name in names}
+    finally:
+        gin.clear_config()

@@ -4,7 +4,7 @@ All runs use `configs/rl/arith_tiny.gin` (so the learning setup is identical; on
 differs) and start from the same SFT checkpoint (trained by the first run, `init_from` after):
 
 1. sync: colocated, on-policy (`RLConfig.mode = 'sync'`, no generator mesh).
-2. async default: fixed lag 1 (the config as is).
+2. async default: fixed lag 2 (the config as is).
 3. async, lag 4, AIPO (rho = 4): the importance correction on.
 4. async, lag 4, no correction: policy gradient with importance weight 1, i.e. AIPO's gradient
    -min(pi/mu, rho) A grad log pi with the weight replaced by 1 (`PlainPGLoss`, registered here
@@ -22,25 +22,19 @@ criteria: async within 5 points of sync, staleness >= 1, overlap >= 50%.
 
 from __future__ import annotations
 
-import os
+from bench import cpu_devices
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+cpu_devices.simulate(8)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
-import gin  # noqa: E402
-
-from jaxrl.infra.config import launch  # noqa: E402
+from bench.common import LEARNING_SMOKE, run_rl  # noqa: E402
 from jaxrl.infra.metrics import read_metrics  # noqa: E402
 from jaxrl.rl.losses import LOSSES, PolicyLoss  # noqa: E402
 
@@ -63,24 +57,10 @@ LOSSES.setdefault("pg_no_is", lambda clip_eps=None, **kw: PlainPGLoss(**kw))
 LAG_4 = ["RLConfig.lag = 4", "RLConfig.max_staleness = 4", "RLConfig.queue_size = 5"]
 RUNS = {
     "sync": ["RLConfig.mode = 'sync'", "rl_main.generator_mesh = None"],
-    "async lag 1 (default)": [],
+    "async lag 2 (default)": [],
     "async lag 4, AIPO": LAG_4,
     "async lag 4, no correction": LAG_4 + ["LossConfig.name = 'pg_no_is'"],
 }
-
-
-def _rl(workdir: str, params: list[str]) -> float:
-    from launch.rl import rl_main
-
-    flags = ["--gin_file", CONFIG, "--workdir", workdir]
-    for p in params:
-        flags += ["--gin_param", p]
-    start = time.perf_counter()
-    try:
-        launch(rl_main, flags)
-    finally:
-        gin.clear_config()
-    return time.perf_counter() - start
 
 
 def summarise(name: str, metrics_path: str, seconds: float) -> dict:
@@ -99,6 +79,37 @@ def summarise(name: str, metrics_path: str, seconds: float) -> dict:
     return row
 
 
+def _run_dir(workdir: str, name: str) -> str:
+    return os.path.join(workdir, name.replace(" ", "_").replace(",", ""))
+
+
+def plot_curves(workdir: str, path: str) -> str:
+    """Held-out greedy and T=1 accuracy against trainer steps, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for name in RUNS:
+        evals = [
+            r
+            for r in read_metrics(os.path.join(_run_dir(workdir, name), "metrics.jsonl"))
+            if "eval/accuracy" in r
+        ]
+        for ax, key in zip(axes, ("eval/accuracy", "eval/accuracy_t1"), strict=True):
+            ax.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=name)
+    for ax, title in zip(axes, ("greedy", "temperature 1"), strict=True):
+        ax.set_title(f"held-out accuracy, {title}")
+        ax.set_xlabel("trainer step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -108,11 +119,7 @@ def main(argv=None) -> list[dict]:
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_async_learning_")
     overrides = []
     if args.smoke:
-        overrides = [
-            "SFTConfig.steps = 4", "SFTConfig.eval_every_steps = 2", "SFTConfig.eval_size = 16",
-            "RLConfig.total_steps = 6", "RLConfig.eval_every_steps = 2",
-            "RLConfig.eval_size = 16", "RLConfig.num_prompts = 4",
-        ]  # fmt: skip
+        overrides = list(LEARNING_SMOKE)
     if args.rl_steps:
         overrides += [
             f"RLConfig.total_steps = {args.rl_steps}",
@@ -120,8 +127,8 @@ def main(argv=None) -> list[dict]:
         ]
     rows, warm_start = [], []
     for name, params in RUNS.items():
-        run_dir = os.path.join(workdir, name.replace(" ", "_").replace(",", ""))
-        seconds = _rl(run_dir, overrides + params + warm_start)
+        run_dir = _run_dir(workdir, name)
+        seconds = run_rl(CONFIG, run_dir, overrides + params + warm_start)
         if not warm_start:  # the first run trained the SFT stage: the others start from it
             sft_dir = os.path.join(run_dir, "sft")
             warm_start = ["rl_main.sft = None", f"PolicySpec.init_from = '{sft_dir}'"]
@@ -137,7 +144,7 @@ def main(argv=None) -> list[dict]:
         "overlap_ge_half": default["overlap"] >= 0.5,
     }
     print(json.dumps({"verdict": verdict}))
-    from bench.common import write_results
+    from bench.common import RESULTS_DIR, write_results
 
     columns = [
         ("run", "run"), ("steps", "steps"), ("greedy_start", "greedy start"),
@@ -149,6 +156,8 @@ def main(argv=None) -> list[dict]:
     command = "python -m bench.rl_async_learning" + "".join(f" {a}" for a in (argv or []))
     name = "rl_async_learning_smoke" if args.smoke else "rl_async_learning"
     print(write_results(name, rows, columns, f"`{command}`; verdict {verdict}"))
+    if not args.smoke:
+        print(f"plot: {plot_curves(workdir, os.path.join(RESULTS_DIR, name + '.png'))}")
     print(f"runs: {workdir}")
     return rows
 

@@ -26,11 +26,17 @@ import statistics
 import tempfile
 import time
 
-import gin
 import numpy as np
 
-from bench.common import RESULTS_DIR, command, machine, write_results
-from jaxrl.infra.config import launch
+from bench.common import (
+    LEARNING_SMOKE,
+    RESULTS_DIR,
+    command,
+    gin_values,
+    machine,
+    run_rl,
+    write_results,
+)
 from jaxrl.infra.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,17 +44,7 @@ CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny_sync.gin")
 
 
 def _rl(workdir, params):
-    from launch.rl import rl_main
-
-    flags = ["--gin_file", CONFIG, "--workdir", workdir]
-    for p in params:
-        flags += ["--gin_param", p]
-    try:
-        start = time.perf_counter()
-        launch(rl_main, flags)
-        return time.perf_counter() - start
-    finally:
-        gin.clear_config()
+    return run_rl(CONFIG, workdir, params)
 
 
 def _evals(path):
@@ -67,18 +63,13 @@ def _summary(name, evals, seconds):
 
 def _config_values(overrides) -> dict:
     """The SFT demonstrations and the RL learning rate the config (with `overrides`) binds."""
-    import launch.configs  # noqa: F401  (registers the configurables)
-
-    gin.parse_config_files_and_bindings([CONFIG], overrides)
-    try:
-        return {
-            "rl_learning_rate": gin.query_parameter("OptimizerConfig.learning_rate"),
-            "pool": gin.query_parameter("SFTConfig.num_demonstrations"),
-            "sft_position": gin.query_parameter("SFTConfig.steps")
-            * gin.query_parameter("SFTConfig.batch_size"),
-        }
-    finally:
-        gin.clear_config()
+    names = ("OptimizerConfig.learning_rate", "SFTConfig.num_demonstrations", "SFTConfig.steps")
+    v = gin_values(CONFIG, overrides, *names, "SFTConfig.batch_size")
+    return {
+        "rl_learning_rate": v["OptimizerConfig.learning_rate"],
+        "pool": v["SFTConfig.num_demonstrations"],
+        "sft_position": v["SFTConfig.steps"] * v["SFTConfig.batch_size"],
+    }
 
 
 def continued_sft(
@@ -143,11 +134,7 @@ def main(argv=None) -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_learning_")
     overrides = []
     if args.smoke:
-        overrides = [
-            "SFTConfig.steps = 4", "SFTConfig.eval_every_steps = 2", "SFTConfig.eval_size = 16",
-            "RLConfig.total_steps = 6", "RLConfig.eval_every_steps = 2",
-            "RLConfig.eval_size = 16", "RLConfig.num_prompts = 4",
-        ]
+        overrides = list(LEARNING_SMOKE)
     if args.rl_steps:
         overrides.append(f"RLConfig.total_steps = {args.rl_steps}")
     eval_every = 2 if args.smoke else 250

@@ -41,13 +41,9 @@ go to bench/results/sync_xproc.{json,md}.
 
 from __future__ import annotations
 
-import os
+from bench import cpu_devices
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+cpu_devices.simulate(8)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -55,6 +51,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402

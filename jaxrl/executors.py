@@ -28,7 +28,7 @@ from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.sharding import param_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout
-from jaxrl.rollout_queue import QueueClosed
+from jaxrl.rollout_queue import QueueClosed, wait_until
 from jaxrl.tasks.rewards import RewardError, compute_rewards
 from jaxrl.tasks.source import PromptItem
 
@@ -265,10 +265,4 @@ class GeneratorWeights:
     def _wait(self, deadline: float | None, what: str) -> None:
         if self._closed is not None:
             raise QueueClosed(self._closed.error)
-        if deadline is None:
-            self._cond.wait()
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
-        self._cond.wait(remaining)
+        wait_until(self._cond, deadline, what)

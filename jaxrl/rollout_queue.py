@@ -275,10 +275,16 @@ class RolloutQueue:
             raise QueueClosed(self._closed.error)
 
     def _wait(self, deadline: float | None, what: str) -> None:
-        if deadline is None:
-            self._cond.wait()
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
-        self._cond.wait(remaining)
+        wait_until(self._cond, deadline, what)
+
+
+def wait_until(cond: threading.Condition, deadline: float | None, what: str) -> None:
+    """One `cond.wait` (held by the caller) until `deadline` (time.monotonic; None: forever);
+    raises TimeoutError naming `what` once the deadline has passed."""
+    if deadline is None:
+        cond.wait()
+        return
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError(f"timed out waiting for {what}")
+    cond.wait(remaining)
