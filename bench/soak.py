@@ -2,11 +2,12 @@
 
 Runs `configs/rl/arith_tiny.gin` (async, fixed lag 2, trainer and generator on disjoint halves of
 8 simulated CPU devices) for `--steps` RL steps from random weights (no SFT stage: the loop is
-what is soaked), with evaluations and checkpoints on, and reads from its metrics.jsonl: host RSS
-after warm-up and at the end (growth in %), the largest queue depth against the queue's bound,
-the samples dropped and the staleness. Writes bench/results/soak.{json,md}.
+what is soaked), evaluating and saving every quarter of the run, and reads from its metrics.jsonl:
+host RSS after warm-up (median over the tenth of the run after the first evaluation and save)
+and at the end (median over the last tenth), the growth in %, the largest queue depth against the
+queue's bound, the samples dropped and the staleness. Writes bench/results/soak.{json,md}.
 
-    python -m bench.soak                 # 400 steps, ~2 minutes on 2 CPU cores
+    python -m bench.soak                 # 1200 steps, ~4 minutes on 2 CPU cores
     python -m bench.soak --steps 8       # seconds: the plumbing
 """
 
@@ -21,6 +22,8 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 from bench.common import gin_values, run_rl  # noqa: E402
 from jaxrl.infra.metrics import read_metrics  # noqa: E402
@@ -39,27 +42,36 @@ def soak(workdir: str, steps: int) -> dict:
     ]
     seconds = run_rl(CONFIG, workdir, params)
     records = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["step"] > 0]
-    warm = records[min(len(records) - 1, max(steps // 8, 1))]  # after compilation and first saves
-    last = records[-1]
+    rss = np.array([r["host/rss_mb"] for r in records])
+    window = max(len(records) // 10, 1)
+    # Warm-up ends with the first evaluation and checkpoint (step `every`): by then every
+    # program is compiled and every code path has run once. RSS swings by tens of MB within a
+    # few steps (evaluations, saves, the allocator), so windows are compared by their medians.
+    after_warmup = rss[every : every + window]
+    end = rss[-window:]
+    eighth = max(len(records) // 8, 1)
     queue_size = int(gin_values(CONFIG, [], "RLConfig.queue_size")["RLConfig.queue_size"])
     return {
-        "steps": last["step"],
+        "steps": records[-1]["step"],
         "seconds": round(seconds, 1),
-        "rss_warm_mb": round(warm["host/rss_mb"], 1),
-        "warm_step": warm["step"],
-        "rss_end_mb": round(last["host/rss_mb"], 1),
-        "rss_growth_pct": round(100 * (last["host/rss_mb"] / warm["host/rss_mb"] - 1), 2),
-        "rss_max_mb": round(max(r["host/rss_mb"] for r in records), 1),
+        "warmup_steps": every,
+        "rss_after_warmup_mb": round(float(np.median(after_warmup)), 1),
+        "rss_end_mb": round(float(np.median(end)), 1),
+        "rss_growth_pct": round(100 * (np.median(end) / np.median(after_warmup) - 1), 2),
+        "rss_max_mb": round(float(rss.max()), 1),
+        "rss_median_by_eighth": [
+            round(float(np.median(rss[k : k + eighth])), 1) for k in range(0, len(rss), eighth)
+        ],
         "queue_depth_max": max(r["async/queue_depth"] for r in records),
         "queue_size": queue_size,
-        "dropped_samples": last["async/dropped_samples"],
-        "staleness_mean": round(last["async/staleness_mean"], 4),
+        "dropped_samples": records[-1]["async/dropped_samples"],
+        "staleness_mean": round(records[-1]["async/staleness_mean"], 4),
     }
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--workdir", default="")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
@@ -69,9 +81,11 @@ def main(argv=None) -> dict:
     from bench.common import write_results
 
     columns = [
-        ("steps", "steps"), ("rss_warm_mb", "RSS after warm-up (MB)"), ("warm_step", "at step"),
-        ("rss_end_mb", "RSS at the end (MB)"), ("rss_growth_pct", "growth %"),
-        ("rss_max_mb", "RSS max (MB)"), ("queue_depth_max", "max queue depth"),
+        ("steps", "steps"), ("warmup_steps", "warm-up steps"),
+        ("rss_after_warmup_mb", "RSS after warm-up (MB, median)"),
+        ("rss_end_mb", "RSS at the end (MB, median)"), ("rss_growth_pct", "growth %"),
+        ("rss_max_mb", "RSS max (MB)"), ("rss_median_by_eighth", "RSS median by eighth (MB)"),
+        ("queue_depth_max", "max queue depth"),
         ("queue_size", "queue bound"), ("dropped_samples", "dropped samples"),
         ("staleness_mean", "mean staleness"), ("seconds", "wall s"),
     ]  # fmt: skip

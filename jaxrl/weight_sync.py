@@ -369,6 +369,79 @@ def _join(tiles: Sequence[jax.Array], grid: tuple[int, ...]) -> jax.Array:
     return _JITS[key](*tiles)
 
 
+def cast_sources(
+    jits: dict, routes: Sequence, made: Sequence, leaves: list[jax.Array]
+) -> tuple[dict[int, jax.Array], list[jax.Array]]:
+    """A chunk's source arrays on the trainer: the params themselves, except the `made` routes,
+    cast and / or resharded to their `source_sharding` by one jit (cached in `jits`). Returns
+    (sources by leaf index, the new arrays, which the caller frees)."""
+    sources = {r.index: leaves[r.index] for r in routes}
+    if not made:
+        return sources, []
+    key = tuple((r.index, r.shape, r.dtype, r.source_sharding) for r in made)
+    if key not in jits:
+        dtypes = [r.dtype for r in made]
+        jits[key] = jax.jit(
+            lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
+            out_shardings=[r.source_sharding for r in made],
+        )
+    outs = jits[key]([leaves[r.index] for r in made])
+    sources.update(zip((r.index for r in made), outs, strict=True))
+    return sources, list(outs)
+
+
+def push_in_chunks(
+    sync, plan, leaves, old, previous, version: int, start: float, move_chunk, on_chunk
+) -> tuple[GeneratorParams, SyncMetrics]:
+    """The push loop every transport shares. Checks the trainer layout, then per chunk:
+    `move_chunk(routes, leaves, new)` (fills `new`, returns temporaries) -> `on_chunk(i)` at the
+    high-water mark -> frees the temporaries and, under "swap", the previous version's leaves of
+    the chunk. On failure, frees what arrived and says whether the generator still holds
+    complete weights."""
+    for route, leaf, expected in zip(plan.routes, leaves, sync._trainer, strict=True):
+        if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
+            raise ValueError(
+                f"trainer param {route.path} has sharding {leaf.sharding}, but this weight sync "
+                f"was built for {expected}; rebuild it with the trainer's shardings."
+            )
+    new: list[jax.Array | None] = [None] * len(leaves)
+    done = 0
+    try:
+        for i, chunk in enumerate(plan.chunks):
+            routes = [plan.routes[j] for j in chunk]
+            temporaries = move_chunk(routes, leaves, new)
+            if on_chunk is not None:
+                on_chunk(i)
+            for array in temporaries:
+                if not array.is_deleted():
+                    array.delete()
+            if old is not None and sync.strategy == "swap":
+                for route in routes:
+                    old[route.index].delete()
+            done += 1
+    except Exception as err:
+        for array in new:
+            if array is not None and not array.is_deleted():
+                array.delete()
+        if old is not None and sync.strategy == "swap" and done:
+            raise RuntimeError(
+                f"weight push of version {version} failed after {done} of "
+                f"{len(plan.chunks)} chunks; the generator's previous params (version "
+                f"{previous.version}) are partly freed, so it holds no complete weights: "
+                "push again before sampling."
+            ) from err
+        raise
+    metrics = SyncMetrics(
+        version=version,
+        bytes_moved=plan.bytes_moved,
+        params_bytes=plan.params_bytes,
+        seconds=time.perf_counter() - start,
+        num_chunks=len(plan.chunks),
+        peak_extra_bytes=plan.peak_extra_bytes,
+    )
+    return GeneratorParams(version, jax.tree.unflatten(sync._treedef, new)), metrics
+
+
 class WeightSync:
     """Pushes params from the trainer's shardings to the generator's, device to device.
 
@@ -459,40 +532,9 @@ class WeightSync:
         leaves = self._leaves(trainer_params, "trainer_params")
         plan = self.plan(trainer_params)
         old = self._check_previous(previous, plan, version)
-        for route, leaf, expected in zip(plan.routes, leaves, self._trainer, strict=True):
-            if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
-                raise ValueError(
-                    f"trainer param {route.path} has sharding {leaf.sharding}, but this "
-                    f"WeightSync was built for {expected}; rebuild it with the trainer's shardings."
-                )
-        new: list[jax.Array | None] = [None] * len(leaves)
-        done = 0
-        try:
-            for i, chunk in enumerate(plan.chunks):
-                self._push_chunk([plan.routes[j] for j in chunk], leaves, new, old, on_chunk, i)
-                done += 1
-        except Exception as err:
-            for array in new:
-                if array is not None and not array.is_deleted():
-                    array.delete()
-            if old is not None and self.strategy == "swap" and done:
-                raise RuntimeError(
-                    f"weight push of version {version} failed after {done} of "
-                    f"{len(plan.chunks)} chunks; the generator's previous params (version "
-                    f"{previous.version}) are partly freed, so it holds no complete weights: "
-                    "push again before sampling."
-                ) from err
-            raise
-        params = jax.tree.unflatten(self._treedef, new)
-        metrics = SyncMetrics(
-            version=version,
-            bytes_moved=plan.bytes_moved,
-            params_bytes=plan.params_bytes,
-            seconds=time.perf_counter() - start,
-            num_chunks=len(plan.chunks),
-            peak_extra_bytes=plan.peak_extra_bytes,
+        return push_in_chunks(
+            self, plan, leaves, old, previous, version, start, self._move_chunk, on_chunk
         )
-        return GeneratorParams(version, params), metrics
 
     def _leaves(self, params: Any, what: str) -> list[jax.Array]:
         leaves, treedef = jax.tree.flatten(params)
@@ -527,25 +569,11 @@ class WeightSync:
                 )
         return old
 
-    def _source_fn(self, routes: Sequence[LeafRoute]) -> Callable:
-        """One jit for a chunk: cast (on the trainer layout) and, for shadows, reshard."""
-        key = tuple((r.index, r.shape, r.dtype, r.source_sharding) for r in routes)
-        if key not in self._jits:
-            dtypes = [r.dtype for r in routes]
-            self._jits[key] = jax.jit(
-                lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
-                out_shardings=[r.source_sharding for r in routes],
-            )
-        return self._jits[key]
-
-    def _push_chunk(self, routes, leaves, new, old, on_chunk, chunk_index) -> None:
-        sources = {r.index: leaves[r.index] for r in routes}
-        temporaries: list[jax.Array] = []
+    def _move_chunk(self, routes, leaves, new) -> list[jax.Array]:
+        """Moves one chunk into `new`; returns the temporaries to free after the high-water
+        mark."""
         made = [r for r in routes if r.resharded or r.cast]
-        if made:
-            outs = self._source_fn(made)([leaves[r.index] for r in made])
-            sources.update(zip((r.index for r in made), outs, strict=True))
-            temporaries.extend(outs)
+        sources, temporaries = cast_sources(self._jits, routes, made, leaves)
         direct = [r.index for r in routes if not r.blocks]
         arrived = jax.device_put(
             [sources[i] for i in direct], [self._generator[i] for i in direct], may_alias=False
@@ -557,13 +585,7 @@ class WeightSync:
         jax.block_until_ready([results[r.index] for r in routes])
         for route in routes:
             new[route.index] = results[route.index]
-        if on_chunk is not None:
-            on_chunk(chunk_index)
-        for array in temporaries:
-            array.delete()
-        if old is not None and self.strategy == "swap":
-            for route in routes:
-                old[route.index].delete()
+        return temporaries
 
     def _assemble(self, route: LeafRoute, source: jax.Array, temporaries: list) -> jax.Array:
         """Tiles to each block's first target (d2d), joined there, copied to the replicas."""

@@ -92,6 +92,8 @@ from jaxrl.weight_sync import (
     _pack_chunks,
     _route,
     _volume,
+    cast_sources,
+    push_in_chunks,
 )
 
 TRANSPORTS = ("auto", "device_put", "ppermute")
@@ -256,7 +258,7 @@ class CrossProcessWeightSync:
         self.strategy = strategy
         self.barrier_timeout_s = barrier_timeout_s
         self._name = f"jaxrl_weight_sync_{next(_INSTANCES)}"
-        self._pushes = 0
+        self._barriers = itertools.count()  # unique barrier names, the same on every process
         self._plans: dict[tuple, CrossPlan] = {}
         self._jits: dict[tuple, Callable] = {}
 
@@ -375,69 +377,20 @@ class CrossProcessWeightSync:
         leaves = self._local._leaves(trainer_params, "trainer_params")
         plan = self.plan(trainer_params)
         old = self._local._check_previous(previous, plan, version)
-        for route, leaf, expected in zip(plan.routes, leaves, self._trainer, strict=True):
-            if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
-                raise ValueError(
-                    f"trainer param {route.path} has sharding {leaf.sharding}, but this "
-                    f"weight sync was built for {expected}; rebuild it with the trainer's "
-                    "shardings."
-                )
-        self._pushes += 1
-        new: list[jax.Array | None] = [None] * len(leaves)
-        done = 0
-        try:
-            for i, chunk in enumerate(plan.chunks):
-                routes = [plan.routes[j] for j in chunk]
-                if self.transport == "ppermute":
-                    self._ppermute_chunk(routes, leaves, new)
-                else:
-                    self._put_chunk(routes, leaves, new, f"{self._name}/{self._pushes}/{i}")
-                if on_chunk is not None:
-                    on_chunk(i)
-                if old is not None and self.strategy == "swap":
-                    for route in routes:
-                        old[route.index].delete()
-                done += 1
-        except Exception as err:
-            for array in new:
-                if array is not None and not array.is_deleted():
-                    array.delete()
-            if old is not None and self.strategy == "swap" and done:
-                raise RuntimeError(
-                    f"weight push of version {version} failed after {done} of "
-                    f"{len(plan.chunks)} chunks; the generator's previous params (version "
-                    f"{previous.version}) are partly freed, so it holds no complete weights: "
-                    "push again before sampling."
-                ) from err
-            raise
-        metrics = SyncMetrics(
-            version=version,
-            bytes_moved=plan.bytes_moved,
-            params_bytes=plan.params_bytes,
-            seconds=time.perf_counter() - start,
-            num_chunks=len(plan.chunks),
-            peak_extra_bytes=plan.peak_extra_bytes,
+        return push_in_chunks(
+            self, plan, leaves, old, previous, version, start, self._move_chunk, on_chunk
         )
-        return GeneratorParams(version, jax.tree.unflatten(self._treedef, new)), metrics
+
+    def _move_chunk(self, routes, leaves, new) -> list[jax.Array]:
+        if self.transport == "ppermute":
+            return self._ppermute_chunk(routes, leaves, new)
+        return self._put_chunk(routes, leaves, new, f"{self._name}/{next(self._barriers)}")
 
     def _sources(self, routes, leaves) -> tuple[dict[int, jax.Array], list[jax.Array]]:
         """Step (1) on the trainer: one jit casts and reshards the chunk's made routes."""
-        sources = {r.index: leaves[r.index] for r in routes}
-        made = [r for r in routes if r.made]
-        if not made:
-            return sources, []
-        key = tuple((r.index, r.shape, r.dtype, r.source_sharding) for r in made)
-        if key not in self._jits:
-            dtypes = [r.dtype for r in made]
-            self._jits[key] = jax.jit(
-                lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
-                out_shardings=[r.source_sharding for r in made],
-            )
-        outs = self._jits[key]([leaves[r.index] for r in made])
-        sources.update(zip((r.index for r in made), outs, strict=True))
-        return sources, list(outs)
+        return cast_sources(self._jits, routes, [r for r in routes if r.made], leaves)
 
-    def _put_chunk(self, routes, leaves, new, barrier_name: str) -> None:
+    def _put_chunk(self, routes, leaves, new, barrier_name: str) -> list[jax.Array]:
         me = jax.process_index()
         sources, temporaries = self._sources(routes, leaves)
         local_shards = {
@@ -511,11 +464,9 @@ class CrossProcessWeightSync:
             )
         jax.block_until_ready([new[r.index] for r in routes])
         distributed.barrier(barrier_name, self.barrier_timeout_s)
-        for array in temporaries:
-            if not array.is_deleted():
-                array.delete()
+        return temporaries
 
-    def _ppermute_chunk(self, routes, leaves, new) -> None:
+    def _ppermute_chunk(self, routes, leaves, new) -> list[jax.Array]:
         sources, temporaries = self._sources(routes, leaves)
         key = tuple((r.index, r.shape, r.dtype, r.union_sharding) for r in routes)
         if key not in self._jits:
@@ -567,9 +518,7 @@ class CrossProcessWeightSync:
             for shard in out.addressable_shards:
                 if shard.device not in generator_devices:
                     shard.data.delete()
-        for array in temporaries:
-            if not array.is_deleted():
-                array.delete()
+        return temporaries
 
 
 def make_weight_sync(

@@ -20,3 +20,15 @@ def test_bench_rl_smoke():
             assert row["mode"].startswith("async fixed lag 1") and row["dropped_samples"] == 0
             assert row["staleness_mean"] == 1.0 and row["sync_s"] > 0
             assert 1.0 <= row["bound"] <= 2.0 and row["speedup"] > 0
+
+
+def test_bench_soak_smoke():
+    """`python -m bench.soak --steps 8`: the async default's RSS, queue depth and drops are read
+    back from its metrics; the queue never exceeds its bound and fixed lag drops nothing."""
+    from bench import soak
+
+    row = soak.main(["--steps", "8"])
+    assert row["steps"] == 8 and row["rss_after_warmup_mb"] > 0 and row["rss_end_mb"] > 0
+    assert len(row["rss_median_by_eighth"]) == 8 and row["rss_max_mb"] >= row["rss_end_mb"]
+    assert 0 <= row["queue_depth_max"] <= row["queue_size"]
+    assert row["dropped_samples"] == 0 and row["staleness_mean"] > 0
