@@ -159,16 +159,14 @@ class MemoryIO:
     """What the Controller needs of `RunIO`, pared down for timing: metrics kept in memory, no
     checkpoints, no TensorBoard (tensorboardX imports torch: seconds per process)."""
 
-    class NoCheckpoints:
-        def should_save(self, step: int) -> bool:
-            return False
-
     def __init__(self):
         self.records: list[dict] = []
-        self.ckpt = self.NoCheckpoints()
 
     def start(self, step: int) -> None:
         pass
+
+    def save_due(self, step: int, force: bool = False) -> bool:
+        return False
 
     def log(self, step: int, metrics: dict, headline: dict) -> None:
         self.records.append({"step": step} | metrics)

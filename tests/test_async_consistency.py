@@ -18,7 +18,7 @@ from jaxrl.infra.config import launch as run_launch
 from jaxrl.models.transformer import Transformer
 from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 from jaxrl.trainer import LossConfig, Trainer, completion_logprobs
-from jaxrl.weight_sync import WeightSync
+from jaxrl.weight_sync_xproc import make_weight_sync
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
@@ -51,7 +51,7 @@ def test_behaviour_logprobs_come_from_exactly_the_stamped_version(tmp_path, monk
     monkeypatch.setattr(Trainer, "rl_step", recording_rl_step)
     # 16 KB chunks: a push of the 0.4M-parameter model takes dozens of steps on the generator.
     monkeypatch.setattr(
-        launch.rl, "WeightSync", functools.partial(WeightSync, chunk_bytes=16 << 10)
+        launch.rl, "make_weight_sync", functools.partial(make_weight_sync, chunk_bytes=16 << 10)
     )
     flags = ["--gin_file", CONFIG, "--workdir", str(tmp_path / "run")]
     for p in FREE_RUNNING:
