@@ -2,7 +2,7 @@
 
 Runs `launch.rl` with `configs/rl/arith_tiny.gin` (SFT warm start, then async LlamaRL-style RL
 with AIPO on 1-2 digit addition, a 0.4M-parameter Llama: the trainer on devices 0-3, the generator
-on devices 4-7, one policy version behind) into `runs/demo`, with a shorter RL schedule so it ends
+on devices 4-7, two policy versions behind) into `runs/demo`, with a shorter RL schedule so it ends
 in a few minutes, then prints where the metrics, the plot and the checkpoints are. Rerunning
 resumes (or, when finished, only reports). `--sync` runs the colocated sync baseline instead
 (`configs/rl/arith_tiny_sync.gin`).
