@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 # Orbax 0.12.8 writes this file into a step directory just before the atomic rename (and, on
 # object stores, as the only completion marker). orbax/checkpoint/_src/path/atomicity_types.py.
 COMMIT_MARKER = "commit_success.txt"
+_TMP_DIR = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 _STEP_DIR = re.compile(r"^(0|[1-9]\d*)$")
 
 
@@ -217,7 +218,13 @@ def _manager_options(config: CheckpointConfig, read_only: bool) -> ocp.Checkpoin
 
 
 def _remove_uncommitted(directory: Path) -> None:
-    for path in uncommitted_step_dirs(directory):
+    """Deletes what interrupted saves left: step directories without the commit marker, and
+    Orbax's temporary directories (removed here, synchronously, rather than by Orbax's own
+    clean-up, which may still be running when the first restore lists the directory)."""
+    leftovers = uncommitted_step_dirs(directory)
+    if directory.is_dir():
+        leftovers += sorted(p for p in directory.iterdir() if _TMP_DIR.match(p.name))
+    for path in leftovers:
         logger.warning("removing unfinished checkpoint %s (no %s)", path, COMMIT_MARKER)
         shutil.rmtree(path)
 
