@@ -152,14 +152,17 @@ class RewardExecutor:
 # --- async mode: the generator on its own mesh --------------------------------------------------
 
 
-def mesh_sampler(trainer, tokenizer, mesh: jax.sharding.Mesh, rules) -> Sampler:
-    """A sampler for the trainer's model on another mesh with that role's rules table (the
-    generator's own devices in async mode); prompt buckets as the colocated sampler's."""
+def mesh_sampler(
+    trainer, tokenizer, mesh: jax.sharding.Mesh, rules, max_total_len: int | None = None
+) -> Sampler:
+    """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
+    own (colocated, `jaxrl.sft.colocated_sampler`) or the generator's devices in async mode."""
     return Sampler(
         trainer.graphdef,
         trainer.model_config,
         pad_id=tokenizer.pad_token_id,
         eos_ids=trainer.model_config.eos_token_ids,
+        max_total_len=max_total_len,
         prompt_buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
         mesh=mesh,
         rules=rules,

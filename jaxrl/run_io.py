@@ -118,7 +118,7 @@ class RunIO:
         faults.after_step(step, wait_for_saves=self.ckpt.wait_until_finished)
         if preemption.requested() and self._saved_step == step:
             self.ckpt.wait_until_finished()
-            preemption.check(step, self._saved_step, self.ckpt.directory)
+            preemption.stop(step, self.ckpt.directory)
 
     def close(self) -> None:
         if self.bar is not None:

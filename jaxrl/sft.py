@@ -13,6 +13,7 @@ import jax
 
 from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
+from jaxrl.executors import mesh_sampler
 from jaxrl.generation.sampler import Sampler
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
@@ -64,16 +65,7 @@ class SFTConfig:
 
 def colocated_sampler(trainer: Trainer, tokenizer, max_total_len: int | None = None) -> Sampler:
     """A sampler on the trainer's own mesh and rules (colocated generation)."""
-    return Sampler(
-        trainer.graphdef,
-        trainer.model_config,
-        pad_id=tokenizer.pad_token_id,
-        eos_ids=trainer.model_config.eos_token_ids,
-        max_total_len=max_total_len,
-        prompt_buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
-        mesh=trainer.mesh,
-        rules=trainer.rules,
-    )
+    return mesh_sampler(trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len)
 
 
 def run_sft(

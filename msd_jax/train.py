@@ -379,7 +379,7 @@ def run_training(
             faults.after_step(done, wait_for_saves=ckpt.wait_until_finished)
             if stopping:
                 ckpt.wait_until_finished()
-                preemption.check(done, ckpt.latest_step(), str(ckpt.directory))
+                preemption.stop(done, str(ckpt.directory))
         ckpt.wait_until_finished()
     finally:
         if bar is not None:

@@ -209,10 +209,10 @@ RESUME = SMOKE + [
 def _state_bytes(run_dir, step=None) -> dict[str, bytes]:
     """Every array of a student checkpoint (params, Adam moments, learned weights + their Adam
     state) as bytes, restored onto the test mesh."""
+    from launch.msd import msd_main  # registers the msd configurables before parsing
+
     parse_gin([CONFIG], RESUME)
     try:
-        from launch.msd import msd_main
-
         kwargs = resolve_bindings(msd_main)
     finally:
         gin.clear_config()

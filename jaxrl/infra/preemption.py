@@ -2,8 +2,8 @@
 step, save a checkpoint of it, exit 0. Rerunning the same command resumes from that checkpoint.
 
 Training loops (`jaxrl.run_io.RunIO`, `msd_jax.train.run_training`) call `install()` once, force
-the save of a step when `requested()`, and then call `check(step, saved_step)`, which raises
-`StopRequested` once that save is committed; `jaxrl.infra.config.launch` turns it into a message
+the save of a step when `requested()`, wait until that save is committed, and call `stop()`, which
+raises `StopRequested`; `jaxrl.infra.config.launch` turns it into a message
 and exit status 0. A SIGTERM that lands after a step's save decision stops the run after the next
 step, so the checkpoint always holds a whole step. A second SIGTERM is not special (the first one
 is being honoured); SIGKILL cannot be caught, and the run then resumes from its last checkpoint.
@@ -14,11 +14,8 @@ as a preemption notice), so there `install()` leaves the signal alone.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
-
-logger = logging.getLogger(__name__)
 
 _requested = threading.Event()
 _installed = False
@@ -56,16 +53,9 @@ def requested() -> bool:
     return _requested.is_set()
 
 
-def check(step: int, saved_step: int | None, where: str) -> None:
-    """Raises StopRequested if a stop was requested and `step` itself was saved (`saved_step`).
-    Call after the save of `step` is committed (wait for it first)."""
-    if _requested.is_set() and saved_step == step:
-        raise StopRequested(
-            f"stopped by SIGTERM after step {step}; its checkpoint is in {where}. Rerun the same "
-            "command to resume."
-        )
-
-
-def reset() -> None:
-    """Forgets a request (tests that run several loops in one process)."""
-    _requested.clear()
+def stop(step: int, where: str) -> None:
+    """Raises StopRequested for a run stopped after `step`, whose save is committed in `where`."""
+    raise StopRequested(
+        f"stopped by SIGTERM after step {step}; its checkpoint is in {where}. Rerun the same "
+        "command to resume."
+    )
