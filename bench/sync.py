@@ -322,10 +322,10 @@ def _xproc_worker(args) -> list[dict]:
         else:
             trainer_devices = by_process[0][:2] + by_process[1][:2]
             gen_devices = by_process[0][2:4] + by_process[1][2:4]
-        ids = tuple(d.id for d in trainer_devices)
-        trainer_mesh = make_mesh(dataclasses.replace(PAIRS[0].trainer, device_ids=ids))
-        ids = tuple(d.id for d in gen_devices)
-        gen_mesh = make_mesh(dataclasses.replace(PAIRS[0].generator, device_ids=ids))
+        ids = tuple(jax.devices().index(d) for d in trainer_devices)
+        trainer_mesh = make_mesh(dataclasses.replace(PAIRS[0].trainer, device_indices=ids))
+        ids = tuple(jax.devices().index(d) for d in gen_devices)
+        gen_mesh = make_mesh(dataclasses.replace(PAIRS[0].generator, device_indices=ids))
         trainer_shardings = param_shardings(abstract, trainer_mesh, TRAINER_RULES)
         gen_shardings = param_shardings(abstract, gen_mesh, GENERATOR_RULES)
         params = jax.tree.map(

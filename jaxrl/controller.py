@@ -49,8 +49,8 @@ from jaxrl.evaluation import evaluate
 from jaxrl.executors import GeneratorExecutor, GeneratorWeights, RewardExecutor
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
-from jaxrl.rl import collate_rollouts
-from jaxrl.rollout_queue import QueueClosed, QueueStats, RolloutQueue, ScoredBatch
+from jaxrl.rl import collate_rollouts, select_groups
+from jaxrl.rollout_queue import QueueClosed, QueueStats, RolloutQueue, ScoredBatch, wait_until
 from jaxrl.run_io import RunIO, to_host
 from jaxrl.tasks.source import encode_prompts
 from jaxrl.trainer import Params, Trainer, TrainState
@@ -67,6 +67,11 @@ class RLConfig:
     `max_new_tokens` tokens, sampled at `temperature` (no top-k / top-p: the trainer's log pi
     must be the sampling distribution's). `eval_size=0` turns evaluation off.
 
+    oversample: dynamic sampling (DAPO). Each batch samples `num_prompts * oversample` prompts
+      and trains on `num_prompts` of them, those whose completions got different rewards first
+      (`jaxrl.rl.select_groups`: a group with one reward for all its samples has zero advantage
+      and adds no gradient). 1 trains on every sampled prompt.
+
     Async mode (`mode="async"`, the generator on its own mesh):
       schedule: "fixed_lag" (reproducible: batch k sampled by version max(k - lag, 0)) or
         "free_running" (the newest weights, as fast as the queue allows).
@@ -81,6 +86,7 @@ class RLConfig:
     total_steps: int = 1000
     num_prompts: int = 16
     samples_per_prompt: int = 8
+    oversample: int = 1
     max_new_tokens: int = 6
     temperature: float = 1.0
     eval_every_steps: int = 250
@@ -120,6 +126,7 @@ class RLConfig:
             "total_steps",
             "num_prompts",
             "samples_per_prompt",
+            "oversample",
             "max_new_tokens",
             "eval_every_steps",
             "save_every_steps",
@@ -165,6 +172,8 @@ class Controller:
         self.source, self.tokenizer, self.io, self.reward = source, tokenizer, io, reward
         self.ref_params, self.weights = ref_params, weights
         self.eval_sampler = eval_sampler or generator.sampler
+        # Async mode in a job of several processes: the two threads' device work takes turns.
+        self.in_turns = config.mode == "async" and jax.process_count() > 1
         self.eval_items = source.eval_items(config.eval_size) if config.eval_size else []
         self.eval_ids = encode_prompts(tokenizer, self.eval_items, chat_formatted=False)
 
@@ -186,9 +195,19 @@ class Controller:
         )
 
     def prompts(self, batch_index: int):
-        n = self.config.num_prompts
+        """The prompts batch `batch_index` samples: the next `num_prompts * oversample` of the
+        task's stream."""
+        n = self.config.num_prompts * self.config.oversample
         items = [self.source.item(batch_index * n + j) for j in range(n)]
         return items, encode_prompts(self.tokenizer, items, chat_formatted=False)
+
+    def score(self, generated) -> tuple[list, dict]:
+        """Rewards of a generated batch, and the `num_prompts` groups the trainer gets."""
+        rollouts, metrics = self.rewarder.score(generated)
+        if self.config.oversample > 1:
+            rollouts, selected = select_groups(rollouts, self.config.num_prompts)
+            metrics |= selected
+        return rollouts, metrics
 
     def prompt_bucket(self, prompt_ids) -> int:
         """Padded prompt length of a train batch: the sampler's bucket (one compile each)."""
@@ -211,7 +230,7 @@ class Controller:
             t0 = time.perf_counter()
             items, prompt_ids = self.prompts(step)
             generated = self.generator.generate(state.params, items, prompt_ids, step, step)
-            rollouts, metrics = self.rewarder.score(generated)
+            rollouts, metrics = self.score(generated)
             batch = collate_rollouts(
                 rollouts,
                 prompt_len=self.prompt_bucket(prompt_ids),
@@ -232,7 +251,7 @@ class Controller:
                 "time/train_s": t2 - t1,
                 "time/step_s": t2 - t0,
                 "throughput/tokens_per_s": tokens / (t2 - t0),
-                "data/prompts_seen": float(step * c.num_prompts),
+                "data/prompts_seen": float(step * c.num_prompts * c.oversample),
             }
             if step % c.eval_every_steps == 0 or step == c.total_steps:
                 metrics |= self.evaluate(state.params)
@@ -266,6 +285,12 @@ class Controller:
             self.io.log(0, self.evaluate(state.params), {})
         self._publish(state.params, step, first_index)
         producer = _Producer(self, queue, first_index)
+        if first_index < c.total_steps:
+            # The first batch on this thread, before the generator thread starts: on a mesh over
+            # several processes, each collective's communicator is made on first use, and
+            # creating them from two threads at once can pair different ones across processes
+            # (the job hangs). Here the generator's are made before any concurrency.
+            producer.sample_first()
         clock = _StepClock(producer.timeline)
         self.io.start(step)
         producer.start()
@@ -274,6 +299,9 @@ class Controller:
             while step < c.total_steps:
                 depth = queue.depth
                 t0 = time.perf_counter()
+                if self.in_turns:  # batch step + lag is sampled before this step trains
+                    position = min(step + c.lag + 1, c.total_steps)
+                    _unwrap(producer.wait_sampled, position, c.stall_timeout_s)
                 batch, staleness = _unwrap(queue.get, c.stall_timeout_s)
                 t1 = time.perf_counter()
                 train_batch = self._collate(batch.rollouts)
@@ -293,7 +321,7 @@ class Controller:
                     "time/train_s": t2 - t1,
                     "throughput/tokens_per_s": int(train_batch.completion_mask_bt.sum())
                     / metrics["time/step_s"],
-                    "data/prompts_seen": float(step * c.num_prompts),
+                    "data/prompts_seen": float(step * c.num_prompts * c.oversample),
                     "data/batch_index": float(batch.batch_index),
                     "async/generator_version": float(batch.policy_version),
                     "async/staleness": float(staleness),
@@ -489,6 +517,9 @@ class _Producer:
         self.index = first_index
         self.version: int | None = None  # the version of the last batch sampled
         self.timeline = BusyTimeline()
+        self._first: ScoredBatch | None = None
+        self._sampled = threading.Condition()  # notified as `index` grows, or on failure
+        self._error: QueueClosed | None = None
         self._thread = threading.Thread(target=self._run, name="jaxrl-generator", daemon=True)
 
     def start(self) -> None:
@@ -503,24 +534,45 @@ class _Producer:
         else:
             self.controller.weights.free()
 
+    def wait_sampled(self, count: int, timeout: float | None = None) -> None:
+        """Waits until batches [0, count) are sampled and scored (queued or not)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._sampled:
+            while self.index < count:
+                if self._error is not None:
+                    raise self._error
+                wait_until(self._sampled, deadline, f"the generator to sample batch {count - 1}")
+
+    def sample_first(self) -> None:
+        """Samples and scores the first batch on the calling thread; the generator thread
+        queues it first."""
+        self._first = self._sample_next()
+
+    def _sample_next(self) -> ScoredBatch:
+        """Samples and scores batch `self.index`."""
+        ctl, k = self.controller, self.index
+        params = ctl.weights.acquire(ctl._version_for(k))
+        self.version = params.version
+        self.timeline.begin(time.perf_counter())
+        items, prompt_ids = ctl.prompts(k)
+        generated = ctl.generator.generate(params.params, items, prompt_ids, params.version, k)
+        rollouts, metrics = ctl.score(generated)
+        self.timeline.end(time.perf_counter())
+        metrics["time/generate_s"] = generated.seconds
+        with self._sampled:
+            self.index += 1
+            self._sampled.notify_all()
+        return ScoredBatch(k, params.version, rollouts, metrics)
+
     def _run(self) -> None:
         ctl = self.controller
         c = ctl.config
         try:
+            if self._first is not None:
+                self.queue.put(self._first)
+                self._first = None
             while c.schedule == "free_running" or self.index < c.total_steps:
-                k = self.index
-                params = ctl.weights.acquire(ctl._version_for(k))
-                self.version = params.version
-                self.timeline.begin(time.perf_counter())
-                items, prompt_ids = ctl.prompts(k)
-                generated = ctl.generator.generate(
-                    params.params, items, prompt_ids, params.version, k
-                )
-                rollouts, metrics = ctl.rewarder.score(generated)
-                self.timeline.end(time.perf_counter())
-                metrics["time/generate_s"] = generated.seconds
-                self.queue.put(ScoredBatch(k, params.version, rollouts, metrics))
-                self.index += 1
+                self.queue.put(self._sample_next())
         except QueueClosed:
             return  # stopped by the trainer: the run ended, or failed on the trainer's side
         except BaseException as error:
@@ -530,3 +582,6 @@ class _Producer:
             )
             self.queue.close(error)
             ctl.weights.close(error)
+            with self._sampled:
+                self._error = QueueClosed(error)
+                self._sampled.notify_all()

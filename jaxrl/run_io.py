@@ -91,8 +91,10 @@ class RunIO:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(headline, refresh=False)
-            if not sys.stderr.isatty() and (
-                step % self.log_every_steps == 0 or step == self.total_steps
+            if (
+                self.metrics.is_writer
+                and not sys.stderr.isatty()
+                and (step % self.log_every_steps == 0 or step == self.total_steps)
             ):
                 elapsed = time.perf_counter() - self._start
                 text = " ".join(f"{k}={v}" for k, v in headline.items())

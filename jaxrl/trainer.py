@@ -386,9 +386,9 @@ class Trainer:
 
     def init_params(self, seed: int) -> Params:
         """Random params born sharded (a jitted init with `out_shardings`)."""
-        key = jax.random.fold_in(jax.random.key(seed), 0)
 
-        def make():
+        def make():  # the key is made inside: no host constant to place across processes
+            key = jax.random.fold_in(jax.random.key(seed), 0)
             return nnx.to_pure_dict(
                 nnx.state(Transformer(self.model_config, rngs=nnx.Rngs(params=key)))
             )
@@ -397,7 +397,7 @@ class Trainer:
             return jax.jit(make, out_shardings=self.param_shardings)()
 
     def place_batch(self, batch):
-        return jax.device_put(batch, ax.batch_shardings(batch, self.mesh, self.rules))
+        return ax.place_host(batch, ax.batch_shardings(batch, self.mesh, self.rules))
 
     def _context(self):
         return ax.sharding_context(self.mesh, self.rules)

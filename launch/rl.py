@@ -111,6 +111,15 @@ def rl_main(
             "RLConfig.lag = 0)"
         )
 
+    import jax
+
+    if jax.process_count() > 1 and rl.mode == "async" and rl.schedule != "fixed_lag":
+        raise SystemExit(
+            f"RLConfig.schedule={rl.schedule!r} in a job of {jax.process_count()} processes: "
+            "every process runs the same controller, and free-running choices (which version "
+            "samples a batch, which batches are dropped) follow each process's own timing; "
+            "use RLConfig.schedule = 'fixed_lag'"
+        )
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
     trainer_mesh = make_mesh(mesh)
     trainer = Trainer(
@@ -182,8 +191,6 @@ def rl_main(
             raise
     finally:
         io.close()
-
-    import jax
 
     from launch.plot import write_plot
 

@@ -98,7 +98,11 @@ def _push_and_check(layout, trainer_devices, gen_devices, abstract, host, info) 
     from jaxrl.weight_sync_xproc import CrossProcessWeightSync
 
     trainer_mesh = make_mesh(
-        MeshConfig(("fsdp", "tp"), (2, 2), device_ids=tuple(d.id for d in trainer_devices))
+        MeshConfig(
+            ("fsdp", "tp"),
+            (2, 2),
+            device_indices=tuple(jax.devices().index(d) for d in trainer_devices),
+        )
     )
     trainer_shardings = param_shardings(abstract, trainer_mesh, TRAINER_RULES)
     params = jax.tree.map(
@@ -107,8 +111,8 @@ def _push_and_check(layout, trainer_devices, gen_devices, abstract, host, info) 
         trainer_shardings,
     )
     for transport, dtype, count in CASES[layout]:
-        ids = tuple(d.id for d in gen_devices[:count])
-        gen_mesh = make_mesh(MeshConfig(("dp", "tp"), (count // 2, 2), device_ids=ids))
+        ids = tuple(jax.devices().index(d) for d in gen_devices[:count])
+        gen_mesh = make_mesh(MeshConfig(("dp", "tp"), (count // 2, 2), device_indices=ids))
         gen_shardings = param_shardings(abstract, gen_mesh, GENERATOR_RULES)
         sync = CrossProcessWeightSync(
             trainer_shardings,

@@ -37,7 +37,7 @@ def test_mesh_sizes_resolve():
     assert dict(mesh.shape) == {"dp": 2, "tp": 2} and mesh_device_ids(mesh) == [4, 5, 6, 7]
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 1)))  # fixed sizes take the first devices
     assert mesh_device_ids(mesh) == [0, 1]
-    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, -1), device_ids=(7, 3)))
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, -1), device_indices=(7, 3)))
     assert dict(mesh.shape) == {"fsdp": 1, "tp": 2} and mesh_device_ids(mesh) == [7, 3]
     assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
 
@@ -51,7 +51,7 @@ def test_mesh_sizes_resolve():
         (MeshConfig(("fsdp", "tp"), (-1, -1)), "more than one -1"),
         (MeshConfig(("fsdp",), (2, 2)), "one size per axis"),
         (MeshConfig(("fsdp", "tp"), (2, 2), num_devices=8), "need 4 devices but the slice has 8"),
-        (MeshConfig(("fsdp", "tp"), (1, 1), device_ids=(9,)), r"device ids \[9\]"),
+        (MeshConfig(("fsdp", "tp"), (1, 1), device_indices=(9,)), r"device indices \[9\]"),
         (MeshConfig(axis_type="manual"), "axis_type"),
     ],
 )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrl.rl.advantages import group_advantages
-from jaxrl.rl.rollout import Rollout, RolloutBatch, collate_rollouts
+from jaxrl.rl.rollout import Rollout, RolloutBatch, collate_rollouts, select_groups
 
 PAD = 0
 
@@ -79,3 +79,37 @@ def test_collate_rejects_what_does_not_fit():
         collate_rollouts(rollouts, prompt_len=4, completion_len=5, pad_id=PAD, batch_size=2)
     with pytest.raises(ValueError, match="behaviour log-probs"):
         Rollout(np.array([1]), np.array([2, 3]), np.array([-1.0]), 0, 0.0, 0)
+
+
+def _group(group_id, rewards):
+    return [
+        Rollout(np.array([group_id + 3]), np.array([2]), np.array([-0.5]), 0, r, group_id)
+        for r in rewards
+    ]
+
+
+def test_select_groups_keeps_groups_with_a_reward_spread_first_in_sampling_order():
+    groups = {
+        0: [0.0, 0.0],  # all wrong: zero advantage
+        1: [1.0, 0.0],
+        2: [1.0, 1.0],  # all right: zero advantage
+        3: [0.0, 1.0],
+        4: [0.0, 0.0],
+    }
+    rollouts = [r for g, rewards in groups.items() for r in _group(g, rewards)]
+    kept, metrics = select_groups(rollouts, 2)
+    assert [r.group_id for r in kept] == [1, 1, 3, 3]
+    assert metrics == {"data/informative_groups": 2 / 5, "data/informative_trained": 1.0}
+    # Too few informative groups: the batch is filled with the first uninformative ones, and
+    # the order of the rows stays the sampling order.
+    kept, metrics = select_groups(rollouts, 3)
+    assert [r.group_id for r in kept] == [0, 0, 1, 1, 3, 3]
+    assert metrics["data/informative_trained"] == pytest.approx(2 / 3)
+    # Group-relative advantages of the kept informative groups are non-zero on every row.
+    kept, _ = select_groups(rollouts, 2)
+    advantages = group_advantages(
+        jnp.array([r.reward for r in kept]), jnp.array([r.group_id for r in kept])
+    )
+    assert np.all(np.abs(np.asarray(advantages)) > 0.1)
+    with pytest.raises(ValueError, match="asked for 6 groups out of 5"):
+        select_groups(rollouts, 6)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
+from jax.sharding import PartitionSpec
 
 from jaxrl.generation.sampling import SamplingConfig, sample_tokens
 from jaxrl.infra import sharding as ax
@@ -116,7 +117,17 @@ class Sampler:
                 f"{data_parallel}"
             )
         self.num_traces = 0  # programs traced so far (one per bucket pair and sampling config)
-        self._generate = jax.jit(self._generate_impl, static_argnames=("sampling",))
+        # A mesh over several processes: outputs replicated (an all-gather over this mesh's own
+        # devices), so that every process can read the tokens on its host and score them.
+        self.multi_process = (
+            mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+        )
+        out_shardings = (
+            jax.sharding.NamedSharding(mesh, PartitionSpec()) if self.multi_process else None
+        )
+        self._generate = jax.jit(
+            self._generate_impl, static_argnames=("sampling",), out_shardings=out_shardings
+        )
 
     # --- host side ----------------------------------------------------------------------------
 
@@ -167,6 +178,8 @@ class Sampler:
             stops = tuple(sorted(set(sampling.stop_ids) | set(self.eos_ids)))
             sampling = dataclasses.replace(sampling, stop_ids=stops)
         tokens_j, valid_j = self._place(tokens), self._place(valid)
+        if self.multi_process:  # host key data, placed on each process's own devices
+            key = np.asarray(jax.random.key_data(key))
         out_tokens, out_logprobs, out_mask = self._run(params, tokens_j, valid_j, key, sampling)
         return SampleOutput(
             tokens_bn=np.asarray(out_tokens)[:n],
@@ -188,7 +201,7 @@ class Sampler:
         if self.mesh is None:
             return jnp.asarray(array)
         spec = ax.logical_to_pspec((ax.ACT_BATCH, None), self.rules)
-        return jax.device_put(array, jax.sharding.NamedSharding(self.mesh, spec))
+        return ax.place_host(array, jax.sharding.NamedSharding(self.mesh, spec))
 
     def _run(self, params, tokens, valid, key, sampling):
         if self.mesh is None:
@@ -200,6 +213,8 @@ class Sampler:
 
     def _generate_impl(self, params, tokens_bp, valid_bp, key, *, sampling: SamplingConfig):
         self.num_traces += 1
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # raw key data (multi-process)
+            key = jax.random.wrap_key_data(key)
         model: Transformer = nnx.merge(self.graphdef, params)
         batch, prompt_len = tokens_bp.shape
         new = sampling.max_new_tokens

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -31,7 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from jaxrl.infra import faults
 
@@ -229,6 +229,30 @@ def _remove_uncommitted(directory: Path) -> None:
         shutil.rmtree(path)
 
 
+_BARRIERS = itertools.count()  # the same sequence on every process: unique barrier names
+
+
+def _barrier(what: str) -> None:
+    """A barrier of every process through the coordination service, not a device collective:
+    in an async RL job the generator's thread runs programs on its devices meanwhile, and a
+    collective over every device, issued from another thread, can take those devices in a
+    different order on different processes and hang the job."""
+    from jaxrl.infra.distributed import barrier
+
+    barrier(f"jaxrl_checkpointer/{what}/{next(_BARRIERS)}")
+
+
+def use_coordination_barriers() -> None:
+    """Makes Orbax synchronise processes through the coordination service too (its default
+    is `sync_global_devices`, a collective over every device; see `_barrier`)."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name].value = True
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints in `directory` (one writer; readers read_only).
 
@@ -252,8 +276,10 @@ class Checkpointer:
         self.read_only = read_only
         if not read_only and jax.process_index() == 0:
             _remove_uncommitted(self.directory)
-        if not read_only and jax.process_count() > 1:
-            multihost_utils.sync_global_devices("jaxrl_checkpointer_init")
+        if jax.process_count() > 1:
+            use_coordination_barriers()
+            if not read_only:
+                _barrier("init")
         self._manager = ocp.CheckpointManager(
             self.directory, options=_manager_options(config, read_only), item_handlers=_handlers()
         )
@@ -389,7 +415,7 @@ class Checkpointer:
                     shutil.rmtree(aside)
                 (self.directory / str(step)).rename(aside)
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("jaxrl_checkpointer_quarantine")
+            _barrier("quarantine")
         self._manager.reload()
         print(
             f"[checkpoint] step(s) {steps} in {self.directory} could not be restored; moved to "

@@ -27,6 +27,7 @@ errors end the launch with `SystemExit` and a message that names the binding or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -270,8 +271,13 @@ def parse_gin(
     for path in gin_files:
         if not Path(path).exists() and not search_paths:
             raise ConfigError(f"--gin_file {path}: no such file.")
+    # `include 'configs/...'` resolves from the directory that holds the files' `configs/`
+    # (the repository root), whatever the working directory.
+    roots = [p.parent for f in gin_files for p in Path(f).resolve().parents if p.name == "configs"]
+    files = [str(Path(f).resolve()) if Path(f).exists() else f for f in gin_files]
     try:
-        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params))
+        with contextlib.chdir(roots[0]) if roots else contextlib.nullcontext():
+            gin.parse_config_files_and_bindings(files, list(gin_params))
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
 
@@ -333,15 +339,13 @@ def _has_checkpoints(path: Path) -> bool:
     return any(any(p.iterdir()) for p in path.glob("**/checkpoints") if p.is_dir())
 
 
-def prepare_workdir(
-    workdir: str | Path, config_text: str, overwrite: bool, is_writer: bool = True
-) -> bool:
+def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> bool:
     """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
 
     Same config as the run already there: resume. A different one: ConfigError, unless
     `overwrite`, which deletes the old run's files, or the old run never saved a checkpoint
     (it failed early: its files are replaced without asking). A non-empty directory without a
-    config.gin is not a run directory: refused either way. Only `is_writer` (process 0) writes.
+    config.gin is not a run directory: refused either way. Process 0 of a job calls it.
     """
     path = Path(workdir)
     config_path = path / CONFIG_FILE
@@ -363,18 +367,16 @@ def prepare_workdir(
                 "use a new --workdir."
             )
         logger.warning("--overwrite: deleting the previous run in %s", path)
-        if is_writer:
-            shutil.rmtree(path)
+        shutil.rmtree(path)
     elif path.exists() and any(path.iterdir()):
         raise ConfigError(
             f"--workdir {path} is not empty and has no {CONFIG_FILE}, so it is not a run "
             "directory; use a new --workdir (--overwrite never deletes such a directory)."
         )
-    if is_writer:
-        path.mkdir(parents=True, exist_ok=True)
-        tmp_path = path / f".{CONFIG_FILE}.tmp"
-        tmp_path.write_text(config_text)
-        tmp_path.replace(config_path)  # atomic: a reader never sees half a config
+    path.mkdir(parents=True, exist_ok=True)
+    tmp_path = path / f".{CONFIG_FILE}.tmp"
+    tmp_path.write_text(config_text)
+    tmp_path.replace(config_path)  # atomic: a reader never sees half a config
     return False
 
 
@@ -391,9 +393,10 @@ def launch(
         parse_gin(flags.gin_files, flags.gin_params, flags.gin_search_paths)
         kwargs = resolve_bindings(launch_fn)
         # Only now touch JAX (process_index initialises the backend): configs are known good.
-        is_writer = jax.process_index() == 0
-        prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite, is_writer)
+        if jax.process_index() == 0:
+            prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite)
         if jax.process_count() > 1:  # the others wait until process 0 has claimed the workdir
+            # (checking it themselves meanwhile, they could see it half-made)
             from jaxrl.infra.distributed import barrier
 
             barrier(f"workdir:{flags.workdir}")

@@ -472,8 +472,8 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
 
 def _devices_needed(config: MeshConfig, num_devices: int) -> tuple[int, str]:
     """The device count the mesh needs to exist, and the range it asks for."""
-    if config.device_ids is not None:
-        return 0, f"device ids {list(config.device_ids)}"
+    if config.device_indices is not None:
+        return max(config.device_indices) + 1, f"device indices {list(config.device_indices)}"
     if config.num_devices != -1:
         count = config.num_devices
     elif -1 not in config.axis_sizes:
@@ -495,21 +495,19 @@ def check_mesh_fits(meshes: Mapping[str, MeshConfig]) -> None:
     devices = jax.devices()
     processes = jax.process_count()
     local = jax.local_device_count()
-    ids = {d.id for d in devices}
     problems, most = [], 0
     for role, config in meshes.items():
         config.validate()
         needed, where = _devices_needed(config, len(devices))
         most = max(most, needed)
-        missing = [i for i in config.device_ids or () if i not in ids]
-        if needed > len(devices) or missing:
+        if needed > len(devices):
             axes = dict(zip(config.axis_names, config.axis_sizes, strict=True))
             problems.append(f"the {role} mesh {axes} uses {where}")
     if problems:
         fit = math.ceil(most / local) if most else processes
         raise ProcessLayoutError(
             f"{'; '.join(problems)}, but this job has {processes} process(es) x {local} local "
-            f"devices = {len(devices)} devices (ids {sorted(ids)[:16]}). Start {fit} processes "
+            f"devices = {len(devices)} devices. Start {fit} processes "
             f"(on one machine: python -m launch.local_cluster --num_processes {fit} "
             f"--devices_per_process {local} -- ...), give each process more devices, or shrink "
             "the meshes."

@@ -6,7 +6,9 @@ Set `JAXRL_FAULT` to one of
                      exists and before it is committed;
   `sigterm_at_step=N` SIGTERM to itself right after step N (the graceful stop of
                      `jaxrl.infra.preemption`: the run saves a later step and exits 0).
-Unset (the default), every hook is a no-op.
+A suffix `@P` limits the fault to process P of a multi-process job (`JAXRL_PROCESS_ID`, as set
+by `launch.local_cluster`), e.g. `kill_at_step=3@1`: one process of the job dies, the others
+are then stopped by the job's failure handling. Unset (the default), every hook is a no-op.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ def _fault() -> tuple[str, int] | None:
     spec = os.environ.get(ENV_VAR, "").strip()
     if not spec:
         return None
-    kind, _, step = spec.partition("=")
-    if kind not in ("kill_at_step", "kill_in_save", "sigterm_at_step") or not step.isdigit():
+    fault, _, process = spec.partition("@")
+    kind, _, step = fault.partition("=")
+    if (
+        kind not in ("kill_at_step", "kill_in_save", "sigterm_at_step")
+        or not step.isdigit()
+        or (process and not process.isdigit())
+    ):
         raise ValueError(
-            f"{ENV_VAR}={spec!r}; expected kill_at_step=N, kill_in_save=N or sigterm_at_step=N"
+            f"{ENV_VAR}={spec!r}; expected kill_at_step=N, kill_in_save=N or sigterm_at_step=N, "
+            "optionally followed by @P (only process P)"
         )
+    if process and int(process) != int(os.environ.get("JAXRL_PROCESS_ID", "0")):
+        return None
     return kind, int(step)
 
 

@@ -33,8 +33,10 @@ class MeshConfig:
       axis_sizes: one size per axis; at most one may be -1 (all devices not used by the others).
       first_device: index into `jax.devices()` of the slice's first device.
       num_devices: how many devices from `first_device` on; -1 means all the rest.
-      device_ids: explicit `Device.id`s (overrides `first_device` / `num_devices`), for
-        non-contiguous slices.
+      device_indices: explicit indices into `jax.devices()` (overrides `first_device` /
+        `num_devices`), for non-contiguous slices, in mesh order. Indices, not `Device.id`s:
+        `jax.devices()` is ordered by process, then id, so index 4 of a job of 2 processes x 4
+        devices is process 1's first device on every platform (CPU ids there are 2048 + n).
       axis_type: "auto" (GSPMD: shardings from rules + `with_sharding_constraint`, the style the
         models use) or "explicit" (JAX sharding-in-types).
     """
@@ -43,7 +45,7 @@ class MeshConfig:
     axis_sizes: tuple[int, ...] = (-1, 1)
     first_device: int = 0
     num_devices: int = -1
-    device_ids: tuple[int, ...] | None = None
+    device_indices: tuple[int, ...] | None = None
     axis_type: str = "auto"
 
     def validate(self) -> None:
@@ -81,17 +83,17 @@ def select_devices(
 ) -> list[jax.Device]:
     """The slice of `devices` (default `jax.devices()`) that `config` asks for."""
     devices = list(jax.devices() if devices is None else devices)
-    if config.device_ids is not None:
-        by_id = {d.id: d for d in devices}
-        missing = [i for i in config.device_ids if i not in by_id]
+    if config.device_indices is not None:
+        indices = config.device_indices
+        missing = [i for i in indices if not 0 <= i < len(devices)]
         if missing:
             raise ValueError(
-                f"mesh asks for device ids {missing} but the available ids are "
-                f"{sorted(by_id)}; fix MeshConfig.device_ids."
+                f"mesh asks for device indices {missing} but only {len(devices)} devices exist "
+                f"(indices 0-{len(devices) - 1}); fix MeshConfig.device_indices."
             )
-        if len(set(config.device_ids)) != len(config.device_ids):
-            raise ValueError(f"MeshConfig.device_ids {config.device_ids} has duplicates.")
-        return [by_id[i] for i in config.device_ids]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"MeshConfig.device_indices {indices} has duplicates.")
+        return [devices[i] for i in indices]
     if config.first_device >= len(devices):
         raise ValueError(
             f"mesh starts at device {config.first_device} but only {len(devices)} devices exist; "
@@ -134,7 +136,7 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     """
     config.validate()
     all_devices = list(jax.devices() if devices is None else devices)
-    explicit_count = config.device_ids is not None or config.num_devices != -1
+    explicit_count = config.device_indices is not None or config.num_devices != -1
     if not explicit_count and -1 not in config.axis_sizes:
         # Fixed sizes and "the rest" as count: use exactly as many devices as the sizes ask for.
         needed = math.prod(config.axis_sizes)
@@ -148,12 +150,12 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
             "multiply to the device count or use -1 for one axis."
         )
     axis_types = (_AXIS_TYPES[config.axis_type],) * len(sizes)
-    if config.device_ids is None:
+    if config.device_indices is None:
         try:  # topology-aware device order (TPU torus, GPU NVLink islands)
             return jax.make_mesh(sizes, config.axis_names, axis_types, devices=chosen)
         except (ValueError, NotImplementedError, AssertionError) as err:
             logger.warning("jax.make_mesh failed on a device slice (%s); using slice order", err)
-    # Explicit ids keep the caller's order; also the fallback for slices make_mesh rejects.
+    # Explicit indices keep the caller's order; also the fallback for slices make_mesh rejects.
     device_grid = np.asarray(chosen, dtype=object).reshape(sizes)
     return Mesh(device_grid, config.axis_names, axis_types=axis_types)
 

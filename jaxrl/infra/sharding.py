@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -275,6 +276,27 @@ def opt_state_shardings(
         return params_shardings if mirrors_params(subtree) else replicated(mesh)
 
     return jax.tree.map(one, abstract_opt_state, is_leaf=mirrors_params)
+
+
+def place_host(tree: Any, shardings: Any) -> Any:
+    """Host arrays (the same value on every process) -> global arrays laid out by `shardings`.
+
+    On one process this is `jax.device_put`. When a sharding spans processes, each process
+    places only the shards of its own devices (`jax.make_array_from_callback`), with no
+    communication: `device_put` of a host array there first checks with a cross-process
+    collective that every process passes the same value, and a collective issued from the
+    trainer's and the generator's threads in different orders on different processes could
+    deadlock. The caller guarantees the value is the same everywhere (every process computes
+    its batches from the same data position and rollouts).
+    """
+
+    def one(x, sharding):
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def batch_shardings(abstract_batch: Any, mesh: Mesh, rules: LogicalRules) -> Any:

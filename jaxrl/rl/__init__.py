@@ -17,7 +17,7 @@ from jaxrl.rl.losses import (
     make_loss,
     normalise,
 )
-from jaxrl.rl.rollout import Rollout, RolloutBatch, collate_rollouts
+from jaxrl.rl.rollout import Rollout, RolloutBatch, collate_rollouts, select_groups
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -36,6 +36,7 @@ __all__ = [
     "make_advantage_estimator",
     "make_loss",
     "normalise",
+    "select_groups",
     "token_logprobs",
     "token_logprobs_and_entropy",
 ]

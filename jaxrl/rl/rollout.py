@@ -109,6 +109,36 @@ class RolloutBatch:
         return hidden_bsd[:, p - 1 : p - 1 + self.completion_len]
 
 
+def select_groups(
+    rollouts: Sequence[Rollout], num_groups: int
+) -> tuple[list[Rollout], dict[str, float]]:
+    """Dynamic sampling (DAPO): keeps `num_groups` of the sampled prompt groups, those whose
+    completions got different rewards first.
+
+    A group whose samples all got the same reward has zero group-relative advantage on every
+    row, so it adds no gradient, only noise to the normaliser; sampling more prompts than a step
+    trains on and keeping the informative groups makes each train batch count. Groups are taken
+    in sampling order (informative ones, then, if too few, uninformative ones to fill the batch),
+    so the choice is a deterministic function of the rollouts. Returns the kept rollouts and
+    `data/informative_groups` (fraction of the sampled groups with a reward spread) and
+    `data/informative_trained` (fraction of the kept ones).
+    """
+    groups: dict[int, list[Rollout]] = {}
+    for r in rollouts:
+        groups.setdefault(r.group_id, []).append(r)
+    if num_groups > len(groups):
+        raise ValueError(f"asked for {num_groups} groups out of {len(groups)} sampled")
+    spread = [len({r.reward for r in g}) > 1 for g in groups.values()]
+    order = [i for i, s in enumerate(spread) if s] + [i for i, s in enumerate(spread) if not s]
+    kept = sorted(order[:num_groups])
+    members = list(groups.values())
+    metrics = {
+        "data/informative_groups": sum(spread) / len(spread),
+        "data/informative_trained": sum(spread[i] for i in kept) / num_groups,
+    }
+    return [r for i in kept for r in members[i]], metrics
+
+
 def collate_rollouts(
     rollouts: Sequence[Rollout],
     *,
