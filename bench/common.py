@@ -15,7 +15,7 @@ import jax
 LEARNING_SMOKE = [
     "SFTConfig.steps = 4", "SFTConfig.eval_every_steps = 2", "SFTConfig.eval_size = 16",
     "RLConfig.total_steps = 6", "RLConfig.eval_every_steps = 2",
-    "RLConfig.eval_size = 16", "RLConfig.num_prompts = 4",
+    "RLConfig.eval_size = 16", "RLConfig.num_prompts = 4", "RLConfig.oversample = 2",
 ]  # fmt: skip
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -66,7 +66,8 @@ class RunIO:
         if self.ckpt.latest_step() is None:
             return None
         restored = self.ckpt.restore(abstract_target=state_tree(abstract_state))
-        print(f"[{self.desc}] resuming {self.workdir} from step {restored.step}", flush=True)
+        if self.metrics.is_writer:
+            print(f"[{self.desc}] resuming {self.workdir} from step {restored.step}", flush=True)
         return tree_to_state(restored.state), restored.extra
 
     def finished(self) -> bool:

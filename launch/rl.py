@@ -28,7 +28,7 @@ from jaxrl.executors import (
     mesh_sampler,
 )
 from jaxrl.infra.config import launch
-from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv
+from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
@@ -47,6 +47,12 @@ from launch.configs import (
 )
 
 
+def _say(line: str) -> None:
+    """Progress output, from process 0 only."""
+    if is_main_process():
+        print(line, flush=True)
+
+
 def initial_params(workdir, policy, task, sft, mesh_config, trainer, model_config):
     """Params to start RL from when the run has no checkpoint of its own."""
     if policy.init_from:
@@ -54,18 +60,18 @@ def initial_params(workdir, policy, task, sft, mesh_config, trainer, model_confi
             _, params = run_dir.restore_params(
                 policy.init_from, model_config, shardings=trainer.param_shardings
             )
-            print(f"[rl] starting from the run in {policy.init_from}")
+            _say(f"[rl] starting from the run in {policy.init_from}")
         else:
             from jaxrl.models import hf
 
             params = hf.load_params(policy.init_from, model_config, trainer.param_shardings)
-            print(f"[rl] starting from the HF checkpoint {policy.init_from}")
+            _say(f"[rl] starting from the HF checkpoint {policy.init_from}")
         return nnx.to_pure_dict(params)
     if sft is not None:
         sft_dir = os.path.join(workdir, "sft")
-        print(f"[rl] SFT warm start in {sft_dir}")
+        _say(f"[rl] SFT warm start in {sft_dir}")
         return run_sft(sft_dir, policy, task, sft, mesh_config)
-    print("[rl] starting from random weights")
+    _say("[rl] starting from random weights")
     return trainer.init_params(0)
 
 

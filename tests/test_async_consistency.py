@@ -31,6 +31,7 @@ FREE_RUNNING = [
     "RLConfig.total_steps = 8",
     "RLConfig.num_prompts = 4",
     "RLConfig.samples_per_prompt = 4",
+    "RLConfig.oversample = 1",
     "RLConfig.eval_size = 0",
     "RLConfig.save_every_steps = 100",
     "OptimizerConfig.learning_rate = 1e-2",

@@ -36,6 +36,7 @@ TINY = [
     "RLConfig.total_steps = 6",
     "RLConfig.num_prompts = 4",
     "RLConfig.samples_per_prompt = 4",
+    "RLConfig.oversample = 1",
     "RLConfig.eval_size = 0",
     "RLConfig.save_every_steps = 2",
     "RLConfig.keep_last_n = 3",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,9 +20,7 @@ PARAMS = [
     "rl_main.sft = None",
     f"RLConfig.total_steps = {STEPS}",
     "RLConfig.save_every_steps = 2",
-    f"RLConfig.eval_every_steps = {STEPS}",
-    "RLConfig.eval_size = 16",
-    "RLConfig.eval_samples = 1",
+    "RLConfig.eval_size = 0",  # evaluation across processes: bench/rl_multiprocess.py
     "RLConfig.num_prompts = 4",
     "RLConfig.samples_per_prompt = 4",
     "RLConfig.oversample = 2",
@@ -62,7 +61,11 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
     killed = _cluster(workdir, fault="kill_at_step=3@1")
     output = killed.stdout + killed.stderr
     assert killed.returncode != 0, output[-4000:]
-    assert "[local_cluster] process 1 exited with status 137" in output, output[-4000:]
+    # Process 1 is SIGKILLed (137); process 0 may see its peer gone first (a gloo read error:
+    # exit 1) and be the one the launcher reports. Either way the job stopped.
+    assert re.search(r"\[local_cluster\] process [01] exited with status (137|1);", output), output[
+        -4000:
+    ]
     checkpoints = workdir / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["2"], os.listdir(checkpoints)
 
@@ -71,12 +74,11 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
     assert resumed.returncode == 0, output[-6000:]
     assert f"[0] [rl] resuming {workdir} from step 2" in output, output[-4000:]
     assert f"[0] [rl] step {STEPS}/{STEPS}" in output, output[-4000:]
-    assert "[1] [rl] step" not in output  # progress on process 0 only
+    assert "[1] [rl]" not in output  # progress on process 0 only
     assert str(STEPS) in os.listdir(checkpoints)
     two = _metrics(workdir)
     assert sorted(two) == list(range(STEPS + 1))
     assert [two[s]["async/staleness"] for s in range(1, STEPS + 1)] == [0, 1, 2, 2, 2, 2]
-    assert "eval/accuracy" in two[STEPS]
 
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     single_dir = tmp_path / "one_process"
