@@ -28,6 +28,15 @@ Schedules (`RLConfig.schedule`):
   as the queue allows; staleness follows the timing, batches over `max_staleness` are dropped and
   counted. Not reproducible bit for bit.
 
+Dynamic sampling (`RLConfig.oversample`): a batch samples `oversample x num_prompts` prompts and
+the trainer gets the `num_prompts` groups whose rewards differ first (`select_groups`).
+
+In a job of several processes every process runs this controller on the same data (fixed lag
+only), and the device work of the two threads takes turns in the same order everywhere: batch
+k + lag is sampled before step k + 1 trains (`in_turns`; host work still overlaps). Programs the
+two threads put on the devices concurrently, in orders that differ between processes, hung
+2-process CPU jobs over gloo.
+
 The checkpoint of an async run holds, besides the train state, the scored rollouts still queued
 (sampled by versions older than the checkpointed weights, so they could not be regenerated),
 the data position (next batch index to generate), the generator's version and the queue's
