@@ -7,7 +7,7 @@ host RSS after warm-up (median over the tenth of the run after the first evaluat
 and at the end (median over the last tenth), the growth in %, the largest queue depth against the
 queue's bound, the samples dropped and the staleness. Writes bench/results/soak.{json,md}.
 
-    python -m bench.soak                 # 1200 steps, ~4 minutes on 2 CPU cores
+    python -m bench.soak                 # 1200 steps, ~5 minutes on 2 CPU cores
     python -m bench.soak --steps 8       # seconds: the plumbing
 """
 
