@@ -294,12 +294,6 @@ class Controller:
             self.io.log(0, self.evaluate(state.params), {})
         self._publish(state.params, step, first_index)
         producer = _Producer(self, queue, first_index)
-        if first_index < c.total_steps:
-            # The first batch on this thread, before the generator thread starts: on a mesh over
-            # several processes, each collective's communicator is made on first use, and
-            # creating them from two threads at once can pair different ones across processes
-            # (the job hangs). Here the generator's are made before any concurrency.
-            producer.sample_first()
         clock = _StepClock(producer.timeline)
         self.io.start(step)
         producer.start()
@@ -526,7 +520,6 @@ class _Producer:
         self.index = first_index
         self.version: int | None = None  # the version of the last batch sampled
         self.timeline = BusyTimeline()
-        self._first: ScoredBatch | None = None
         self._sampled = threading.Condition()  # notified as `index` grows, or on failure
         self._error: QueueClosed | None = None
         self._thread = threading.Thread(target=self._run, name="jaxrl-generator", daemon=True)
@@ -552,11 +545,6 @@ class _Producer:
                     raise self._error
                 wait_until(self._sampled, deadline, f"the generator to sample batch {count - 1}")
 
-    def sample_first(self) -> None:
-        """Samples and scores the first batch on the calling thread; the generator thread
-        queues it first."""
-        self._first = self._sample_next()
-
     def _sample_next(self) -> ScoredBatch:
         """Samples and scores batch `self.index`."""
         ctl, k = self.controller, self.index
@@ -577,9 +565,6 @@ class _Producer:
         ctl = self.controller
         c = ctl.config
         try:
-            if self._first is not None:
-                self.queue.put(self._first)
-                self._first = None
             while c.schedule == "free_running" or self.index < c.total_steps:
                 self.queue.put(self._sample_next())
         except QueueClosed:
