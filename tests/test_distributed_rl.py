@@ -98,3 +98,17 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
     np.testing.assert_allclose(
         [two[s]["loss"] for s in steps], [one[s]["loss"] for s in steps], rtol=1e-4, atol=1e-6
     )
+
+
+def test_free_running_schedule_is_refused_across_processes(tmp_path):
+    launcher = [
+        sys.executable, "-m", "launch.local_cluster", "--num_processes", "2",
+        "--devices_per_process", "4", "--timeout_s", "60", "--heartbeat_timeout_s", "5", "--",
+    ]  # fmt: skip
+    command = _rl_command("arith_tiny_2proc.gin", tmp_path / "run")
+    result = _run(launcher + command + ["--gin_param=RLConfig.schedule = 'free_running'"])
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert "RLConfig.schedule='free_running' in a job of 2 processes" in output, output[-4000:]
+    assert "use RLConfig.schedule = 'fixed_lag'" in output
+    assert not (tmp_path / "run" / "checkpoints").exists()
