@@ -42,12 +42,13 @@ def _run(command, fault: str = "", timeout_s: int = 150) -> subprocess.Completed
     )
 
 
-def _cluster(workdir, fault: str = "") -> subprocess.CompletedProcess:
+def _cluster(workdir, fault: str = "", extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """configs/rl/arith_tiny_2proc.gin (with `extra` flags) as a job of 2 processes x 4 devices."""
     launcher = [
         sys.executable, "-m", "launch.local_cluster", "--num_processes", "2",
         "--devices_per_process", "4", "--timeout_s", "120", "--heartbeat_timeout_s", "5", "--",
     ]  # fmt: skip
-    return _run(launcher + _rl_command("arith_tiny_2proc.gin", workdir), fault)
+    return _run(launcher + _rl_command("arith_tiny_2proc.gin", workdir) + list(extra), fault)
 
 
 def _metrics(workdir) -> dict[int, dict]:
@@ -101,12 +102,7 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
 
 
 def test_free_running_schedule_is_refused_across_processes(tmp_path):
-    launcher = [
-        sys.executable, "-m", "launch.local_cluster", "--num_processes", "2",
-        "--devices_per_process", "4", "--timeout_s", "60", "--heartbeat_timeout_s", "5", "--",
-    ]  # fmt: skip
-    command = _rl_command("arith_tiny_2proc.gin", tmp_path / "run")
-    result = _run(launcher + command + ["--gin_param=RLConfig.schedule = 'free_running'"])
+    result = _cluster(tmp_path / "run", extra=("--gin_param=RLConfig.schedule = 'free_running'",))
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-4000:]
     assert "RLConfig.schedule='free_running' in a job of 2 processes" in output, output[-4000:]
