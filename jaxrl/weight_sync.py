@@ -29,8 +29,14 @@ Two transports; both only ever copy device to device:
   when some generator slice is not already inside a trainer shard, one jit per chunk casts and
   reshards on the trainer mesh to a *shadow* layout: the generator's block grid, coarsened per
   dimension (gcd) until its block count divides the trainer device count (the rest replicates),
-  with the device order (over permutations of the trainer mesh axes) overlapping the trainer's
-  own blocks most. Then a batched `device_put` to the generator shardings is slice for slice.
+  with the device arrangement overlapping the trainer's own blocks most. Then a batched
+  `device_put` to the generator shardings is slice for slice. Every input and output of one jit
+  must list its devices in the same order, so a shadow is never a mesh over a reordered device
+  list (that raised "incompatible devices for jitted computation" for fsdp 2 x tp 2 -> tp 4):
+  it is a `NamedSharding` over `factor_mesh`, the trainer's devices in the trainer's order split
+  into prime-sized axes, and the arrangements tried (`factor_groupings`) are the ways to hand
+  those axes, in any order, to the shadow's dimensions: every transposition, merge or split of
+  the trainer mesh axes, each one legal as a jit output.
 - "assemble" (default on CPU, faster there): no collectives. Each generator block is tiled by the
   trainer shards it intersects; each tile is cut on its trainer device if needed, copied d2d to
   the first generator device holding the block, and joined there by one jitted `jnp.block`;
@@ -63,6 +69,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -212,34 +219,100 @@ def _grid(blocks: Sequence[Block], shape: tuple[int, ...], what: str) -> tuple[i
     return tuple(grid)
 
 
-def _device_orders(sharding: Sharding) -> list[list[jax.Device]]:
-    """Candidate device orders for a shadow mesh: the trainer mesh with its axes permuted."""
+def _prime_factors(n: int) -> list[int]:
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
+
+
+def device_order(sharding: Sharding) -> tuple[jax.Device, ...]:
+    """The sharding's device assignment: the order a jit over it lists its devices in. Every
+    input and output sharding of one jit must have the same one."""
     if isinstance(sharding, NamedSharding):
-        grid = sharding.mesh.devices
-        return [list(np.transpose(grid, p).flat) for p in itertools.permutations(range(grid.ndim))]
-    return [sorted(sharding.device_set, key=lambda d: d.id)]
+        return tuple(sharding.mesh.devices.flat)
+    order = getattr(sharding, "_device_assignment", None)  # no public reader
+    return tuple(order) if order else tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
 
+@functools.cache
+def factor_mesh(devices: tuple[jax.Device, ...], shape: tuple[int, ...]) -> Mesh:
+    """`devices` (in this order) as a mesh of prime-sized axes, each a factor of one axis of
+    `shape` (major first). A layout on this mesh keeps the device order, so a jit may take
+    inputs on the original layout and write outputs on it; and any way of splitting the
+    devices into a grid that follows the original axes (transposed, merged, split) is one."""
+    sizes = [p for n in shape for p in _prime_factors(n)] or [1]
+    grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, tuple(f"f{i}" for i in range(len(sizes))))
+
+
+def factor_groupings(
+    mesh: Mesh, sizes: Sequence[int], limit: int = 720
+) -> list[tuple[tuple[str, ...], ...]]:
+    """Ways to give each entry of `sizes` (which multiply to the mesh size) a tuple of the
+    factor mesh's axes, major first, whose sizes multiply to it. The mesh's own axis order comes
+    first; at most `limit` axis orders are tried (all of them up to 6 factor axes, i.e. 64
+    devices of size-2 factors)."""
+    axes = [(name, n) for name, n in zip(mesh.axis_names, mesh.devices.shape, strict=True) if n > 1]
+    found: dict[tuple, None] = {}
+    for order in itertools.islice(itertools.permutations(axes), limit):
+        groups, position = [], 0
+        for size in sizes:
+            group, product = [], 1
+            while product < size and position < len(order):
+                group.append(order[position][0])
+                product *= order[position][1]
+                position += 1
+            if product != size:
+                break
+            groups.append(tuple(group))
+        else:
+            if position == len(order):
+                found[tuple(groups)] = None
+    return list(found)
+
+
+def _spec_entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _overlap(candidate: Sharding, current: dict[jax.Device, Block], shape) -> int:
+    total = 0
+    for device, block in _blocks(candidate, shape).items():
+        common = _intersect(block, current[device])
+        total += 0 if common is None else _volume(common)
+    return total
+
+
+@functools.cache
 def _shadow_sharding(
     trainer_sharding: Sharding, generator_grid: tuple[int, ...], shape: tuple[int, ...]
 ) -> NamedSharding:
-    """A layout on the trainer devices whose blocks are generator blocks or unions of them."""
+    """A layout on the trainer devices, in the trainer's device order (one jit reshards into
+    it), whose blocks are generator blocks or unions of them: the generator's block grid,
+    coarsened per dimension (gcd) until its block count divides the trainer device count (the
+    rest replicates), with the device arrangement that overlaps the trainer's own blocks most
+    (fewest bytes through the collectives)."""
     grid, left = [], len(trainer_sharding.device_set)
     for g in generator_grid:
         grid.append(math.gcd(g, left))
         left //= grid[-1]
-    names = ("shadow_replica",) + tuple(f"shadow_{i}" for i in range(len(grid)))
-    spec = PartitionSpec(*(f"shadow_{i}" if c > 1 else None for i, c in enumerate(grid)))
+    order = device_order(trainer_sharding)
+    shape_of = (
+        trainer_sharding.mesh.devices.shape
+        if isinstance(trainer_sharding, NamedSharding)
+        else (len(order),)
+    )
+    mesh = factor_mesh(order, shape_of)
     current = _blocks(trainer_sharding, shape)
     best, best_overlap = None, -1
-    for order in _device_orders(trainer_sharding):
-        mesh = Mesh(np.asarray(order, dtype=object).reshape((left, *grid)), names)
-        candidate = NamedSharding(mesh, spec)
-        overlap = 0
-        for device, block in _blocks(candidate, shape).items():
-            common = _intersect(block, current[device])
-            overlap += 0 if common is None else _volume(common)
-        if overlap > best_overlap:  # fewest bytes through the collectives
+    for groups in factor_groupings(mesh, (left, *grid)):
+        candidate = NamedSharding(mesh, PartitionSpec(*map(_spec_entry, groups[1:])))
+        overlap = _overlap(candidate, current, shape)
+        if overlap > best_overlap:
             best, best_overlap = candidate, overlap
     return best
 
@@ -373,21 +446,32 @@ def cast_sources(
     jits: dict, routes: Sequence, made: Sequence, leaves: list[jax.Array]
 ) -> tuple[dict[int, jax.Array], list[jax.Array]]:
     """A chunk's source arrays on the trainer: the params themselves, except the `made` routes,
-    cast and / or resharded to their `source_sharding` by one jit (cached in `jits`). Returns
-    (sources by leaf index, the new arrays, which the caller frees)."""
+    cast and / or resharded to their `source_sharding` (laid out in the trainer's device order)
+    by one jit per trainer device order (cached in `jits`). Returns (sources by leaf index, the
+    new arrays, which the caller frees)."""
     sources = {r.index: leaves[r.index] for r in routes}
-    if not made:
-        return sources, []
-    key = tuple((r.index, r.shape, r.dtype, r.source_sharding) for r in made)
-    if key not in jits:
-        dtypes = [r.dtype for r in made]
-        jits[key] = jax.jit(
-            lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
-            out_shardings=[r.source_sharding for r in made],
-        )
-    outs = jits[key]([leaves[r.index] for r in made])
-    sources.update(zip((r.index for r in made), outs, strict=True))
-    return sources, list(outs)
+    groups: dict[tuple, list] = collections.defaultdict(list)
+    for route in made:
+        groups[device_order(leaves[route.index].sharding)].append(route)
+    new = []
+    for order, group in groups.items():
+        for route in group:
+            if device_order(route.source_sharding) != order:
+                raise AssertionError(  # the planners build every layout in the trainer's order
+                    f"{route.path}: the layout {route.source_sharding} lists the trainer's "
+                    "devices in another order; one jit cannot reshard into it."
+                )
+        key = tuple((r.index, r.shape, r.dtype, r.source_sharding) for r in group)
+        if key not in jits:
+            dtypes = [r.dtype for r in group]
+            jits[key] = jax.jit(
+                lambda xs, dtypes=dtypes: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
+                out_shardings=[r.source_sharding for r in group],
+            )
+        outs = jits[key]([leaves[r.index] for r in group])
+        sources.update(zip((r.index for r in group), outs, strict=True))
+        new.extend(outs)
+    return sources, new
 
 
 def push_in_chunks(

@@ -50,8 +50,9 @@ cast, and reshard to the generator's block layout), then move data across:
   are any, and that process's replicas copy it locally: a block crosses to a process at most
   once. Any device counts.
 - "ppermute": the *mirror* layout (the generator's mesh shape and specs, on the trainer's
-  devices, each generator device paired with a trainer device, same process first), then one
-  jitted `shard_map` per chunk over the union mesh. Needs disjoint roles and a trainer device
+  devices in the trainer's device order, as the in-process shadow; each generator device
+  paired with a trainer device, same process first), then one jitted `shard_map` per chunk
+  over the union mesh. Needs disjoint roles and a trainer device
   count that is a multiple of the generator's; every replica crosses (one collective).
 
 Default ("auto"): "ppermute" on GPU and TPU, where it is NCCL / ICI point-to-point, device to
@@ -67,17 +68,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from jaxrl import weight_sync
 from jaxrl.infra import distributed
 from jaxrl.weight_sync import (
     DEFAULT_CHUNK_BYTES,
@@ -197,23 +200,46 @@ def _piece_blocks(source_blocks, gen_blocks, itemsize: int) -> tuple[tuple[Block
     return tuple(out), cross
 
 
-def _pairing(trainer_devices: Sequence[jax.Device], gen_mesh: Mesh) -> np.ndarray:
-    """Trainer devices as (k, *gen_mesh.shape): row 0 pairs each generator device with a
-    trainer device (same process first); the rest replicate the mirror."""
-    n_t, n_g = len(trainer_devices), gen_mesh.devices.size
+@functools.cache
+def _mirror(trainer: Sharding, generator: NamedSharding, shape: tuple[int, ...]):
+    """The generator's layout on the trainer's devices, in the trainer's device order (one jit
+    reshards into it): the trainer devices arranged as (k, *generator mesh shape), row 0 paired
+    position by position with the generator devices. Of the arrangements that follow the
+    trainer mesh's axes, the one with the most same-process pairs, then the most overlap with
+    the trainer's own blocks. Returns (mirror sharding, row 0 as an array of devices)."""
+    gen_mesh = generator.mesh
+    order = weight_sync.device_order(trainer)
+    n_t, n_g = len(order), gen_mesh.devices.size
     if n_t % n_g:
         raise ValueError(
             f"transport 'ppermute' pairs each of the {n_g} generator devices with a trainer "
             f"device and needs the trainer's device count ({n_t}) to be a multiple of it; use "
             "transport='device_put' (any device counts) or change the meshes."
         )
-    free = sorted(trainer_devices, key=lambda d: (d.process_index, d.id))
-    row = []
-    for target in gen_mesh.devices.flat:
-        pick = next((d for d in free if d.process_index == target.process_index), free[0])
-        free.remove(pick)
-        row.append(pick)
-    return np.asarray(row + free, dtype=object).reshape((n_t // n_g, *gen_mesh.devices.shape))
+    mesh_shape = trainer.mesh.devices.shape if isinstance(trainer, NamedSharding) else (n_t,)
+    mesh = weight_sync.factor_mesh(order, mesh_shape)
+    current = _blocks(trainer, shape)
+    best, best_score = None, None
+    for groups in weight_sync.factor_groupings(mesh, (n_t // n_g, *gen_mesh.devices.shape)):
+        by_axis = dict(zip(gen_mesh.axis_names, groups[1:], strict=True))
+
+        def entry(e, by_axis=by_axis):
+            names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+            return weight_sync._spec_entry(tuple(a for n in names for a in by_axis[n]))
+
+        mirror = NamedSharding(mesh, PartitionSpec(*map(entry, generator.spec)))
+        axes = [a for g in groups for a in g]
+        axes += [a for a in mesh.axis_names if a not in axes]  # size-1 axes
+        arranged = np.transpose(mesh.devices, [mesh.axis_names.index(a) for a in axes])
+        row = arranged.reshape((n_t // n_g, *gen_mesh.devices.shape))[0]
+        same = sum(
+            t.process_index == g.process_index
+            for t, g in zip(row.flat, gen_mesh.devices.flat, strict=True)
+        )
+        score = (same, weight_sync._overlap(mirror, current, shape))
+        if best_score is None or score > best_score:
+            best, best_score = (mirror, row), score
+    return best
 
 
 class CrossProcessWeightSync:
@@ -313,28 +339,21 @@ class CrossProcessWeightSync:
         cast = self.generator_dtype is not None and floating
         out_dtype = jnp.dtype(self.generator_dtype if cast else dtype)
         gen_mesh = generator.mesh
-        trainer_devices = (
-            list(trainer.mesh.devices.flat)
-            if isinstance(trainer, NamedSharding)
-            else sorted(trainer.device_set, key=lambda d: d.id)
-        )
-        shared = set(trainer_devices) & set(gen_mesh.devices.flat)
+        shared = set(trainer.device_set) & set(gen_mesh.devices.flat)
         if shared:
             raise ValueError(
                 f"{path}: transport 'ppermute' needs disjoint trainer and generator devices, "
                 f"but {sorted(d.id for d in shared)} are in both; colocated roles share "
                 "processes, so use the in-process WeightSync."
             )
-        grid = _pairing(trainer_devices, gen_mesh)
-        mirror_mesh = Mesh(grid, ("mirror_replica", *gen_mesh.axis_names))
-        mirror = NamedSharding(mirror_mesh, generator.spec)
-        union = Mesh(np.stack([grid[0], gen_mesh.devices]), ("role", *gen_mesh.axis_names))
+        mirror, row = _mirror(trainer, generator, shape)
+        union = Mesh(np.stack([row, gen_mesh.devices]), ("role", *gen_mesh.axis_names))
         gen_blocks = _blocks(generator, shape)
         block_bytes = {d.id: _volume(b) * out_dtype.itemsize for d, b in gen_blocks.items()}
         extra = collections.Counter(block_bytes)  # zero buffers, then (aliased) new shards
         for device, block in _blocks(mirror, shape).items():
             extra[device.id] += _volume(block) * out_dtype.itemsize
-        pairs = zip(grid[0].flat, gen_mesh.devices.flat, strict=True)
+        pairs = zip(row.flat, gen_mesh.devices.flat, strict=True)
         return CrossRoute(
             index=index,
             path=path,

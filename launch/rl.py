@@ -46,6 +46,16 @@ from launch.configs import (
     TaskSpec,
 )
 
+GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_generator_dtype(name: str, generator_mesh) -> str | None:
+    """The dtype a weight push casts to (None: the trainer's own) for `rl_main.generator_dtype`."""
+    if name != "auto":
+        return name
+    platform = generator_mesh.devices.flat[0].platform
+    return None if platform == "cpu" else "bfloat16"
+
 
 def _say(line: str) -> None:
     """Progress output, from process 0 only."""
@@ -95,10 +105,19 @@ def rl_main(
     mesh: MeshConfig = MeshConfig(("fsdp", "tp"), (1, 1)),
     generator_mesh: MeshConfig | None = None,
     sft: SFTConfig | None = None,
+    generator_dtype: str = "auto",
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
-    laid out by GENERATOR_RULES (axes ("dp", "tp"))."""
+    laid out by GENERATOR_RULES (axes ("dp", "tp")). `generator_dtype` (async mode): the dtype
+    of the generator's copy of the weights, cast on the trainer during each push: "bfloat16",
+    "float32", or "auto" (bfloat16 on GPU / TPU, where decoding is bound by reading the weights;
+    the trainer's parameter dtype on CPU, where bf16 matmuls are slower and the fp32 log-ratio
+    checks hold exactly). AIPO's per-token ratio corrects for the bf16 sampler like any lag."""
+    if generator_dtype not in GENERATOR_DTYPES:
+        raise SystemExit(
+            f"rl_main.generator_dtype={generator_dtype!r}; expected one of {GENERATOR_DTYPES}"
+        )
     tokenizer = build_tokenizer(policy, task)
     model_config = build_model_config(policy, tokenizer)
     source = build_source(task, tokenizer)
@@ -169,6 +188,7 @@ def rl_main(
             sync = make_weight_sync(
                 trainer.param_shardings,
                 generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
+                generator_dtype=resolve_generator_dtype(generator_dtype, gen_mesh),
             )
             weights = GeneratorWeights(sync, latest_only=rl.schedule == "free_running")
         generator = GeneratorExecutor(

@@ -268,3 +268,26 @@ def test_a_failing_reward_or_generator_ends_the_run_fast_with_its_traceback(tmp_
         assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"], where
         step, params = _params(workdir)
         assert step == 2 and all(np.isfinite(v).all() for v in params.values()), where
+
+
+# --- generator dtype ---------------------------------------------------------------------------
+
+
+def test_generator_dtype_from_gin_casts_the_pushed_weights(tmp_path, xla_cache):
+    """`rl_main.generator_dtype = 'bfloat16'`: the generator samples from bf16 copies of the fp32
+    trainer's weights, so even on-policy (lag 0) the trainer's log pi of the sampled tokens
+    differs from the sampler's log mu by bf16 rounding (fp32 on both sides: <= 1e-5, the sync
+    smoke test); a value that is not a dtype is refused by name."""
+    from launch.rl import rl_main
+
+    with pytest.raises(SystemExit, match="rl_main.generator_dtype='float16'"):
+        rl_main(str(tmp_path / "refused"), None, None, None, None, generator_dtype="float16")
+    assert not (tmp_path / "refused").exists()
+    on_policy = ["RLConfig.total_steps = 2", "RLConfig.lag = 0", "RLConfig.max_staleness = 0"]
+    result = _run(
+        tmp_path / "bf16", xla_cache, on_policy + ["rl_main.generator_dtype = 'bfloat16'"]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _last_records(tmp_path / "bf16")
+    assert [r["async/staleness"] for r in records] == [0, 0]
+    assert min(r["abs_log_ratio_max"] for r in records) > 1e-3, records

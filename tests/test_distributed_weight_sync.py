@@ -18,6 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_TIMEOUT_S = 100
 
 LAYOUTS = ("split", "span")
+# Random layout pairs (tests/layouts_for_tests.py) per transport, pushed across the processes.
+RANDOM_CASES = 5
 # (transport, generator dtype, generator device count) pushed in each layout; the bf16 one on
 # fewer generator devices than trainer devices in the split layout only (each case ~3 s).
 CASES = {
@@ -63,6 +65,101 @@ def test_push_across_processes_equals_trainer():
                 assert line in output, output[-6000:]
 
 
+def test_random_layout_pairs_across_processes():
+    """The in-process property test's random layouts (any device subsets and orders of the 8
+    devices of the job, so roles span processes or not, overlap or not) through
+    CrossProcessWeightSync, each transport on the cases it takes."""
+    result = run_cluster(["random"])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    for transport in ("device_put", "ppermute"):
+        for process in (0, 1):
+            done = [
+                line
+                for line in output.splitlines()
+                if line.startswith(f"[{process}] OK random {transport} ")
+            ]
+            assert len(done) == RANDOM_CASES, output[-6000:]
+
+
+def _random_cases(num_devices: int):
+    """The first RANDOM_CASES layout cases each transport takes ("ppermute": disjoint roles,
+    trainer device count a multiple of the generator's)."""
+    from layouts_for_tests import make_case
+
+    out = {"device_put": [], "ppermute": []}
+    seed = 20261201
+    while min(len(v) for v in out.values()) < RANDOM_CASES:
+        case = make_case(seed, num_devices)
+        seed += 1
+        n_t, n_g = len(case.trainer[0]), len(case.generator[0])
+        if len(out["device_put"]) < RANDOM_CASES:
+            out["device_put"].append(case)
+        elif not set(case.trainer[0]) & set(case.generator[0]) and n_t % n_g == 0:
+            if len(out["ppermute"]) < RANDOM_CASES:
+                out["ppermute"].append(case)
+    return out
+
+
+def _push_random(info) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from layouts_for_tests import describe, host_params, shardings
+
+    from jaxrl.weight_sync_xproc import CrossProcessWeightSync
+
+    devices = jax.devices()
+    for transport, cases in _random_cases(len(devices)).items():
+        for case in cases:
+            trainer = shardings(case, devices, "trainer")
+            generator = shardings(case, devices, "generator")
+            host = host_params(case)
+            later = {k: v + np.asarray(1, v.dtype) for k, v in host.items()}
+
+            def place(values, trainer=trainer):
+                return {
+                    k: jax.make_array_from_callback(
+                        v.shape, trainer[k], lambda i, v=v: v[i], dtype=v.dtype
+                    )
+                    for k, v in values.items()
+                }
+
+            params, params_later = place(host), place(later)
+            sync = CrossProcessWeightSync(
+                trainer,
+                generator,
+                generator_dtype=case.generator_dtype,
+                chunk_bytes=1024,
+                transport=transport,
+                barrier_timeout_s=30,
+            )
+            try:
+                with (
+                    jax.transfer_guard_host_to_device("disallow_explicit"),
+                    jax.transfer_guard_device_to_host("disallow_explicit"),
+                ):
+                    first, _ = sync.push(params, 1)
+                    second, _ = sync.push(params_later, 2, first)
+                for name, array in second.params.items():
+                    want = later[name]
+                    want = (
+                        want.astype(jnp.dtype(case.generator_dtype))
+                        if case.generator_dtype
+                        else want
+                    )
+                    assert array.sharding.is_equivalent_to(generator[name], array.ndim), name
+                    assert array.dtype == want.dtype, (name, array.dtype)
+                    for shard in array.addressable_shards:
+                        np.testing.assert_array_equal(
+                            np.asarray(shard.data).view(np.uint8), want[shard.index].view(np.uint8)
+                        )
+            except Exception as error:
+                raise AssertionError(f"{transport}\n{describe(case)}") from error
+            second.delete()
+            print(f"OK random {transport} {case.seed}", flush=True)
+
+
 def _worker(layouts) -> None:
     from jaxrl.infra.distributed import initialize_from_env
 
@@ -75,6 +172,8 @@ def _worker(layouts) -> None:
     from jaxrl.models.transformer import Transformer
 
     assert jax.process_count() == 2 and jax.local_device_count() == 4
+    if layouts == ["random"]:
+        return _push_random(info)
     config = ModelConfig("llama", 256, 64, 128, 1, 4, 4, 16)  # 1 layer: fewer jits
     abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[1]
     rng = np.random.default_rng(0)  # the same values on every process
@@ -153,4 +252,5 @@ def _push_and_check(layout, trainer_devices, gen_devices, abstract, host, info) 
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # layouts_for_tests
     _worker(sys.argv[1:])
