@@ -11,6 +11,7 @@ import os
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.tasks.arithmetic import ArithmeticTask
 from jaxrl.tasks.source import ArithmeticSource, JsonlMathSource
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
@@ -53,6 +54,9 @@ class PolicySpec:
     vocab_multiple: presets round the tokenizer's vocabulary up to a multiple of this, so the
       vocabulary splits over tensor-parallel meshes (the extra ids are never produced by the
       tokenizer).
+    scan_layers: stack the layers and run them under `nnx.scan` (compile time flat in depth);
+      checkpoints of either layout restore into either.
+    remat_policy: what the backward pass keeps of each layer (`jaxrl.models.remat`).
     """
 
     preset: str = "arith_tiny"
@@ -60,6 +64,8 @@ class PolicySpec:
     param_dtype: str = "float32"
     dtype: str = "float32"
     vocab_multiple: int = 64
+    scan_layers: bool = False
+    remat_policy: str = "none"
 
     def validate(self) -> None:
         if not self.init_from and self.preset not in PRESETS:
@@ -68,6 +74,10 @@ class PolicySpec:
             raise ValueError(f"init_from={self.init_from!r} is not a directory")
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple={self.vocab_multiple} must be >= 1")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +124,12 @@ def build_tokenizer(policy: PolicySpec, task: TaskSpec):
 
 
 def build_model_config(policy: PolicySpec, tokenizer) -> ModelConfig:
-    overrides = dict(param_dtype=policy.param_dtype, dtype=policy.dtype)
+    overrides = dict(
+        param_dtype=policy.param_dtype,
+        dtype=policy.dtype,
+        scan_layers=policy.scan_layers,
+        remat_policy=policy.remat_policy,
+    )
     if policy.init_from:
         config_dir = policy.init_from
         if os.path.isdir(os.path.join(policy.init_from, "model")):

@@ -20,10 +20,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
+from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatchError
 from jaxrl.infra.sharding import attach_shardings
 from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.scan import convert_layer_layout, layer_layout_shardings
 from jaxrl.models.transformer import Transformer
 
 MODEL_DIR = "model"
@@ -77,6 +78,8 @@ def restore_params(
 
     The optimizer state and anything else in the checkpoint is not read. `shardings` (a state of
     `Sharding`s as `param_shardings` returns) places them; by default they go to the first device.
+    A checkpoint whose layers are laid out the other way (`ModelConfig.scan_layers`: stacked or
+    one subtree per layer) is restored in its own layout and converted on the devices.
     """
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     abstract_params = nnx.to_pure_dict(abstract)
@@ -85,11 +88,29 @@ def restore_params(
         shardings = jax.tree.map(lambda _: device, abstract_params)
     elif isinstance(shardings, nnx.State):
         shardings = nnx.to_pure_dict(shardings)
+    try:
+        restored_step, params = _restore_pure_params(workdir, step, abstract_params, shardings)
+    except CheckpointMismatchError as mismatch:
+        other = config.replace(scan_layers=not config.scan_layers)
+        _, other_abstract = nnx.split(nnx.eval_shape(lambda: Transformer(other, rngs=nnx.Rngs(0))))
+        other_abstract = nnx.to_pure_dict(other_abstract)
+        other_shardings = layer_layout_shardings(shardings, other_abstract, other.scan_layers)
+        try:
+            restored_step, saved = _restore_pure_params(
+                workdir, step, other_abstract, other_shardings
+            )
+        except CheckpointMismatchError:
+            raise mismatch from None
+        params = convert_layer_layout(saved, config.num_layers, config.scan_layers, shardings)
+    nnx.replace_by_pure_dict(abstract, params)
+    return restored_step, abstract
+
+
+def _restore_pure_params(workdir, step, abstract_params, shardings):
     target = {PARAMS_KEY: attach_shardings(abstract_params, shardings)}
     with Checkpointer(checkpoint_dir(workdir), CheckpointConfig(), read_only=True) as ckpt:
         restored = ckpt.restore(step, abstract_target=target, partial=True)
-    nnx.replace_by_pure_dict(abstract, restored.state[PARAMS_KEY])
-    return restored.step, abstract
+    return restored.step, restored.state[PARAMS_KEY]
 
 
 def load_policy(workdir: str, *, step: int | None = None, **config_overrides: Any):

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 from jaxrl.generation.sampling import SamplingConfig, sample_tokens
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import Transformer, init_cache
+from jaxrl.models.transformer import Transformer, constrain_cache, init_cache
 
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -216,12 +216,11 @@ class Sampler:
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # raw key data (multi-process)
             key = jax.random.wrap_key_data(key)
         model: Transformer = nnx.merge(self.graphdef, params)
+        param_leaves, params_def = jax.tree.flatten(params)
         batch, prompt_len = tokens_bp.shape
         new = sampling.max_new_tokens
         total = prompt_len + new
-        cache = init_cache(model.config, batch, total)
-        cache_axes = (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)
-        cache = jax.tree.map(lambda c: ax.constrain(c, cache_axes), cache)
+        cache = constrain_cache(init_cache(model.config, batch, total))
         # valid_bs[b, s]: cache slot s holds a real token of row b (prompt or generated).
         valid_bs = jnp.concatenate([valid_bp, jnp.ones((batch, new), bool)], axis=1)
         prompt_lens_b = valid_bp.sum(axis=-1).astype(jnp.int32)
@@ -249,10 +248,15 @@ class Sampler:
             slot = prompt_len + i - 1  # where the previous token goes
             positions_b1 = (prompt_lens_b + i - 1)[:, None]
             mask_b1s = ((jnp.arange(total) <= slot)[None, :] & valid_bs)[:, None, :]
-            hidden, cache = model.hidden_states(
+            # A module made at this trace level from the params' arrays: NNX transforms (the
+            # scanned layers) refuse Variables captured from the enclosing trace.
+            step_model: Transformer = nnx.merge(
+                self.graphdef, jax.tree.unflatten(params_def, param_leaves)
+            )
+            hidden, cache = step_model.hidden_states(
                 token_b[:, None], positions_b1, mask_b1s, cache, slot
             )
-            logits_bv = model.logits(hidden)[:, 0]
+            logits_bv = step_model.logits(hidden)[:, 0]
             token_b, logprob_b = sample_tokens(logits_bv, sampling, jax.random.fold_in(key, i))
             live_b = ~done_b
             token_b = jnp.where(live_b, token_b, self.pad_id)

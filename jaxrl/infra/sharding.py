@@ -28,6 +28,7 @@ KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
 NORM = "norm"
+LAYERS = "layers"  # the stacked layer axis of scanned models: never sharded
 
 # Activation axes.
 ACT_BATCH = "act_batch"
@@ -39,7 +40,7 @@ ACT_HEAD_DIM = "act_head_dim"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
 
-PARAM_AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, NORM)
+PARAM_AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, NORM, LAYERS)
 ACTIVATION_AXES = (
     ACT_BATCH,
     ACT_LENGTH,
@@ -116,6 +117,7 @@ TRAINER_RULES: LogicalRules = (
     (HEAD_DIM, None),
     (MLP, "tp"),
     (NORM, None),
+    (LAYERS, None),
     (ACT_BATCH, "fsdp"),
     (ACT_LENGTH, None),
     (ACT_EMBED, None),
@@ -136,6 +138,7 @@ GENERATOR_RULES: LogicalRules = (
     (HEAD_DIM, None),
     (MLP, "tp"),
     (NORM, None),
+    (LAYERS, None),
     (ACT_BATCH, "dp"),
     (ACT_LENGTH, None),
     (ACT_EMBED, None),

@@ -86,6 +86,11 @@ class ModelConfig:
     dtype: str = "float32"
     # "xla" works everywhere; "cudnn" selects the fused kernel on NVIDIA GPUs; None lets JAX pick.
     attention_impl: str | None = "xla"
+    # Layers stacked on a leading `layers` axis and run by `nnx.scan` (one traced layer: compile
+    # time and program size flat in depth) instead of a Python loop over `layers.0`, `layers.1`...
+    scan_layers: bool = False
+    # What the backward pass keeps of each layer's forward (`jaxrl.models.remat.REMAT_POLICIES`).
+    remat_policy: str = "none"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,6 +108,12 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
         if self.attention_impl not in ("xla", "cudnn", None):
             raise ValueError(f"attention_impl={self.attention_impl!r}; use 'xla', 'cudnn' or None")
+        from jaxrl.models.remat import REMAT_POLICIES
+
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}"
+            )
 
     @property
     def jnp_param_dtype(self):

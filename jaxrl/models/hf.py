@@ -209,19 +209,18 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
             "the same model?"
         )
 
-    def load_leaf(key_path, variable):
-        key = _path_key(key_path)
+    def read(key: tuple, shape: tuple, dtype) -> np.ndarray:
+        """One HF tensor, checked and in this model's layout and dtype (host memory)."""
         spec = mapping.get(key)
         if spec is None:
             raise CheckpointMismatchError(f"no HF name known for model parameter {key}")
         if spec.hf_name not in reader:
             raise CheckpointMismatchError(
                 f"tensor {spec.hf_name!r} is missing from {path} (needed for model parameter "
-                f"{'/'.join(map(str, key))}, shape {tuple(variable.shape)})"
+                f"{'/'.join(map(str, key))}, shape {shape})"
             )
-        target_shape = tuple(variable.shape)
         hf_array = reader[spec.hf_name]
-        expected_hf_shape = spec.to_hf(np.empty(target_shape, np.uint8)).shape
+        expected_hf_shape = spec.to_hf(np.empty(shape, np.uint8)).shape
         if hf_array.shape != expected_hf_shape:
             raise CheckpointMismatchError(
                 f"tensor {spec.hf_name!r} in {path} has shape {hf_array.shape}, but the config "
@@ -229,11 +228,32 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
             )
         host = np.asarray(spec.to_model(hf_array))
         del hf_array  # at most two host copies of this tensor are alive at once
-        host = host.astype(variable.dtype, copy=False)
+        return host.astype(dtype, copy=False)
+
+    def load_leaf(key_path, variable):
+        key = _path_key(key_path)
+        target_shape = tuple(variable.shape)
+        if config.scan_layers and key[0] == "layers":
+            # Stacked: layer i of the leaf is HF tensor model.layers.{i}...; each device shard
+            # reads the layers it holds (all of them: the layer axis is never sharded).
+            layer_keys = [("layers", i, *key[1:]) for i in range(config.num_layers)]
+            for k in layer_keys[:1]:  # shape / name errors before any placement
+                read(k, target_shape[1:], variable.dtype)
+
+            def host_slice(idx):
+                rows = range(config.num_layers)[idx[0]]
+                return np.stack([read(layer_keys[i], target_shape[1:], variable.dtype)[idx[1:]]
+                                 for i in rows])  # fmt: skip
+        else:
+            host = read(key, target_shape, variable.dtype)
+
+            def host_slice(idx):
+                return host[idx]
+
         if flat_shardings is None:
-            return jnp.asarray(host)
+            return jnp.asarray(host_slice((slice(None),) * len(target_shape)))
         sharding = flat_shardings[key]
-        return jax.make_array_from_callback(target_shape, sharding, lambda idx: host[idx])
+        return jax.make_array_from_callback(target_shape, sharding, host_slice)
 
     values = jax.tree_util.tree_map_with_path(load_leaf, nnx.to_pure_dict(abstract_state))
     nnx.replace_by_pure_dict(abstract_state, values)
@@ -293,11 +313,16 @@ def save_hf(model: Transformer, path: str, tokenizer=None, dtype: str | None = N
     mapping = param_map(config)
     tensors = {}
     for key_path, value in jax.tree_util.tree_leaves_with_path(state):
-        spec = mapping[_path_key(key_path)]
+        key = _path_key(key_path)
         host = np.asarray(jax.device_get(value))
-        tensors[spec.hf_name] = np.ascontiguousarray(
-            spec.to_hf(host if target is None else host.astype(target))
-        )
+        host = host if target is None else host.astype(target)
+        if config.scan_layers and key[0] == "layers":  # one HF tensor per layer
+            pieces = {("layers", i, *key[1:]): host[i] for i in range(config.num_layers)}
+        else:
+            pieces = {key: host}
+        for k, array in pieces.items():
+            spec = mapping[k]
+            tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(array))
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)

@@ -18,15 +18,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
+from jaxrl.models import remat
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
-# One layer's cache: (keys_bskd, values_bskd), S = the preallocated cache length.
+# One layer's cache: (keys_bskd, values_bskd), S = the preallocated cache length. The model's
+# cache is a tuple of those per layer, or, with `scan_layers`, one pair stacked on a leading
+# layer axis: (keys_lbskd, values_lbskd).
 LayerCache = tuple[jax.Array, jax.Array]
-KVCache = tuple[LayerCache, ...]
+KVCache = tuple[LayerCache, ...] | LayerCache
+_PROJ_NAMES = {"q": remat.QUERY_PROJ, "k": remat.KEY_PROJ, "v": remat.VALUE_PROJ}
 
 
 class RMSNorm(nnx.Module):
@@ -71,7 +76,8 @@ class Attention(nnx.Module):
         y = _matmul(x_bte, kernel_ehd.reshape(e, h * d)).reshape(*x_bte.shape[:2], h, d)
         if self.config.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
-        return ax.constrain(y, (ax.ACT_BATCH, ax.ACT_LENGTH, heads_axis, ax.ACT_HEAD_DIM))
+        y = ax.constrain(y, (ax.ACT_BATCH, ax.ACT_LENGTH, heads_axis, ax.ACT_HEAD_DIM))
+        return checkpoint_name(y, _PROJ_NAMES[name])
 
     def __call__(
         self,
@@ -107,6 +113,7 @@ class Attention(nnx.Module):
             implementation=c.attention_impl,
         )
         out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
+        out = checkpoint_name(out, remat.ATTN_OUT)
         o_kernel_hde = self.o_kernel[...].astype(c.jnp_dtype)
         h, d, e = o_kernel_hde.shape
         y = _matmul(out.reshape(*out.shape[:2], h * d), o_kernel_hde.reshape(h * d, e))
@@ -174,7 +181,10 @@ class Transformer(nnx.Module):
         self.embedding = _param(
             rngs, (c.vocab_size, c.hidden_size), (ax.VOCAB, ax.EMBED), c.jnp_param_dtype, init_std
         )
-        self.layers = nnx.List([DecoderLayer(c, rngs, init_std) for _ in range(c.num_layers)])
+        if c.scan_layers:
+            self.layers = _stacked_layers(c, rngs, init_std)
+        else:
+            self.layers = nnx.List([DecoderLayer(c, rngs, init_std) for _ in range(c.num_layers)])
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c, rngs, ax.NORM)
         if not c.tie_word_embeddings:
             self.lm_head = _param(
@@ -201,11 +211,25 @@ class Transformer(nnx.Module):
         x = self.embed(tokens_bt)
         inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope)
         cos, sin = rope_cos_sin(positions_bt, inv_freq, self.config.jnp_dtype)
+        policy = remat.remat_policy(self.config.remat_policy)
+
+        def run_layer(x, layer, layer_cache):
+            return layer(x, cos, sin, mask_bts, layer_cache, cache_index)
+
+        if self.config.remat_policy != "none":
+            run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not self.config.scan_layers)
+        if self.config.scan_layers:
+            scan = nnx.scan(
+                run_layer,
+                in_axes=(nnx.Carry, 0, None if cache is None else 0),
+                out_axes=(nnx.Carry, 0),
+                transform_metadata={nnx.PARTITION_NAME: ax.LAYERS},
+            )
+            x, new_cache = scan(x, self.layers, cache)
+            return self.final_norm(x), new_cache
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(
-                x, cos, sin, mask_bts, None if cache is None else cache[i], cache_index
-            )
+            x, layer_cache = run_layer(x, layer, None if cache is None else cache[i])
             new_cache.append(layer_cache)
         return self.final_norm(x), (None if cache is None else tuple(new_cache))
 
@@ -253,10 +277,31 @@ def causal_mask(valid_bt: jax.Array) -> jax.Array:
     return causal_ts[None] & valid_bt[:, None, :].astype(bool)
 
 
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs, init_std: float) -> DecoderLayer:
+    """`num_layers` decoder layers as one module whose params carry a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
+    def make(rngs):
+        return DecoderLayer(config, rngs, init_std)
+
+    return make(rngs)
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """A zeroed KV cache `[B, max_len, K, D]` per layer."""
+    """A zeroed KV cache: `[B, max_len, K, D]` keys and values per layer, or (`scan_layers`)
+    one pair `[L, B, max_len, K, D]`."""
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
     dtype = dtype or config.jnp_dtype
+    if config.scan_layers:
+        stacked = (config.num_layers, *shape)
+        return (jnp.zeros(stacked, dtype), jnp.zeros(stacked, dtype))
     return tuple(
         (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
     )
+
+
+def constrain_cache(cache: KVCache) -> KVCache:
+    """The cache's logical sharding: batch, length, kv heads, head dim (layer axis replicated)."""
+    axes = (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)
+    return jax.tree.map(lambda c: ax.constrain(c, (ax.LAYERS,) * (c.ndim - 4) + axes), cache)

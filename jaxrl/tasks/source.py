@@ -62,7 +62,7 @@ class JsonlMathSource:
         if not self.examples:
             raise ValueError(
                 f"{train_path}: no training problems (the file is empty); give a jsonl file "
-                "with one {\"question\": ..., \"answer\": ...} object per line"
+                'with one {"question": ..., "answer": ...} object per line'
             )
         self.eval_examples = load_math_jsonl(eval_path) if eval_path else []
         self.tokenizer, self.seed = tokenizer, seed
