@@ -418,8 +418,62 @@ class Trainer:
         abstract = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.abstract_params)
         return ax.attach_shardings(abstract, self.state_shardings)
 
-    def init(self, params: Params) -> TrainState:
-        """A fresh state around `params` (placed into the trainer layout first)."""
+    @classmethod
+    def from_hf(
+        cls,
+        path: str,
+        optimizer: OptimizerConfig,
+        *,
+        total_steps: int,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: ax.LogicalRules | None = None,
+        loss: LossConfig | None = None,
+        vocab_chunk_size: int | None = None,
+        **config_overrides: Any,
+    ) -> tuple[Trainer, TrainState]:
+        """A trainer for the HF `save_pretrained` directory `path` and its first `TrainState`.
+
+        The weights are read (safetensors only) straight into the trainer's parameter shardings,
+        one tensor at a time. `mesh` defaults to every device on ("fsdp", "tp") = (n, 1), `rules`
+        to `TRAINER_RULES`; `optimizer` is built for a run of `total_steps` optimizer steps.
+        `config_overrides` set what HF configs do not carry (`param_dtype="bfloat16"`,
+        `dtype="bfloat16"`, `attention_impl="cudnn"`, ...). The tokenizer: `hf.load_tokenizer`.
+
+            trainer, state = Trainer.from_hf("ckpt/", OptimizerConfig(1e-6), total_steps=100,
+                                             loss=LossConfig(name="grpo"))
+            state, metrics = trainer.rl_step(state, batch)
+        """
+        from jaxrl.infra.mesh import MeshConfig, make_mesh
+        from jaxrl.models import hf
+
+        model_config = hf.load_config(path, **config_overrides)
+        if mesh is None:
+            mesh = make_mesh(MeshConfig(("fsdp", "tp"), (-1, 1)))
+        trainer = cls(
+            model_config,
+            mesh,
+            ax.TRAINER_RULES if rules is None else rules,
+            optimizer.make(total_steps),
+            grad_accum_steps=optimizer.grad_accum_steps,
+            loss=loss,
+            vocab_chunk_size=vocab_chunk_size,
+        )
+        params = hf.load_params(path, model_config, trainer.param_shardings)
+        return trainer, trainer.init(params)
+
+    def init(self, params: Params | nnx.State | Transformer) -> TrainState:
+        """A fresh state around `params` (placed into the trainer layout first): a pure dict of
+        arrays, an `nnx.State` (`hf.load_params`) or a whole `Transformer` (`hf.load_model`),
+        whose config must be this trainer's."""
+        if isinstance(params, Transformer):
+            if params.config != self.model_config:
+                raise ValueError(
+                    "the model's config differs from the trainer's; build the Trainer with "
+                    "model.config (or use Trainer.from_hf)"
+                )
+            params = nnx.state(params)
+        if isinstance(params, nnx.State):
+            params = nnx.to_pure_dict(params)
         params = jax.device_put(params, self.param_shardings)
         with self._context():
             return jax.jit(

@@ -24,6 +24,7 @@ from jaxrl.executors import (
     GeneratorExecutor,
     GeneratorWeights,
     RewardExecutor,
+    colocated_sampler,
     generator_param_shardings,
     mesh_sampler,
 )
@@ -32,8 +33,9 @@ from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_ma
 from jaxrl.infra.mesh import check_disjoint, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
-from jaxrl.sft import colocated_sampler, run_sft
+from jaxrl.sft import run_sft, sft_items_used
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
+from jaxrl.tasks.source import SkipSource
 from jaxrl.trainer import Trainer
 from jaxrl.weight_sync_xproc import make_weight_sync
 from launch.configs import (
@@ -103,6 +105,10 @@ def rl_main(
     model_config = build_model_config(policy, tokenizer)
     source = build_source(task, tokenizer)
     reward = reward_name(task, source)
+    if sft is not None and not policy.init_from:
+        # After the SFT warm start, RL reads the stream after the items SFT trained on: its
+        # first batches would otherwise be memorised demonstrations (reward ~1, little signal).
+        source = SkipSource(source, sft_items_used(sft))
     if abs(loss.temperature - rl.temperature) > 0:
         raise SystemExit(
             f"LossConfig.temperature={loss.temperature} differs from RLConfig.temperature="

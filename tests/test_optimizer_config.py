@@ -1,4 +1,4 @@
-"""OptimizerConfig: `max_grad_norm=None` is plain AdamW (NumPy reference), the AdamW fields apply."""
+"""OptimizerConfig: `max_grad_norm=None` is plain AdamW (NumPy reference); the AdamW fields."""
 
 import jax
 import jax.numpy as jnp

@@ -278,6 +278,11 @@ def parse_gin(
     try:
         with contextlib.chdir(roots[0]) if roots else contextlib.nullcontext():
             gin.parse_config_files_and_bindings(files, list(gin_params))
+    except ImportError as err:  # `import my_module` in a gin file
+        raise ConfigError(
+            f"gin: {err}; a module a gin file imports must be importable: put its directory on "
+            "PYTHONPATH"
+        ) from err
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
 
