@@ -27,10 +27,10 @@ from jaxrl.specs import (
     build_tokenizer,
     reward_name,
 )
-from jaxrl.tasks.source import encode_prompts
+from jaxrl.tasks.source import PromptSource, SkipSource, encode_prompts
 from jaxrl.trainer import OptimizerConfig, Params, Trainer
 
-__all__ = ["SFTConfig", "colocated_sampler", "run_sft", "sft_items_used"]
+__all__ = ["SFTConfig", "colocated_sampler", "rl_source_after_sft", "run_sft", "sft_items_used"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,16 @@ def sft_items_used(config: SFTConfig) -> int:
     every item its batches drew); RL after an SFT warm start starts its prompt stream at n, so
     its first batches are not memorised demonstrations."""
     return config.num_demonstrations or config.steps * config.batch_size
+
+
+def rl_source_after_sft(source: PromptSource, config: SFTConfig) -> SkipSource:
+    """The RL prompt stream after an SFT warm start on `source`: it starts after the items the SFT
+    stage trained on and, for a demonstration pool, never yields one of the pool's prompts (a
+    stream drawn with replacement repeats prompts; the pool's are memorised, reward ~1, and
+    teach RL nothing). With an unlimited demonstration stream only the offset applies."""
+    pool = config.num_demonstrations
+    exclude = frozenset(source.item(i).text for i in range(pool))
+    return SkipSource(source, sft_items_used(config), exclude)
 
 
 def run_sft(

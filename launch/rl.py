@@ -28,14 +28,13 @@ from jaxrl.executors import (
     generator_param_shardings,
     mesh_sampler,
 )
-from jaxrl.infra.config import launch
+from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
-from jaxrl.sft import run_sft, sft_items_used
+from jaxrl.sft import rl_source_after_sft, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
-from jaxrl.tasks.source import SkipSource
 from jaxrl.trainer import Trainer
 from jaxrl.weight_sync_xproc import make_weight_sync
 from launch.configs import (
@@ -106,9 +105,9 @@ def rl_main(
     source = build_source(task, tokenizer)
     reward = reward_name(task, source)
     if sft is not None and not policy.init_from:
-        # After the SFT warm start, RL reads the stream after the items SFT trained on: its
-        # first batches would otherwise be memorised demonstrations (reward ~1, little signal).
-        source = SkipSource(source, sft_items_used(sft))
+        # After the SFT warm start, RL reads the stream after the items SFT trained on, without
+        # the pool's prompts: its first batches were memorised demonstrations (reward ~1).
+        source = rl_source_after_sft(source, sft)
     if abs(loss.temperature - rl.temperature) > 0:
         raise SystemExit(
             f"LossConfig.temperature={loss.temperature} differs from RLConfig.temperature="
@@ -216,4 +215,5 @@ def rl_main(
 
 
 if __name__ == "__main__":
+    keep_torch_out()
     launch(rl_main, initialize_from_argv(), description=__doc__.splitlines()[0])

@@ -61,19 +61,33 @@ class PromptSource(Protocol):
 
 
 class SkipSource:
-    """`source` with its first `offset` train items skipped: item(i) = source.item(offset + i).
+    """`source` after its first `offset` train items, without the prompts in `exclude`:
 
-    RL after an SFT warm start reads its prompts after the items the SFT stage trained on
-    (`jaxrl.sft.sft_items_used`), so its first batches are not memorised demonstrations."""
+        item(i) = source.item(offset + i + a * 2**40)   for the smallest a >= 0 whose prompt text
+                                                        is not in `exclude`
 
-    def __init__(self, source: PromptSource, offset: int):
+    a pure function of i (a replaced item comes from a far part of the stream, as likely to
+    repeat another prompt as any draw). RL after an SFT warm start reads its prompts this way
+    (`jaxrl.sft.rl_source_after_sft`), so its batches hold no memorised demonstration."""
+
+    FAR = 2**40  # stride of the replacement draws
+    MAX_ATTEMPTS = 1000
+
+    def __init__(self, source: PromptSource, offset: int, exclude: frozenset[str] = frozenset()):
         if offset < 0:
             raise ValueError(f"offset={offset} must be >= 0")
-        self.source, self.offset = source, offset
+        self.source, self.offset, self.exclude = source, offset, frozenset(exclude)
         self.reward_name = getattr(source, "reward_name", "")
 
     def item(self, index: int) -> PromptItem:
-        return self.source.item(self.offset + index)
+        for attempt in range(self.MAX_ATTEMPTS):
+            candidate = self.source.item(self.offset + index + attempt * self.FAR)
+            if candidate.text not in self.exclude:
+                return candidate
+        raise RuntimeError(
+            f"{self.MAX_ATTEMPTS} draws for item {index} all hit the {len(self.exclude)} excluded "
+            "prompts: the task has (nearly) no prompts outside them; use a smaller SFT pool"
+        )
 
     def eval_items(self, limit: int) -> list[PromptItem]:
         return self.source.eval_items(limit)
@@ -169,7 +183,7 @@ class JsonlMathSource:
         if not self.examples:
             raise ValueError(
                 f"{train_path}: no training problems (the file is empty); give a jsonl file "
-                "with one {\"question\": ..., \"answer\": ...} object per line"
+                'with one {"question": ..., "answer": ...} object per line'
             )
         self.eval_examples = load_math_jsonl(eval_path) if eval_path else []
         self.tokenizer, self.seed = tokenizer, seed
