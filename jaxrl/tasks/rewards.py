@@ -39,6 +39,12 @@ from jaxrl.tasks.math_jsonl import reference_answer
 
 
 class RewardFunction(Protocol):
+    """A batched reward: one finite float per completion. `completions` are decoded without
+    special tokens; `references` are the source's gold answers (None where it has none). A
+    reward model object with this `__call__` works as well as a function. Register it with
+    `register_reward(name, fn)` in a module the gin file imports, or name it in `TaskSpec.reward`
+    as "package.module:function"."""
+
     def __call__(
         self,
         prompts: Sequence[str],
