@@ -38,7 +38,7 @@ def test_hf_dir_to_trainer_then_one_rl_step(tmp_path, tokenizer):
     config = build_model_config(PolicySpec(), tokenizer)
     path = str(tmp_path / "hf")
     hf.save_hf(Transformer(config, rngs=nnx.Rngs(3)), path, tokenizer=tokenizer)
-    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 2), num_devices=4))
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 1), num_devices=2))
     optimizer = OptimizerConfig(learning_rate=1e-2, max_grad_norm=None)
     trainer, state = Trainer.from_hf(
         path, optimizer, total_steps=2, mesh=mesh, loss=LossConfig(name="grpo")
