@@ -185,12 +185,12 @@ def run_mode(mode: Mode, steps: int, smoke: bool) -> dict:
         GeneratorExecutor,
         GeneratorWeights,
         RewardExecutor,
+        colocated_sampler,
         generator_param_shardings,
         mesh_sampler,
     )
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import GENERATOR_RULES
-    from jaxrl.sft import colocated_sampler
     from jaxrl.weight_sync import WeightSync
 
     trainer = _trainer(mode.trainer, steps, smoke)

@@ -80,11 +80,11 @@ def continued_sft(
     evaluated like the RL run."""
     from jaxrl import workdir as run_dir
     from jaxrl.evaluation import evaluate
+    from jaxrl.executors import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.metrics import MetricsWriter
     from jaxrl.infra.sharding import TRAINER_RULES
     from jaxrl.run_io import to_host
-    from jaxrl.sft import colocated_sampler
     from jaxrl.specs import TaskSpec, build_source
     from jaxrl.tasks.source import encode_prompts
     from jaxrl.trainer import OptimizerConfig, Trainer

@@ -51,6 +51,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 
@@ -60,8 +61,8 @@ from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.rl import collate_rollouts, select_groups
 from jaxrl.rollout_queue import QueueClosed, QueueStats, RolloutQueue, ScoredBatch, wait_until
-from jaxrl.run_io import RunIO, to_host
-from jaxrl.tasks.source import encode_prompts
+from jaxrl.run_io import to_host
+from jaxrl.tasks.source import PromptSource, encode_prompts
 from jaxrl.trainer import Params, Trainer, TrainState
 
 logger = logging.getLogger(__name__)
@@ -151,25 +152,65 @@ class RLConfig:
         return self.num_prompts * self.samples_per_prompt
 
 
+@runtime_checkable
+class ControllerIO(Protocol):
+    """What the controller needs of a run's I/O. `jaxrl.run_io.RunIO` (checkpoints, metrics.jsonl,
+    TensorBoard, progress) is the launchers'; a script may pass anything with these methods
+    (e.g. one that keeps metrics in memory and never saves)."""
+
+    def start(self, step: int) -> None:
+        """The loop starts (or resumes) at `step`."""
+
+    def log(self, step: int, metrics: dict[str, float], headline: dict[str, str]) -> Any:
+        """Metrics of `step` (step 0: the evaluation before training); `headline`: a few
+        formatted values for a progress line. May raise to stop the run (e.g. a NaN loss)."""
+
+    def save_due(self, step: int, force: bool = False) -> bool:
+        """Whether `save` would write `step` (`force`: the final step)."""
+
+    def save(self, state: TrainState, extra: dict, *, force: bool = False) -> None:
+        """Checkpoints `state` and `extra` (JSON-able run state) when due."""
+
+    def after_step(self, step: int) -> None:
+        """Called after every step's log and save (fault hooks, preemption)."""
+
+
 class Controller:
+    """Drives generator, reward and trainer executors for `config.total_steps` steps.
+
+    Args:
+      config: the run (validated here; a misconfigured one raises ValueError naming the field).
+      trainer: the `Trainer` (its `loss.temperature` must be `config.temperature`).
+      generator: a `GeneratorExecutor` built with `sampling_config(config)` and
+        `config.samples_per_prompt`.
+      rewarder: a `RewardExecutor` (decodes without special tokens, scores with `reward`).
+      source: a `jaxrl.tasks.source.PromptSource`; batch k samples items
+        [k * m, (k + 1) * m) with m = num_prompts * oversample.
+      tokenizer: encodes prompts (`tokenizer.encode(text)`) and gives `pad_token_id`.
+      io: a `ControllerIO` (`jaxrl.run_io.RunIO` for checkpoints and metrics).
+      reward: the reward name or function evaluations use.
+      ref_params: a frozen reference policy for the KL term (`LossConfig.kl_coef > 0`).
+      weights (async mode): the generator's weight store, fed by the trainer's pushes.
+      eval_sampler: samples from the trainer's params (default: the generator's sampler, which in
+        sync mode is on the trainer mesh).
+    """
+
     def __init__(
         self,
         config: RLConfig,
         trainer: Trainer,
         generator: GeneratorExecutor,
         rewarder: RewardExecutor,
-        source,
+        source: PromptSource,
         tokenizer,
-        io: RunIO,
+        io: ControllerIO,
         *,
         reward,
         ref_params: Params | None = None,
         weights: GeneratorWeights | None = None,
         eval_sampler: Sampler | None = None,
     ):
-        """`weights` (async mode): the generator's weight store, fed by the trainer's pushes.
-        `eval_sampler`: samples from the trainer's params (default: the generator's sampler,
-        which in sync mode is on the trainer mesh)."""
+        check_controller_inputs(config, trainer, generator, source, io)
         if config.mode == "async" and weights is None:
             raise ValueError("async mode needs `weights`: the generator's own mesh and WeightSync")
         self.config, self.trainer, self.generator, self.rewarder = (
@@ -423,7 +464,49 @@ class Controller:
 
 
 def sampling_config(config: RLConfig) -> SamplingConfig:
+    """The generator's sampling settings for `config` (no top-k / top-p: see RLConfig)."""
     return SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature)
+
+
+def check_controller_inputs(config: RLConfig, trainer, generator, source, io) -> None:
+    """Raises ValueError / TypeError, naming the field and the fix, when the controller's parts
+    do not fit together (each would otherwise fail steps later, or silently train wrongly)."""
+    if not isinstance(config, RLConfig):
+        raise TypeError(f"config must be an RLConfig, got {type(config).__name__}")
+    try:
+        config.validate()
+    except ValueError as e:
+        raise ValueError(f"invalid RLConfig: {e}") from None
+    if generator.samples_per_prompt != config.samples_per_prompt:
+        raise ValueError(
+            f"the generator samples {generator.samples_per_prompt} completions per prompt but "
+            f"RLConfig.samples_per_prompt={config.samples_per_prompt}; build the "
+            "GeneratorExecutor with config.samples_per_prompt"
+        )
+    wanted = sampling_config(config)
+    got = generator.sampling
+    if (got.max_new_tokens, got.temperature) != (wanted.max_new_tokens, wanted.temperature):
+        raise ValueError(
+            f"the generator samples with max_new_tokens={got.max_new_tokens}, temperature="
+            f"{got.temperature}, but RLConfig says {wanted.max_new_tokens}, "
+            f"{wanted.temperature}; build the GeneratorExecutor with sampling_config(config)"
+        )
+    loss_temperature = getattr(getattr(trainer, "loss", None), "temperature", config.temperature)
+    if loss_temperature != config.temperature:
+        raise ValueError(
+            f"LossConfig.temperature={loss_temperature} differs from RLConfig.temperature="
+            f"{config.temperature}: the trainer must score tokens under the sampling distribution"
+        )
+    if not isinstance(source, PromptSource):
+        raise TypeError(
+            f"source {type(source).__name__} is not a PromptSource: it needs item(index) -> "
+            "PromptItem and eval_items(limit) -> list[PromptItem]"
+        )
+    if not isinstance(io, ControllerIO):
+        missing = [
+            m for m in ("start", "log", "save_due", "save", "after_step") if not hasattr(io, m)
+        ]
+        raise TypeError(f"io {type(io).__name__} is not a ControllerIO: it lacks {missing}")
 
 
 def _unwrap(fn, *args):

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
-from jaxrl.tasks.rewards import compute_rewards
+from jaxrl.tasks.rewards import compute_rewards, decode_completions
 from jaxrl.tasks.source import PromptItem
 
 _EVAL_STREAM = 0xE7A1
@@ -22,9 +22,8 @@ def _score(sampler, params, tokenizer, reward, items, prompt_ids, sampling, key,
     for start in range(0, len(items), batch_size):
         rows = prompt_ids[start : start + batch_size]
         out = sampler.generate(params, rows, sampling, jax.random.fold_in(key, start))
-        texts = tokenizer.batch_decode(
-            [out.tokens_bn[i, : out.lengths_b[i]].tolist() for i in range(len(rows))],
-            skip_special_tokens=False,
+        texts = decode_completions(
+            tokenizer, [out.tokens_bn[i, : out.lengths_b[i]] for i in range(len(rows))]
         )
         chunk = items[start : start + batch_size]
         scores.append(

@@ -5,8 +5,9 @@ one policy version, on its mesh, and returns host-side rollouts stamped with tha
 sampling key is a function of (seed, policy version, batch index) only, so a resumed or re-run
 job draws exactly the same samples.
 
-RewardExecutor: decodes completions and scores them with a registered (or given) reward function;
-a reward that raises or returns non-finite values stops the run with a message naming it.
+RewardExecutor: decodes completions (without special tokens: the `<eos>` that ended a completion
+is not part of its text) and scores them with a registered (or given) reward function; a reward
+that raises or returns non-finite values stops the run with a message naming it.
 
 Async mode (the generator on its own mesh): `mesh_sampler` and `generator_param_shardings` place
 the generator, and `GeneratorWeights` hands it the trainer's pushed weights version by version.
@@ -29,7 +30,7 @@ from jaxrl.infra.sharding import param_shardings
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout
 from jaxrl.rollout_queue import QueueClosed, wait_until
-from jaxrl.tasks.rewards import RewardError, compute_rewards
+from jaxrl.tasks.rewards import RewardError, compute_rewards, decode_completions
 from jaxrl.tasks.source import PromptItem
 
 _SAMPLING_STREAM = 0x5A3
@@ -107,9 +108,7 @@ class RewardExecutor:
 
     def score(self, batch: GeneratedBatch) -> tuple[list[Rollout], dict]:
         start = time.perf_counter()
-        texts = self.tokenizer.batch_decode(
-            [c.tolist() for c in batch.completion_ids], skip_special_tokens=False
-        )
+        texts = decode_completions(self.tokenizer, batch.completion_ids)
         try:
             rewards = compute_rewards(
                 self.reward,
@@ -152,20 +151,45 @@ class RewardExecutor:
 # --- async mode: the generator on its own mesh --------------------------------------------------
 
 
+# Prompt lengths a run's sampler pads to (one compiled program per bucket in use).
+RL_PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
 def mesh_sampler(
-    trainer, tokenizer, mesh: jax.sharding.Mesh, rules, max_total_len: int | None = None
+    trainer,
+    tokenizer,
+    mesh: jax.sharding.Mesh,
+    rules,
+    max_total_len: int | None = None,
+    prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
-    own (colocated, `jaxrl.sft.colocated_sampler`) or the generator's devices in async mode."""
+    own (colocated, `colocated_sampler`) or the generator's devices in async mode.
+    `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
+    the same bucket)."""
     return Sampler(
         trainer.graphdef,
         trainer.model_config,
         pad_id=tokenizer.pad_token_id,
         eos_ids=trainer.model_config.eos_token_ids,
         max_total_len=max_total_len,
-        prompt_buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+        prompt_buckets=prompt_buckets,
         mesh=mesh,
         rules=rules,
+    )
+
+
+def colocated_sampler(
+    trainer,
+    tokenizer,
+    max_total_len: int | None = None,
+    prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
+) -> Sampler:
+    """A sampler on the trainer's own mesh and rules (colocated generation: sync mode, evals):
+    `sampler.generate(state.params, prompt_ids, SamplingConfig(...), key)` samples from the
+    trainer's current params with no copy."""
+    return mesh_sampler(
+        trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len, prompt_buckets
     )
 
 

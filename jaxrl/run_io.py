@@ -37,7 +37,11 @@ def tree_to_state(tree: dict) -> TrainState:
 
 class RunIO:
     """Checkpoints under WORKDIR/checkpoints, metrics in WORKDIR/metrics.jsonl + TensorBoard, a
-    progress bar on a terminal (a log line every `log_every_steps` otherwise)."""
+    progress bar on a terminal (a log line every `log_every_steps` otherwise).
+
+    `save_final=False` turns off the checkpoint the loops force at their last step (`save(...,
+    force=True)`): a script that times steps, or keeps only scheduled checkpoints, sets it.
+    """
 
     def __init__(
         self,
@@ -48,8 +52,10 @@ class RunIO:
         keep_last_n: int,
         desc: str,
         log_every_steps: int = 50,
+        save_final: bool = True,
     ):
         self.workdir, self.total_steps, self.desc = workdir, total_steps, desc
+        self.save_final = save_final
         self.log_every_steps = log_every_steps
         self.ckpt = Checkpointer(
             run_dir.checkpoint_dir(workdir),
@@ -106,8 +112,9 @@ class RunIO:
         return written
 
     def save_due(self, step: int, force: bool = False) -> bool:
-        """Whether `save` writes `step`: its schedule, `force`, or a requested stop (SIGTERM)."""
-        return force or preemption.requested() or self.ckpt.should_save(step)
+        """Whether `save` writes `step`: its schedule, `force` (the final step; unless
+        `save_final=False`), or a requested stop (SIGTERM)."""
+        return (force and self.save_final) or preemption.requested() or self.ckpt.should_save(step)
 
     def save(self, state: TrainState, extra: dict, *, force: bool = False) -> None:
         step = int(state.step)

@@ -13,8 +13,9 @@ import jax
 
 from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
-from jaxrl.executors import mesh_sampler
-from jaxrl.generation.sampler import Sampler
+
+# `colocated_sampler` lives in jaxrl.executors; importable from here as before.
+from jaxrl.executors import colocated_sampler
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.run_io import RunIO, to_host
@@ -26,8 +27,10 @@ from jaxrl.specs import (
     build_tokenizer,
     reward_name,
 )
-from jaxrl.tasks.source import encode_prompts
+from jaxrl.tasks.source import PromptSource, SkipSource, encode_prompts
 from jaxrl.trainer import OptimizerConfig, Params, Trainer
+
+__all__ = ["SFTConfig", "colocated_sampler", "rl_source_after_sft", "run_sft", "sft_items_used"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +66,21 @@ class SFTConfig:
                 raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1")
 
 
-def colocated_sampler(trainer: Trainer, tokenizer, max_total_len: int | None = None) -> Sampler:
-    """A sampler on the trainer's own mesh and rules (colocated generation)."""
-    return mesh_sampler(trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len)
+def sft_items_used(config: SFTConfig) -> int:
+    """The SFT stage trains on items [0, n) of the task's train stream (the demonstration pool, or
+    every item its batches drew); RL after an SFT warm start starts its prompt stream at n, so
+    its first batches are not memorised demonstrations."""
+    return config.num_demonstrations or config.steps * config.batch_size
+
+
+def rl_source_after_sft(source: PromptSource, config: SFTConfig) -> SkipSource:
+    """The RL prompt stream after an SFT warm start on `source`: it starts after the items the SFT
+    stage trained on and, for a demonstration pool, never yields one of the pool's prompts (a
+    stream drawn with replacement repeats prompts; the pool's are memorised, reward ~1, and
+    teach RL nothing). With an unlimited demonstration stream only the offset applies."""
+    pool = config.num_demonstrations
+    exclude = frozenset(source.item(i).text for i in range(pool))
+    return SkipSource(source, sft_items_used(config), exclude)
 
 
 def run_sft(

@@ -13,7 +13,7 @@ from jaxrl.models import presets as model_presets
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.tasks.arithmetic import ArithmeticTask
-from jaxrl.tasks.source import ArithmeticSource, JsonlMathSource
+from jaxrl.tasks.source import PromptSource, get_task
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 
 
@@ -84,8 +84,14 @@ class PolicySpec:
 class TaskSpec:
     """The prompts and the reward.
 
-    name: "arithmetic" (synthetic, offline) or "math_jsonl" (GSM8K / MATH-style files).
-    reward: a registered reward name; empty = the task's own verifiable reward.
+    name: a registered task (`jaxrl.tasks.source.register_task`): "arithmetic" (synthetic,
+      offline), "math_jsonl" (GSM8K / MATH-style files) or one registered by a module the gin
+      file imports; or "package.module:factory". A task without `PolicySpec.init_from` uses the
+      offline character tokenizer of the arithmetic task.
+    reward: a registered reward name or "package.module:function"; empty = the source's own
+      `reward_name`.
+    The other fields are read by the built-in tasks; a user task's factory gets this TaskSpec and
+    may read `seed` (its own settings are best bound in gin on the factory itself).
     """
 
     name: str = "arithmetic"
@@ -98,8 +104,10 @@ class TaskSpec:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.name not in ("arithmetic", "math_jsonl"):
-            raise ValueError(f"task name={self.name!r}; use 'arithmetic' or 'math_jsonl'")
+        try:
+            get_task(self.name)
+        except (KeyError, TypeError) as e:
+            raise ValueError(str(e).strip('"')) from None
         if self.name == "math_jsonl" and not self.train_path:
             raise ValueError("task math_jsonl needs train_path (a jsonl of question/answer)")
         for path in (self.train_path, self.eval_path):
@@ -118,7 +126,7 @@ def build_tokenizer(policy: PolicySpec, task: TaskSpec):
         if os.path.isdir(os.path.join(policy.init_from, "model")):  # a run's workdir
             tokenizer_dir = os.path.join(policy.init_from, "model")
         return hf.load_tokenizer(tokenizer_dir)
-    if task.name != "arithmetic":
+    if task.name == "math_jsonl":
         raise ValueError("a math_jsonl task needs policy.init_from (a model with a tokenizer)")
     return build_arithmetic_tokenizer()
 
@@ -140,18 +148,23 @@ def build_model_config(policy: PolicySpec, tokenizer) -> ModelConfig:
     return PRESETS[policy.preset](vocab, tokenizer).replace(**overrides)
 
 
-def build_source(task: TaskSpec, tokenizer):
-    if task.name == "arithmetic":
-        return ArithmeticSource(
-            ArithmeticTask(
-                min_digits=task.min_digits,
-                max_digits=task.max_digits,
-                operators=task.operators,
-                seed=task.seed,
-            )
+def build_source(task: TaskSpec, tokenizer) -> PromptSource:
+    """The task's prompt source, built by its registered factory (see `TaskSpec.name`)."""
+    source = get_task(task.name)(task, tokenizer)
+    if not isinstance(source, PromptSource):
+        raise TypeError(
+            f"task {task.name!r} built a {type(source).__name__}, which lacks the PromptSource "
+            "methods item(index) -> PromptItem and eval_items(limit) -> list[PromptItem]"
         )
-    return JsonlMathSource(task.train_path, task.eval_path or None, tokenizer, seed=task.seed)
+    return source
 
 
 def reward_name(task: TaskSpec, source) -> str:
-    return task.reward or source.reward_name
+    """`TaskSpec.reward`, else the source's own `reward_name`."""
+    name = task.reward or getattr(source, "reward_name", "")
+    if not name:
+        raise ValueError(
+            f"task {task.name!r} names no reward: set TaskSpec.reward (a registered reward or "
+            "'package.module:function'), or give the source a `reward_name` attribute"
+        )
+    return name

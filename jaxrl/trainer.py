@@ -20,7 +20,13 @@ from flax import nnx, struct
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from jaxrl.rl import PolicyLossInputs, RolloutBatch, make_advantage_estimator, make_loss
+from jaxrl.rl import (
+    PolicyLoss,
+    PolicyLossInputs,
+    RolloutBatch,
+    make_advantage_estimator,
+    make_loss,
+)
 from jaxrl.rl.logprobs import token_logprobs, token_logprobs_and_entropy
 
 Params = dict  # nested dict of arrays, as nnx.to_pure_dict returns
@@ -28,11 +34,19 @@ Params = dict  # nested dict of arrays, as nnx.to_pure_dict returns
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with global-norm clipping and a warm-up + decay schedule.
+    """AdamW (optax.adamw) with optional global-norm clipping and a warm-up + decay schedule.
 
+    Per parameter p with gradient g (after clipping), step t >= 1, learning rate lr_t:
+
+        m = b1 m + (1 - b1) g,   v = b2 v + (1 - b2) g^2
+        p <- p - lr_t * ( (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * p )
+
+    max_grad_norm: clip the gradients' global L2 norm to this value first; None = no clipping
+      (and no norm pass in the optimizer: the update is plain AdamW).
     schedule: "constant" (after warm-up), "linear" or "cosine" decay to `end_learning_rate` at
       `decay_steps` (default: the run's total steps). An SFT warm start should decay to zero: a
       checkpoint cut off at full learning rate "improves" under any further low-rate training.
+    grad_accum_steps: micro-batches per optimizer step (the batch is split along its rows).
     """
 
     learning_rate: float = 1e-3
@@ -42,8 +56,9 @@ class OptimizerConfig:
     end_learning_rate: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
+    eps: float = 1e-8
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0
     grad_accum_steps: int = 1
 
     def validate(self) -> None:
@@ -55,8 +70,15 @@ class OptimizerConfig:
             raise ValueError("warmup_steps and decay_steps must be >= 0")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={self.grad_accum_steps} must be >= 1")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be > 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm={self.max_grad_norm} must be > 0; use None for no clipping"
+            )
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if not self.eps > 0 or self.weight_decay < 0:
+            raise ValueError(f"eps={self.eps} must be > 0, weight_decay={self.weight_decay} >= 0")
 
     def __post_init__(self):
         self.validate()
@@ -79,31 +101,45 @@ class OptimizerConfig:
         return optax.join_schedules([ramp, main], [warm])
 
     def make(self, total_steps: int) -> optax.GradientTransformation:
-        return optax.chain(
-            optax.clip_by_global_norm(self.max_grad_norm),
-            optax.adamw(
-                self.schedule_fn(total_steps),
-                b1=self.b1,
-                b2=self.b2,
-                weight_decay=self.weight_decay,
-            ),
+        """The optax transformation for a run of `total_steps` optimizer steps."""
+        adamw = optax.adamw(
+            self.schedule_fn(total_steps),
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
         )
+        if self.max_grad_norm is None:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw)
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The RL objective: a registered loss (jaxrl.rl.make_loss) and advantage estimator.
+    """The RL objective: a registered loss preset (`jaxrl.rl.losses`) and its advantage estimator.
 
-    Defaults are AIPO (rho=4) with the group-mean baseline and the per-token normaliser.
+    `name` picks a preset that means what its name says; fields left at None take the preset's
+    value (see each loss class's docstring):
+
+        name       loss                                 normaliser      advantage        clip
+        aipo       LlamaRL AIPO, rho 4 (the default)    tokens          group_mean       -
+        grpo       GRPO (DeepSeekMath)                  sequence_mean   group_mean_std   0.2
+        dr_grpo    Dr. GRPO                             constant        group_mean       0.2
+        dapo       DAPO (clip higher)                   tokens          group_mean_std   0.2/0.28
+        ppo_clip   PPO clip                             tokens          group_mean       0.2
+
+    Setting a field overrides the preset (e.g. `LossConfig(name="grpo", normaliser="tokens")`);
+    a field the loss does not take (`rho` for a clipped loss, `clip_eps` for AIPO) is an error.
     `temperature` must be the sampler's: log pi is computed under the same distribution the
     behaviour log-probs were (no top-k / top-p in RL).
     """
 
     name: str = "aipo"
-    rho: float = 4.0
-    clip_eps: float = 0.2
-    normaliser: str = "tokens"
-    advantage: str = "group_mean"
+    rho: float | None = None
+    clip_eps: float | None = None
+    clip_eps_high: float | None = None
+    normaliser: str | None = None
+    advantage: str | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -112,22 +148,26 @@ class LossConfig:
 
     def validate(self) -> None:
         self.make_loss()
-        make_advantage_estimator(self.advantage)
+        make_advantage_estimator(self.advantage_name)
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0")
 
-    def make_loss(self):
+    def make_loss(self) -> PolicyLoss:
+        """The configured `PolicyLoss` (the preset with this config's overrides)."""
         hparams = dict(
-            normaliser=self.normaliser,
-            kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            entropy_coef=self.entropy_coef,
+            kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef
         )
-        if self.name == "aipo":
-            hparams["rho"] = self.rho
-        else:
-            hparams["clip_eps"] = self.clip_eps
+        for name in ("rho", "clip_eps", "clip_eps_high", "normaliser"):
+            if getattr(self, name) is not None:
+                hparams[name] = getattr(self, name)
         return make_loss(self.name, **hparams)
+
+    @property
+    def advantage_name(self) -> str:
+        """The advantage estimator: `advantage` if set, else the preset's."""
+        if self.advantage is not None:
+            return self.advantage
+        return getattr(self.make_loss(), "advantage", "group_mean")
 
 
 @struct.dataclass
@@ -292,7 +332,7 @@ def rl_step(
     one extra forward pass per step and one more copy of the params in memory.
     """
     mask_bt = batch.completion_mask_bt & batch.valid_b[:, None]
-    advantages_b = make_advantage_estimator(loss.advantage)(
+    advantages_b = make_advantage_estimator(loss.advantage_name)(
         batch.reward_b, batch.group_id_b, batch.valid_b
     )
     micro_all = dataclasses.asdict(batch) | {"advantages_b": advantages_b}
@@ -301,7 +341,9 @@ def rl_step(
         ref_logprobs, _ = completion_logprobs(ref_model, batch, loss, with_entropy=False)
         micro_all["ref_logprobs_bt"] = jax.lax.stop_gradient(ref_logprobs)
     micro = _split_micro(micro_all, grad_accum_steps)
-    if loss.normaliser == "tokens":
+    # Micro-batch m's share of the normaliser: its tokens ("tokens") or its non-empty rows
+    # ("sequence_mean", "constant": both average over rows).
+    if loss.make_loss().normaliser == "tokens":
         counts_m = jnp.sum(_split_micro(mask_bt, grad_accum_steps), axis=(1, 2))
     else:
         rows_b = jnp.any(mask_bt, axis=-1)
@@ -376,8 +418,62 @@ class Trainer:
         abstract = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.abstract_params)
         return ax.attach_shardings(abstract, self.state_shardings)
 
-    def init(self, params: Params) -> TrainState:
-        """A fresh state around `params` (placed into the trainer layout first)."""
+    @classmethod
+    def from_hf(
+        cls,
+        path: str,
+        optimizer: OptimizerConfig,
+        *,
+        total_steps: int,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: ax.LogicalRules | None = None,
+        loss: LossConfig | None = None,
+        vocab_chunk_size: int | None = None,
+        **config_overrides: Any,
+    ) -> tuple[Trainer, TrainState]:
+        """A trainer for the HF `save_pretrained` directory `path` and its first `TrainState`.
+
+        The weights are read (safetensors only) straight into the trainer's parameter shardings,
+        one tensor at a time. `mesh` defaults to every device on ("fsdp", "tp") = (n, 1), `rules`
+        to `TRAINER_RULES`; `optimizer` is built for a run of `total_steps` optimizer steps.
+        `config_overrides` set what HF configs do not carry (`param_dtype="bfloat16"`,
+        `dtype="bfloat16"`, `attention_impl="cudnn"`, ...). The tokenizer: `hf.load_tokenizer`.
+
+            trainer, state = Trainer.from_hf("ckpt/", OptimizerConfig(1e-6), total_steps=100,
+                                             loss=LossConfig(name="grpo"))
+            state, metrics = trainer.rl_step(state, batch)
+        """
+        from jaxrl.infra.mesh import MeshConfig, make_mesh
+        from jaxrl.models import hf
+
+        model_config = hf.load_config(path, **config_overrides)
+        if mesh is None:
+            mesh = make_mesh(MeshConfig(("fsdp", "tp"), (-1, 1)))
+        trainer = cls(
+            model_config,
+            mesh,
+            ax.TRAINER_RULES if rules is None else rules,
+            optimizer.make(total_steps),
+            grad_accum_steps=optimizer.grad_accum_steps,
+            loss=loss,
+            vocab_chunk_size=vocab_chunk_size,
+        )
+        params = hf.load_params(path, model_config, trainer.param_shardings)
+        return trainer, trainer.init(params)
+
+    def init(self, params: Params | nnx.State | Transformer) -> TrainState:
+        """A fresh state around `params` (placed into the trainer layout first): a pure dict of
+        arrays, an `nnx.State` (`hf.load_params`) or a whole `Transformer` (`hf.load_model`),
+        whose config must be this trainer's."""
+        if isinstance(params, Transformer):
+            if params.config != self.model_config:
+                raise ValueError(
+                    "the model's config differs from the trainer's; build the Trainer with "
+                    "model.config (or use Trainer.from_hf)"
+                )
+            params = nnx.state(params)
+        if isinstance(params, nnx.State):
+            params = nnx.to_pure_dict(params)
         params = jax.device_put(params, self.param_shardings)
         with self._context():
             return jax.jit(

@@ -68,4 +68,7 @@ def summary(metrics_path: str) -> str:
 
 
 if __name__ == "__main__":
+    from jaxrl.infra.config import keep_torch_out
+
+    keep_torch_out()
     main()

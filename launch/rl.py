@@ -24,15 +24,16 @@ from jaxrl.executors import (
     GeneratorExecutor,
     GeneratorWeights,
     RewardExecutor,
+    colocated_sampler,
     generator_param_shardings,
     mesh_sampler,
 )
-from jaxrl.infra.config import launch
+from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
-from jaxrl.sft import colocated_sampler, run_sft
+from jaxrl.sft import rl_source_after_sft, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
 from jaxrl.trainer import Trainer
 from jaxrl.weight_sync_xproc import make_weight_sync
@@ -122,6 +123,10 @@ def rl_main(
     model_config = build_model_config(policy, tokenizer)
     source = build_source(task, tokenizer)
     reward = reward_name(task, source)
+    if sft is not None and not policy.init_from:
+        # After the SFT warm start, RL reads the stream after the items SFT trained on, without
+        # the pool's prompts: its first batches were memorised demonstrations (reward ~1).
+        source = rl_source_after_sft(source, sft)
     if abs(loss.temperature - rl.temperature) > 0:
         raise SystemExit(
             f"LossConfig.temperature={loss.temperature} differs from RLConfig.temperature="
@@ -230,4 +235,5 @@ def rl_main(
 
 
 if __name__ == "__main__":
+    keep_torch_out()
     launch(rl_main, initialize_from_argv(), description=__doc__.splitlines()[0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gin
 
-from jaxrl.infra.config import launch
+from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import initialize_from_argv
 from jaxrl.sft import run_sft
 from launch.configs import MeshConfig, PolicySpec, SFTConfig, TaskSpec
@@ -26,4 +26,5 @@ def sft_main(
 
 
 if __name__ == "__main__":
+    keep_torch_out()
     launch(sft_main, initialize_from_argv(), description=__doc__.splitlines()[0])

@@ -34,6 +34,7 @@ import inspect
 import logging
 import re
 import shutil
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -278,6 +279,11 @@ def parse_gin(
     try:
         with contextlib.chdir(roots[0]) if roots else contextlib.nullcontext():
             gin.parse_config_files_and_bindings(files, list(gin_params))
+    except ImportError as err:  # `import my_module` in a gin file
+        raise ConfigError(
+            f"gin: {err}; a module a gin file imports must be importable: put its directory on "
+            "PYTHONPATH"
+        ) from err
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
 
@@ -378,6 +384,19 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
     tmp_path.write_text(config_text)
     tmp_path.replace(config_path)  # atomic: a reader never sees half a config
     return False
+
+
+def keep_torch_out() -> None:
+    """Makes `import torch` fail in this process from now on (unless torch is imported already).
+
+    A launch never needs torch, but where it is installed `transformers` (its config modules, on
+    the first `ModelConfig.to_hf()` / `load_config`) and `tensorboardX` import it at module level
+    only to support torch tensors: seconds and ~1 GB of address space per process. Launchers call
+    this first in their `__main__`; never in a process that may want torch later (transformers
+    caches `is_torch_available()`, and a module imported meanwhile keeps no `torch` name).
+    """
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # the import system's "not importable" marker
 
 
 def launch(

@@ -78,9 +78,7 @@ class MetricsWriter:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / METRICS_FILE, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter  # slow import (protobuf): only when used
-
-            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR))
+            self._tb = _summary_writer()(logdir=str(self.workdir / TENSORBOARD_DIR))
 
     @property
     def jsonl_path(self) -> Path:
@@ -129,6 +127,26 @@ class MetricsWriter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without importing torch.
+
+    tensorboardX (2.6) does `try: import torch` at import time, only to accept torch tensors;
+    where torch is installed that costs seconds and ~GBs of address space in every launch. Scalars
+    never need it, so the import runs with torch marked unavailable (unless the user's process
+    imported torch already). The import is slow itself (protobuf): only when a writer is made.
+    """
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

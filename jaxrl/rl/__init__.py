@@ -10,6 +10,9 @@ from jaxrl.rl.logprobs import logprobs_from_logits, token_logprobs, token_logpro
 from jaxrl.rl.losses import (
     LOSSES,
     AIPOLoss,
+    DAPOLoss,
+    DrGRPOLoss,
+    GRPOLoss,
     PolicyLoss,
     PolicyLossInputs,
     PPOClipLoss,
@@ -17,12 +20,21 @@ from jaxrl.rl.losses import (
     make_loss,
     normalise,
 )
-from jaxrl.rl.rollout import Rollout, RolloutBatch, collate_rollouts, select_groups
+from jaxrl.rl.rollout import (
+    Rollout,
+    RolloutBatch,
+    collate_rollouts,
+    rollouts_from_samples,
+    select_groups,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSSES",
     "AIPOLoss",
+    "DAPOLoss",
+    "DrGRPOLoss",
+    "GRPOLoss",
     "GroupAdvantage",
     "PPOClipLoss",
     "PolicyLoss",
@@ -36,6 +48,7 @@ __all__ = [
     "make_advantage_estimator",
     "make_loss",
     "normalise",
+    "rollouts_from_samples",
     "select_groups",
     "token_logprobs",
     "token_logprobs_and_entropy",

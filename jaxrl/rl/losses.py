@@ -1,4 +1,5 @@
-"""Policy-gradient losses selected by name: AIPO (LlamaRL), PPO-clip and GRPO, plus KL and entropy.
+"""Policy-gradient losses selected by name: AIPO (LlamaRL), PPO-clip, GRPO, Dr. GRPO, DAPO, plus KL
+and entropy.
 
 Every loss maps `PolicyLossInputs` (per-token log-probs of the sampled completion tokens under the
 trained policy pi, the behaviour policy mu that sampled them, optionally a frozen reference policy,
@@ -12,11 +13,23 @@ sum_t m_bt, B' = number of rows with n_b > 0):
 
     "tokens":         N(x) = sum_{b,t} m_bt x_bt / sum_{b,t} m_bt
     "sequence_mean":  N(x) = (1 / B') sum_b (1 / n_b) sum_t m_bt x_bt
+    "constant":       N(x) = sum_{b,t} m_bt x_bt / (B' * T)      (T: the padded completion length,
+                      i.e. the sampler's max_new_tokens; Dr. GRPO's constant normaliser)
 
 Masked positions may hold anything (padding, inf): they are replaced before any arithmetic, so their
 value and gradient are exactly zero.
 
 `make_loss(name, **hparams)` builds a registered loss; the constructors validate hyper-parameters.
+The registered names are presets that mean what the literature means by them: each class states
+its settings (clip range, normaliser, and the advantage estimator it goes with, `advantage`, which
+`jaxrl.trainer.LossConfig` uses unless told otherwise):
+
+    name       policy term                    eps_low / eps_high   normaliser      advantage
+    aipo       -sg(min(r, rho)) A log pi      rho = 4              tokens          group_mean
+    grpo       PPO clip                       0.2 / 0.2            sequence_mean   group_mean_std
+    dr_grpo    PPO clip                       0.2 / 0.2            constant        group_mean
+    dapo       PPO clip ("clip higher")       0.2 / 0.28           tokens          group_mean_std
+    ppo_clip   PPO clip                       0.2 / 0.2            tokens          group_mean
 """
 
 from __future__ import annotations
@@ -24,12 +37,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-NORMALISERS = ("tokens", "sequence_mean")
+NORMALISERS = ("tokens", "sequence_mean", "constant")
 KL_ESTIMATORS = ("k1", "k3")
 
 
@@ -64,6 +78,9 @@ def normalise(x_bt: jax.Array, mask_bt: jax.Array, normaliser: str) -> jax.Array
         n_b = jnp.sum(mask_bt, axis=1)
         per_seq_b = jnp.sum(x_bt, axis=1) / jnp.maximum(n_b, 1)
         return jnp.sum(per_seq_b) / jnp.maximum(jnp.sum(n_b > 0), 1)
+    if normaliser == "constant":
+        rows = jnp.maximum(jnp.sum(jnp.any(mask_bt, axis=1)), 1)
+        return jnp.sum(x_bt) / (rows * x_bt.shape[1])
     raise ValueError(f"unknown normaliser {normaliser!r}; expected one of {NORMALISERS}")
 
 
@@ -88,8 +105,13 @@ def kl_penalty(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLoss:
-    """Shared normalisation, KL and entropy terms; subclasses define the per-token policy term."""
+    """Shared normalisation, KL and entropy terms; subclasses define the per-token policy term.
 
+    `advantage` (a class attribute) names the group-advantage estimator the objective is defined
+    with (`jaxrl.rl.make_advantage_estimator`); `LossConfig` uses it unless told otherwise.
+    """
+
+    advantage: ClassVar[str] = "group_mean"
     normaliser: str = "tokens"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -175,11 +197,15 @@ class AIPOLoss(PolicyLoss):
     less per token (the length bias pointed out by DAPO / Dr. GRPO). Use "sequence_mean" to get
     GRPO's 1/|y| weighting.
 
+    Settings (the "aipo" preset, LlamaRL arXiv:2505.24034): rho = 4, normaliser "tokens",
+    advantage "group_mean" (A_i = r_i - mean(r_group), no std scaling).
+
     Attributes:
       rho: truncation level, >= 1 (LlamaRL uses values in [2, 10]); the DESIGN default is 4.
     """
 
     rho: float = 4.0
+    advantage: ClassVar[str] = "group_mean"
 
     def __post_init__(self):
         super().__post_init__()
@@ -205,8 +231,8 @@ class PPOClipLoss(PolicyLoss):
 
     Its gradient is -ratio_t * A * grad log pi(y_t) where the unclipped term is the smaller one
     and 0 where the clip is active (ratio beyond 1 + eps_high with A > 0, below 1 - eps_low with
-    A < 0). GRPO is this loss with group-std advantages, the "sequence_mean" normaliser and
-    optionally a k3 KL to a reference policy.
+    A < 0). Registered as "ppo_clip" with the "tokens" normaliser and group-mean advantages; the
+    GRPO, Dr. GRPO and DAPO presets below are this loss with their own settings.
 
     Attributes:
       clip_eps: eps_low, in (0, 1).
@@ -234,10 +260,64 @@ class PPOClipLoss(PolicyLoss):
         return loss_bt, {"clip_fraction": (clipped_bt < unclipped_bt).astype(jnp.float32)}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOLoss(PPOClipLoss):
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300, eq. 3), as published:
+
+        A_i  = (r_i - mean(r_group)) / (std(r_group) + eps)      advantage "group_mean_std"
+        loss = (1 / G) sum_i (1 / |o_i|) sum_t -min(ratio A_i, clip(ratio, 0.8, 1.2) A_i)
+
+    Settings: clip_eps = 0.2 (eps_high = eps_low), normaliser "sequence_mean" (the mean over
+    sequences of each sequence's token mean), advantage "group_mean_std" (population std,
+    eps = 1e-6). The paper's KL term is `kl_coef` with the k3 estimator (off by default, as in
+    most recent recipes). Every setting can be overridden by keyword.
+    """
+
+    normaliser: str = "sequence_mean"
+    advantage: ClassVar[str] = "group_mean_std"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrGRPOLoss(PPOClipLoss):
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783): GRPO
+    without its two biases, the 1/|o_i| length normalisation and the std scaling:
+
+        A_i  = r_i - mean(r_group)                                advantage "group_mean"
+        loss = (1 / (G * T)) sum_i sum_t -min(ratio A_i, clip(ratio, 0.8, 1.2) A_i)
+
+    where T is a constant, the generation budget (the batch's padded completion length,
+    `max_new_tokens`), as in the paper's code and TRL's `loss_type="dr_grpo"`. Settings:
+    clip_eps = 0.2, normaliser "constant", advantage "group_mean".
+    """
+
+    normaliser: str = "constant"
+    advantage: ClassVar[str] = "group_mean"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DAPOLoss(PPOClipLoss):
+    """DAPO (Yu et al. 2025, arXiv:2503.14476, eq. 8): token-level policy gradient with
+    "clip higher":
+
+        A_i  = (r_i - mean(r_group)) / (std(r_group) + eps)      advantage "group_mean_std"
+        loss = (1 / sum_i |o_i|) sum_i sum_t -min(ratio A_i, clip(ratio, 1 - 0.2, 1 + 0.28) A_i)
+
+    Settings: clip_eps = 0.2 (eps_low), clip_eps_high = 0.28, normaliser "tokens", advantage
+    "group_mean_std", no KL. DAPO's dynamic sampling is `RLConfig.oversample`; its overlong
+    reward shaping is a reward (not part of the loss).
+    """
+
+    clip_eps_high: float | None = 0.28
+    normaliser: str = "tokens"
+    advantage: ClassVar[str] = "group_mean_std"
+
+
 LOSSES: dict[str, Callable[..., PolicyLoss]] = {
     "aipo": AIPOLoss,
     "ppo_clip": PPOClipLoss,
-    "grpo": lambda **kw: PPOClipLoss(**({"normaliser": "sequence_mean"} | kw)),
+    "grpo": GRPOLoss,
+    "dr_grpo": DrGRPOLoss,
+    "dapo": DAPOLoss,
 }
 
 

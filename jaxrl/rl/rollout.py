@@ -109,6 +109,43 @@ class RolloutBatch:
         return hidden_bsd[:, p - 1 : p - 1 + self.completion_len]
 
 
+def rollouts_from_samples(
+    prompt_ids: Sequence[Sequence[int]],
+    samples,
+    rewards: Sequence[float],
+    group_ids: Sequence[int],
+    policy_version: int = 0,
+) -> list[Rollout]:
+    """One `Rollout` per row of a sampler's output.
+
+    Args:
+      prompt_ids: the B prompts passed to `Sampler.generate` (token ids, no padding).
+      samples: its `SampleOutput` (`tokens_bn`, `logprobs_bn`, `mask_bn`; a row's completion is
+        its first `mask_bn.sum()` tokens, the stop token included).
+      rewards: B scores (e.g. `compute_rewards(...)` on `decode_completions(...)`).
+      group_ids: B ids; rows with equal ids are samples of the same prompt (the group baseline).
+      policy_version: the version of the weights that sampled them (0 for on-policy scripts).
+    """
+    lengths_b = np.asarray(samples.mask_bn).sum(axis=-1)
+    n = len(prompt_ids)
+    if not len(lengths_b) == len(rewards) == len(group_ids) == n:
+        raise ValueError(
+            f"{n} prompts, {len(lengths_b)} sampled rows, {len(rewards)} rewards and "
+            f"{len(group_ids)} group ids; expected one of each per row"
+        )
+    return [
+        Rollout(
+            prompt_ids=np.asarray(prompt_ids[i], np.int32),
+            completion_ids=np.asarray(samples.tokens_bn[i, : lengths_b[i]], np.int32),
+            behaviour_logprobs=np.asarray(samples.logprobs_bn[i, : lengths_b[i]], np.float32),
+            policy_version=int(policy_version),
+            reward=float(rewards[i]),
+            group_id=int(group_ids[i]),
+        )
+        for i in range(n)
+    ]
+
+
 def select_groups(
     rollouts: Sequence[Rollout], num_groups: int
 ) -> tuple[list[Rollout], dict[str, float]]:

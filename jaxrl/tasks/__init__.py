@@ -11,10 +11,20 @@ from jaxrl.tasks.arithmetic import (
 from jaxrl.tasks.math_jsonl import JsonlFormatError, MathExample, format_prompt, load_math_jsonl
 from jaxrl.tasks.rewards import (
     RewardError,
+    RewardFunction,
     compute_rewards,
+    decode_completions,
     get_reward,
     list_rewards,
     register_reward,
+)
+from jaxrl.tasks.source import (
+    PromptItem,
+    PromptSource,
+    SkipSource,
+    get_task,
+    list_tasks,
+    register_task,
 )
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 
@@ -23,18 +33,26 @@ __all__ = [
     "ArithmeticTask",
     "JsonlFormatError",
     "MathExample",
+    "PromptItem",
+    "PromptSource",
     "RewardError",
+    "RewardFunction",
+    "SkipSource",
     "answers_match",
     "arithmetic_reward",
     "build_arithmetic_tokenizer",
     "compute_rewards",
+    "decode_completions",
     "demonstration",
     "encode_demonstrations",
     "extract_answer",
     "format_prompt",
     "get_reward",
+    "get_task",
     "list_rewards",
+    "list_tasks",
     "load_math_jsonl",
     "normalise_answer",
     "register_reward",
+    "register_task",
 ]

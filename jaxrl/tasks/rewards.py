@@ -5,6 +5,7 @@ A reward function scores a batch of completions:
     reward(prompts: Sequence[str], completions: Sequence[str],
            references: Sequence[str | None]) -> Sequence[float]  (one finite float per completion)
 
+`completions` are decoded without special tokens (`decode_completions`: no `<eos>`, no padding).
 `references` are the task's gold answers (None when a task has none, e.g. for a reward model).
 Register a batched callable (a reward model that scores the batch in one forward pass) as is, or a
 per-sample function `fn(prompt, completion, reference) -> float` with `per_sample=True`:
@@ -38,6 +39,12 @@ from jaxrl.tasks.math_jsonl import reference_answer
 
 
 class RewardFunction(Protocol):
+    """A batched reward: one finite float per completion. `completions` are decoded without
+    special tokens; `references` are the source's gold answers (None where it has none). A
+    reward model object with this `__call__` works as well as a function. Register it with
+    `register_reward(name, fn)` in a module the gin file imports, or name it in `TaskSpec.reward`
+    as "package.module:function"."""
+
     def __call__(
         self,
         prompts: Sequence[str],
@@ -141,6 +148,14 @@ def compute_rewards(
     if not np.all(np.isfinite(scores)):
         raise RewardError(f"reward {name!r} returned non-finite values: {scores}")
     return scores
+
+
+def decode_completions(tokenizer, completion_ids: Sequence[Sequence[int]]) -> list[str]:
+    """The text reward functions see: each completion (its sampled ids, stop token included)
+    decoded without special tokens, so `"82<eos>"` reads `"82"`."""
+    return tokenizer.batch_decode(
+        [np.asarray(ids).tolist() for ids in completion_ids], skip_special_tokens=True
+    )
 
 
 def _math_answer(prompt: str, completion: str, reference: str | None) -> float:

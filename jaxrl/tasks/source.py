@@ -3,12 +3,31 @@
 Item `i` of a source is a pure function of (source config, i), so a run's data position is just
 the next index: a resumed run continues exactly where the interrupted one stopped, with no
 prompt skipped or repeated.
+
+A source is anything with the `PromptSource` methods. Sources are built by name from a
+`TaskSpec` (`jaxrl.specs.build_source`) through a registry that users extend from their own
+module, which a gin file imports:
+
+    # my_tasks.py
+    from jaxrl.tasks.source import PromptItem, register_task
+
+    @register_task("reverse")
+    def reverse_task(spec, tokenizer):          # spec: the run's TaskSpec
+        return ReverseSource(seed=spec.seed)
+
+    # my_run.gin
+    import my_tasks
+    TaskSpec.name = "reverse"                   # or "my_tasks:reverse_task", without registering
+
+Built-ins: "arithmetic" (`ArithmeticSource`) and "math_jsonl" (`JsonlMathSource`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,6 +39,108 @@ from jaxrl.tasks.math_jsonl import format_prompt, load_math_jsonl
 class PromptItem:
     text: str  # the prompt as the model sees it (before tokenisation)
     reference: str | None  # gold answer for verifiable rewards
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """What the controller reads prompts from.
+
+    `item(i)` must be a pure function of (the source's config, i): batch k of a run samples items
+    [k * n, (k + 1) * n), and a resumed run asks for the same indices again. `eval_items(limit)`
+    are held-out prompts (disjoint from the train stream), the same list on every call.
+
+    Optional attributes: `reward_name` (the reward used when `TaskSpec.reward` is empty) and
+    `demonstrations(start, count, tokenizer, seq_len, pool=0) -> (tokens_bs, loss_mask_bs)` (the
+    SFT warm start, `jaxrl.sft`). Prompts are encoded with `tokenizer.encode(text)`, which adds
+    the tokenizer's special tokens (e.g. `<bos>`).
+    """
+
+    def item(self, index: int) -> PromptItem: ...
+
+    def eval_items(self, limit: int) -> list[PromptItem]: ...
+
+
+class SkipSource:
+    """`source` after its first `offset` train items, without the prompts in `exclude`:
+
+        item(i) = source.item(offset + i + a * 2**40)   for the smallest a >= 0 whose prompt text
+                                                        is not in `exclude`
+
+    a pure function of i (a replaced item comes from a far part of the stream, as likely to
+    repeat another prompt as any draw). RL after an SFT warm start reads its prompts this way
+    (`jaxrl.sft.rl_source_after_sft`), so its batches hold no memorised demonstration."""
+
+    FAR = 2**40  # stride of the replacement draws
+    MAX_ATTEMPTS = 1000
+
+    def __init__(self, source: PromptSource, offset: int, exclude: frozenset[str] = frozenset()):
+        if offset < 0:
+            raise ValueError(f"offset={offset} must be >= 0")
+        self.source, self.offset, self.exclude = source, offset, frozenset(exclude)
+        self.reward_name = getattr(source, "reward_name", "")
+
+    def item(self, index: int) -> PromptItem:
+        for attempt in range(self.MAX_ATTEMPTS):
+            candidate = self.source.item(self.offset + index + attempt * self.FAR)
+            if candidate.text not in self.exclude:
+                return candidate
+        raise RuntimeError(
+            f"{self.MAX_ATTEMPTS} draws for item {index} all hit the {len(self.exclude)} excluded "
+            "prompts: the task has (nearly) no prompts outside them; use a smaller SFT pool"
+        )
+
+    def eval_items(self, limit: int) -> list[PromptItem]:
+        return self.source.eval_items(limit)
+
+
+# A task factory builds a source from the run's TaskSpec and tokenizer.
+TaskFactory = Callable[[Any, Any], PromptSource]
+_TASKS: dict[str, TaskFactory] = {}
+
+
+def register_task(name: str, factory: TaskFactory | None = None, *, overwrite: bool = False):
+    """Register `factory(spec: TaskSpec, tokenizer) -> PromptSource` as task `name` (selected by
+    `TaskSpec.name`); without `factory`, returns a decorator. Re-registering a name raises unless
+    `overwrite=True`."""
+
+    def register(factory):
+        if not callable(factory):
+            raise TypeError(f"task {name!r}: the factory must be callable")
+        if name in _TASKS and not overwrite:
+            raise ValueError(f"task {name!r} is already registered; pass overwrite=True")
+        _TASKS[name] = factory
+        return factory
+
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"task name must be a non-empty string without ':', got {name!r}")
+    return register if factory is None else register(factory)
+
+
+def get_task(name: str) -> TaskFactory:
+    """A registered task factory, or `"package.module:factory"` imported from the user's code."""
+    if name in _TASKS:
+        return _TASKS[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as e:
+            raise KeyError(
+                f"task {name!r}: cannot import {attribute!r} from {module_name!r} ({e}); is the "
+                "module's directory on PYTHONPATH?"
+            ) from None
+        if not callable(factory):
+            raise TypeError(f"task {name!r} is not callable")
+        return factory
+    raise KeyError(
+        f"unknown task {name!r}; registered: {list_tasks()}. Register yours with "
+        "`@register_task(name)` in a module the gin file imports (`import my_module`), or name "
+        "its factory as 'package.module:function'"
+    )
+
+
+def list_tasks() -> list[str]:
+    return sorted(_TASKS)
 
 
 class ArithmeticSource:
@@ -85,3 +206,25 @@ class JsonlMathSource:
 def encode_prompts(tokenizer, items: Sequence[PromptItem], chat_formatted: bool) -> list[list[int]]:
     """Token ids of each prompt. Chat-formatted prompts already carry their special tokens."""
     return [tokenizer.encode(it.text, add_special_tokens=not chat_formatted) for it in items]
+
+
+def _arithmetic(spec, tokenizer) -> ArithmeticSource:
+    del tokenizer
+    return ArithmeticSource(
+        ArithmeticTask(
+            min_digits=spec.min_digits,
+            max_digits=spec.max_digits,
+            operators=spec.operators,
+            seed=spec.seed,
+        )
+    )
+
+
+def _math_jsonl(spec, tokenizer) -> JsonlMathSource:
+    if not spec.train_path:
+        raise ValueError("task math_jsonl needs train_path (a jsonl of question/answer)")
+    return JsonlMathSource(spec.train_path, spec.eval_path or None, tokenizer, seed=spec.seed)
+
+
+register_task("arithmetic", _arithmetic)
+register_task("math_jsonl", _math_jsonl)
