@@ -132,3 +132,30 @@ def test_run_io_imports_no_torch_and_final_save_can_be_off(tmp_path):
     assert not [d for d in report["saved"]["False"] if d.isdigit()], report
     assert "2" in report["saved"]["True"], report  # negative control: the default saves step 2
     assert os.listdir(tmp_path / "False" / "tensorboard")  # TensorBoard events still written
+
+
+def test_a_user_module_that_needs_torch_is_told_how_to_allow_it(tmp_path):
+    """Under `keep_torch_out` a reward module importing torch fails with JAXRL_ALLOW_TORCH named;
+    with JAXRL_ALLOW_TORCH=1 it imports."""
+    (tmp_path / "torch_reward.py").write_text(
+        "import torch\n\ndef score(prompts, completions, references):\n"
+        "    return [0.0 for _ in completions]\n"
+    )
+    script = (
+        "from jaxrl.infra.config import keep_torch_out\n"
+        "keep_torch_out()\n"
+        "from jaxrl.tasks.rewards import get_reward\n"
+        "try:\n"
+        "    get_reward('torch_reward:score')\n"
+        "    print('imported')\n"
+        "except KeyError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, str(tmp_path)])}
+    env.pop("JAXRL_ALLOW_TORCH", None)
+    run = lambda extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True,
+        timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "set JAXRL_ALLOW_TORCH=1" in run({})
+    assert run({"JAXRL_ALLOW_TORCH": "1"}).strip() == "imported"

@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import os
 import re
 import shutil
 import sys
@@ -282,7 +283,7 @@ def parse_gin(
     except ImportError as err:  # `import my_module` in a gin file
         raise ConfigError(
             f"gin: {err}; a module a gin file imports must be importable: put its directory on "
-            "PYTHONPATH"
+            f"PYTHONPATH{torch_hint(err)}"
         ) from err
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
@@ -387,16 +388,34 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
 
 
 def keep_torch_out() -> None:
-    """Makes `import torch` fail in this process from now on (unless torch is imported already).
+    """Makes `import torch` fail in this process from now on (unless torch is imported already,
+    or the environment sets JAXRL_ALLOW_TORCH=1).
 
     A launch never needs torch, but where it is installed `transformers` (its config modules, on
     the first `ModelConfig.to_hf()` / `load_config`) and `tensorboardX` import it at module level
     only to support torch tensors: seconds and ~1 GB of address space per process. Launchers call
     this first in their `__main__`; never in a process that may want torch later (transformers
-    caches `is_torch_available()`, and a module imported meanwhile keeps no `torch` name).
+    caches `is_torch_available()`, and a module imported meanwhile keeps no `torch` name). The
+    None marker (rather than a finder that raises) keeps `importlib.util.find_spec("torch")`
+    answering None, which is how transformers asks; a user module whose import then fails on
+    torch gets `torch_hint` in its error.
     """
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules and os.environ.get("JAXRL_ALLOW_TORCH") != "1":
         sys.modules["torch"] = None  # the import system's "not importable" marker
+
+
+def torch_hint(error: BaseException) -> str:
+    """A note for an ImportError caused by `keep_torch_out` (empty for any other error)."""
+    if (
+        isinstance(error, ImportError)
+        and error.name == "torch"
+        and sys.modules.get("torch", 0) is None
+    ):
+        return (
+            "; jaxrl launches keep torch out of the process (transformers and tensorboardX "
+            "would import it for nothing): set JAXRL_ALLOW_TORCH=1 if your code needs torch"
+        )
+    return ""
 
 
 def launch(

@@ -107,8 +107,11 @@ def get_reward(name: str) -> RewardFunction:
         try:
             fn = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as e:
+            from jaxrl.infra.config import torch_hint
+
             raise KeyError(
-                f"reward {name!r}: cannot import {attribute!r} from {module_name!r} ({e})"
+                f"reward {name!r}: cannot import {attribute!r} from {module_name!r} ({e}"
+                f"{torch_hint(e)})"
             ) from None
         if not callable(fn):
             raise TypeError(f"reward {name!r} is not callable")

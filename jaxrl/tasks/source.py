@@ -125,8 +125,11 @@ def get_task(name: str) -> TaskFactory:
         try:
             factory = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as e:
+            from jaxrl.infra.config import torch_hint
+
             raise KeyError(
-                f"task {name!r}: cannot import {attribute!r} from {module_name!r} ({e}); is the "
+                f"task {name!r}: cannot import {attribute!r} from {module_name!r} ({e}"
+                f"{torch_hint(e)}); is the "
                 "module's directory on PYTHONPATH?"
             ) from None
         if not callable(factory):
