@@ -166,17 +166,23 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
 
     # The comparison can fail: rewards vary within groups and from step to step, every step has
     # a gradient, and the parameters move from save to save.
-    records = [one["metrics"][s] for s in range(1, STEPS + 1)]
+    steps = range(1, STEPS + 1)
+    records = [one["metrics"][s] for s in steps]
     rewards = [r["reward/mean"] for r in records]
     print("rewards", rewards, "losses", [r["loss"] for r in records])
     assert all(0 < r < 1 for r in rewards) and len(set(rewards)) > 1, rewards
     assert all(r["grad_norm"] > 0 and r["loss"] != 0 for r in records), records
     for a, b in zip(SAVED, SAVED[1:], strict=False):
-        before, p = one["params"][a], one["params"][b]
-        assert max(np.abs(p[k] - before[k]).max() for k in p) > 1e-3, (a, b)
+        before, after = one["params"][a], one["params"][b]
+        assert max(np.abs(after[k] - before[k]).max() for k in after) > 1e-3, (a, b)
 
-    gap = max(np.abs(two["params"][s][k] - one["params"][s][k]).max() for s in SAVED for k in p)
-    print(f"max |params two - one| over steps {SAVED}: {gap:.3g}")
+    params_gap = max(
+        np.abs(two["params"][s][k] - one["params"][s][k]).max()
+        for s in SAVED
+        for k in one["params"][s]
+    )
+    loss_gap = max(abs(two["metrics"][s]["loss"] - one["metrics"][s]["loss"]) for s in steps)
+    print(f"max |two - one| over the steps: params {params_gap:.3g}, loss {loss_gap:.3g}")
     assert _disagreements(one, two) == []
     # Control: the same comparison flags a run in which one process's data was perturbed.
     for what in ("reward", "loss", "params"):
