@@ -90,6 +90,10 @@ class RunIO:
         for name in ("loss", "grad_norm"):
             value = written.get(name)
             if value is not None and not math.isfinite(value):
+                try:  # the previous step's save may still be in flight: it is the last good one
+                    self.ckpt.wait_until_finished()
+                except Exception:  # a failed save is no good checkpoint; report the loss anyway
+                    logger.exception("the checkpoint save before step %d failed", step)
                 raise NonFiniteLossError(
                     f"[{self.desc}] {name} is {value} at step {step}; the last good checkpoint "
                     f"is step {self.ckpt.latest_step()} in {self.ckpt.directory}. Lower the "

@@ -34,10 +34,12 @@ LLAMA3_ROPE = {
 
 
 def hf_config(kind: str, **overrides) -> transformers.PretrainedConfig:
-    """`kind`: llama3, llama3_tied, qwen2, qwen3."""
+    """`kind`: llama3, llama3_tied, llama3_bias (attention and MLP biases on), qwen2, qwen3."""
     kw = dict(TINY)
     if kind.startswith("llama3"):
         kw.update(rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=kind == "llama3_tied")
+        if kind == "llama3_bias":
+            kw.update(attention_bias=True, mlp_bias=True)
         kw.update(overrides)
         return transformers.LlamaConfig(**kw)
     if kind == "qwen2":

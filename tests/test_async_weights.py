@@ -31,6 +31,20 @@ def _params(version):
     return {"w": jnp.full((4,), float(version))}
 
 
+def _signal_waits(weights: GeneratorWeights) -> threading.Event:
+    """An event set once a thread blocks in `weights` (it then waits on the condition, which
+    releases the lock: whoever takes the lock next sees the waiter blocked)."""
+    waiting = threading.Event()
+    wait = weights._wait
+
+    def signalling_wait(*args):
+        waiting.set()
+        wait(*args)
+
+    weights._wait = signalling_wait
+    return waiting
+
+
 def test_fixed_lag_waits_for_the_generator_and_holds_at_most_two_copies():
     weights = GeneratorWeights(FakeSync(), latest_only=False)
     weights.publish(_params(0), 0)
@@ -38,12 +52,13 @@ def test_fixed_lag_waits_for_the_generator_and_holds_at_most_two_copies():
     weights.publish(_params(1), 1)
     assert weights.held_versions == [0, 1]
     published = threading.Event()
+    waiting = _signal_waits(weights)
     thread = threading.Thread(
         target=lambda: (weights.publish(_params(2), 2), published.set()), daemon=True
     )
     thread.start()
-    time.sleep(0.1)
-    assert not published.is_set() and weights.held_versions == [0, 1]  # waits for a free slot
+    assert waiting.wait(5)  # the push of version 2 blocks for a free slot...
+    assert not published.is_set() and weights.held_versions == [0, 1]  # ...and stays blocked
     assert float(v0.params["w"][0]) == 0.0  # the version in use is intact meanwhile
     v1 = weights.acquire(1)  # between batches: takes version 1, frees version 0
     assert published.wait(5) and weights.held_versions == [1, 2]
@@ -74,9 +89,10 @@ def test_free_running_supersedes_unused_versions_and_close_wakes_waiters():
         except QueueClosed as closed:
             outcome["error"] = closed.error
 
+    waiting = _signal_waits(weights)
     thread = threading.Thread(target=wait_for_version_5)
     thread.start()
-    time.sleep(0.05)
+    assert waiting.wait(5)  # blocked in acquire(5): close must wake it
     weights.close(error)
     thread.join(5)
     assert outcome["error"] is error

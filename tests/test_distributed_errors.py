@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from test_distributed_weight_sync import REPO, run_cluster
 
@@ -21,7 +22,10 @@ from launch.local_cluster import process_env
 HARD_TIMEOUT_S = 40  # never reached: the point is that JAX's own timeouts (<= 10 s) end it
 
 
-def _spawn(mode: str, process_id: int, num_processes: int, coordinator: str, **timeouts):
+MARKER_ENV = "TEST_COLLECTIVE_MARKER"  # process 0 creates it on its way into the collective
+
+
+def _spawn(mode: str, process_id: int, num_processes: int, coordinator: str, marker="", **timeouts):
     config = DistributedConfig(
         coordinator_address=coordinator,
         num_processes=num_processes,
@@ -29,10 +33,11 @@ def _spawn(mode: str, process_id: int, num_processes: int, coordinator: str, **t
         transfer_address="off",
         **timeouts,
     )
+    base = dict(os.environ, **{MARKER_ENV: str(marker)})
     return subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), mode],
         cwd=REPO,
-        env=process_env(dict(os.environ), config, devices_per_process=2),
+        env=process_env(base, config, devices_per_process=2),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -75,12 +80,13 @@ def test_unreachable_coordinator():
     assert time.monotonic() - start < 20
 
 
-def _run_pair(mode: str) -> list[tuple[int, str, float]]:
+def _run_pair(mode: str, tmp_path) -> list[tuple[int, str, float]]:
     """Both processes of a 2-process job; (exit code, output, seconds) per process."""
     coordinator = f"127.0.0.1:{free_port()}"
     timeouts = {"initialization_timeout_s": 10, "heartbeat_timeout_s": 2}
+    marker = tmp_path / "in_collective"
     start = time.monotonic()
-    procs = [_spawn(mode, i, 2, coordinator, **timeouts) for i in range(2)]
+    procs = [_spawn(mode, i, 2, coordinator, marker, **timeouts) for i in range(2)]
     results = []
     for proc in procs:
         code, output = _finish(proc)
@@ -88,8 +94,8 @@ def _run_pair(mode: str) -> list[tuple[int, str, float]]:
     return results
 
 
-def test_killed_process_stops_the_others():
-    (code, output, seconds), (victim_code, _, _) = _run_pair("die")
+def test_killed_process_stops_the_others(tmp_path):
+    (code, output, seconds), (victim_code, _, _) = _run_pair("die", tmp_path)
     assert victim_code == -9
     # The coordinator notices the missing heartbeats and JAX aborts the survivor (SIGABRT).
     assert code != 0 and "waiting in a collective" in output, output[-4000:]
@@ -97,8 +103,8 @@ def test_killed_process_stops_the_others():
     assert seconds < 25, seconds
 
 
-def test_exception_in_one_process_stops_the_others():
-    (code, output, seconds), (victim_code, victim_output, _) = _run_pair("raise")
+def test_exception_in_one_process_stops_the_others(tmp_path):
+    (code, output, seconds), (victim_code, victim_output, _) = _run_pair("raise", tmp_path)
     assert victim_code == 1, victim_output[-4000:]
     assert "RuntimeError: boom in process 1" in victim_output
     assert "process 1 failed; exiting now" in victim_output
@@ -125,12 +131,16 @@ def _worker(mode: str) -> None:
         return
     from jax.experimental import multihost_utils
 
+    marker = Path(os.environ[MARKER_ENV])
     if info.process_index == 1:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 20  # fail in process 1 only once process 0 waits for it
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         if mode == "die":
             os.kill(os.getpid(), 9)
         raise RuntimeError("boom in process 1")
     print("waiting in a collective", flush=True)
+    marker.touch()
     multihost_utils.sync_global_devices("never completes")
     print("survived", flush=True)
 

@@ -48,22 +48,22 @@ def test_greedy_matches_transformers_generate(kind, tmp_path):
         return_dict_in_generate=True,
     )
     ref_tokens = ref.sequences[:, width:].numpy()
-    near_ties = []
+    gaps = []  # the reference's top-2 logit gap at each compared step
     for row in range(len(PROMPTS)):
         for t in range(NEW_TOKENS):
             ours_done = not out.mask_bn[row, t]
-            theirs_done = t >= ref_tokens.shape[1] or (t > 0 and ref_tokens[row, t - 1] == 2)
-            theirs_done = theirs_done or (t > 0 and 2 in ref_tokens[row, :t])
+            theirs_done = t >= ref_tokens.shape[1] or (t > 0 and 2 in ref_tokens[row, :t])
             assert ours_done == theirs_done, (kind, row, t)
             if ours_done:
                 break
-            if out.tokens_bn[row, t] != ref_tokens[row, t]:
-                top2 = torch.topk(ref.scores[t][row], 2).values.numpy()
-                gap = float(top2[0] - top2[1])
-                assert gap < 1e-5, (kind, row, t, gap)
-                near_ties.append((row, t, gap))
-                break
-    print(f"{kind}: divergences at near-ties (row, step, top-2 gap): {near_ties}")
+            top2 = torch.topk(ref.scores[t][row], 2).values.numpy()
+            gaps.append(float(top2[0] - top2[1]))
+            assert out.tokens_bn[row, t] == ref_tokens[row, t], (kind, row, t, gaps[-1])
+    # Token-identical, exactly. Float rounding could legitimately pick the other token only at
+    # a near-tie (top-2 gap within the ~1e-5 the two sides' logits differ by, see
+    # test_models_parity.py); the fixtures have none, by a margin this checks.
+    print(f"{kind}: {len(gaps)} tokens identical; smallest top-2 logit gap {min(gaps):.3g}")
+    assert min(gaps) > 1e-4, f"{kind}: a near-tie in the fixture; change its seed or prompts"
     assert out.mask_bn.sum() > NEW_TOKENS  # the comparison covered real tokens
 
 

@@ -220,7 +220,7 @@ def test_writer_moves_a_corrupt_latest_aside_and_saves_that_step_again(tmp_path,
 
 
 _KILLED_WRITER = """
-import os, sys, time
+import os, sys, threading, time
 import jax.numpy as jnp
 from orbax.checkpoint._src.path import atomicity
 from jaxrl.infra import checkpoint as ckpt_lib
@@ -228,11 +228,14 @@ ckpt = ckpt_lib.Checkpointer(sys.argv[1], ckpt_lib.CheckpointConfig(1, 3, async_
 ckpt.save(1, {"w": jnp.ones((4, 2)), "step": jnp.int32(1)})
 ckpt.wait_until_finished()
 
+written = threading.Event()
 async def never_finalize(self):  # the background writer stalls before its atomic rename
+    written.set()  # every byte of step 2 is in its temporary directory
     time.sleep(60)
 atomicity.AtomicRenameTemporaryPath.finalize = never_finalize
 ckpt.save(2, {"w": jnp.zeros((4, 2)), "step": jnp.int32(2)})
-time.sleep(0.5)  # let the data of step 2 land in its temporary directory
+if not written.wait(60):
+    sys.exit("the save of step 2 never reached its rename")
 os._exit(0)  # killed while the async save of step 2 is in flight
 """
 
@@ -243,6 +246,7 @@ def test_process_killed_mid_save(tmp_path):
     subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(directory)], check=True, env=env)
     leftovers = sorted(p.name for p in directory.iterdir())
     assert leftovers == ["1", "2.orbax-checkpoint-tmp"], leftovers
+    assert any((directory / "2.orbax-checkpoint-tmp").glob("state*/**/d/*"))  # data was written
     with ckpt_lib.Checkpointer(directory, read_only=True) as reader:
         assert reader.latest_step() == 1
         assert reader.restore(abstract_target=_tiny_target()).step == 1

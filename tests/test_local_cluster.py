@@ -3,6 +3,7 @@ process id, and when one process fails the others are stopped (even one that ign
 as JAX processes do) and its exit status is the launcher's. Commands here are tiny Python
 snippets, so no JAX job is started."""
 
+import os
 import subprocess
 import sys
 import time
@@ -13,11 +14,13 @@ from jaxrl.infra.distributed import DistributedConfig
 from launch import local_cluster
 
 
-def _launch(snippet: str, *flags: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+def _launch(
+    snippet: str, *flags: str, timeout_s: float = 30, env: dict | None = None
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "launch.local_cluster", *flags, "--"]
     command += [sys.executable, "-c", snippet]
     return subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )
 
 
@@ -43,17 +46,24 @@ def test_outputs_are_prefixed_and_each_process_gets_its_id():
         assert line in result.stdout.splitlines(), result.stdout
 
 
-def test_a_failing_process_stops_the_others_and_sets_the_exit_status():
+def test_a_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
+    # Process 1 fails only once process 0 has printed and is sleeping (it leaves a marker file
+    # then), so the launcher must stop a process that is really running and ignores SIGTERM.
     snippet = (
-        "import os, signal, sys, time\n"
+        "import os, pathlib, signal, sys, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like JAX's preemption handler\n"
+        "marker = pathlib.Path(os.environ['TEST_MARKER'])\n"
         "if os.environ['JAXRL_PROCESS_ID'] == '1':\n"
+        "    deadline = time.monotonic() + 20\n"
+        "    while not marker.exists() and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
         "    print('failing', flush=True); sys.exit(3)\n"
-        "print('sleeping', flush=True); time.sleep(60)\n"
+        "print('sleeping', flush=True); marker.touch(); time.sleep(60)\n"
     )
+    env = dict(os.environ, TEST_MARKER=str(tmp_path / "process_0_sleeps"))
     start = time.monotonic()
     result = _launch(
-        snippet, "--num_processes", "2", "--devices_per_process", "1", "--grace_s", "1"
+        snippet, "--num_processes", "2", "--devices_per_process", "1", "--grace_s", "1", env=env
     )
     assert result.returncode == 3, result.stdout + result.stderr
     assert "[1] failing" in result.stdout and "[0] sleeping" in result.stdout

@@ -146,9 +146,12 @@ def test_threads_block_wake_and_close_with_the_producers_error():
             waiter_result["error"] = closed.error
             waiter_result["seconds"] = time.monotonic() - start
 
+    waiting = threading.Event()
+    wait = empty._wait
+    empty._wait = lambda *args: (waiting.set(), wait(*args))
     thread = threading.Thread(target=waiter)
     thread.start()
-    time.sleep(0.05)
+    assert waiting.wait(5)  # the waiter is blocked in get(): close must wake it
     empty.close(error)
     thread.join(5)
     assert waiter_result["error"] is error and waiter_result["seconds"] < 1.0
