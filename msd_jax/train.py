@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import sys
 import time
@@ -398,6 +399,10 @@ def _log(writer: MetricsWriter, step: int, metrics: dict, ckpt: Checkpointer, de
 
 def _check_finite(loss: float, step: int, ckpt: Checkpointer, desc: str) -> None:
     if not math.isfinite(loss):
+        try:  # the previous step's save may still be in flight: it is the last good one
+            ckpt.wait_until_finished()
+        except Exception:  # a failed save is no good checkpoint; report the loss anyway
+            logging.getLogger(__name__).exception("the checkpoint save before step %d failed", step)
         raise NonFiniteLossError(
             f"[{desc}] loss is {loss} at step {step}; the last good checkpoint is step "
             f"{ckpt.latest_step()} in {ckpt.directory}. Lower the learning rate."
