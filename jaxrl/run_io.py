@@ -62,10 +62,18 @@ class RunIO:
         preemption.install()
 
     def restore(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
-        """The newest finished checkpoint of this run, or None."""
+        """The newest finished checkpoint of this run, or None.
+
+        Either way the metrics the interrupted run logged after that checkpoint (all of them
+        when there is none) are dropped first: those steps run again, and each step keeps one
+        line in metrics.jsonl and one TensorBoard point (issue 25: a resumed run appended its
+        redone steps a second time).
+        """
         if self.ckpt.latest_step() is None:
+            self.metrics.discard_after(-1)
             return None
         restored = self.ckpt.restore(abstract_target=state_tree(abstract_state))
+        self.metrics.discard_after(int(restored.step))
         if self.metrics.is_writer:
             print(f"[{self.desc}] resuming {self.workdir} from step {restored.step}", flush=True)
         return tree_to_state(restored.state), restored.extra
@@ -76,6 +84,7 @@ class RunIO:
     def start(self, step: int) -> None:
         self.bar = progress_bar(self.total_steps, initial_step=step, desc=self.desc)
         self._start = time.perf_counter()
+        self._start_step = step
 
     def log(self, step: int, metrics: dict[str, Any], headline: dict[str, str]) -> dict:
         """Writes `metrics` for `step`; raises NonFiniteLossError naming the step if the loss or
@@ -100,10 +109,20 @@ class RunIO:
                 elapsed = time.perf_counter() - self._start
                 text = " ".join(f"{k}={v}" for k, v in headline.items())
                 print(
-                    f"[{self.desc}] step {step}/{self.total_steps} {text} ({elapsed:.0f}s)",
+                    f"[{self.desc}] step {step}/{self.total_steps} {text} "
+                    f"({elapsed:.0f}s{self._pace(step, elapsed)})",
                     flush=True,
                 )
         return written
+
+    def _pace(self, step: int, elapsed: float) -> str:
+        """ ", 0.25 s/step, ETA 1m40s" over the steps run by this launch (empty before one)."""
+        done = step - getattr(self, "_start_step", 0)
+        if done < 1:
+            return ""
+        per_step = elapsed / done
+        eta = round(per_step * (self.total_steps - step))
+        return f", {per_step:.3g} s/step, ETA {eta // 60}m{eta % 60:02d}s"
 
     def save_due(self, step: int, force: bool = False) -> bool:
         """Whether `save` writes `step`: its schedule, `force`, or a requested stop (SIGTERM)."""
@@ -124,11 +143,14 @@ class RunIO:
             preemption.stop(step, self.ckpt.directory)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self.ckpt.wait_until_finished()
-        self.ckpt.close()
-        self.metrics.close()
+        try:
+            if self.bar is not None:
+                self.bar.close()
+            self.ckpt.wait_until_finished()
+            self.ckpt.close()
+            self.metrics.close()
+        finally:
+            preemption.uninstall()
 
 
 def host_rss_mb() -> float:

@@ -10,8 +10,11 @@ import os
 
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
+from jaxrl.models.config import _DTYPES as MODEL_DTYPES
 from jaxrl.models.config import ModelConfig
 from jaxrl.tasks.arithmetic import ArithmeticTask
+from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION
+from jaxrl.tasks.rewards import get_reward
 from jaxrl.tasks.source import ArithmeticSource, JsonlMathSource
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 
@@ -68,6 +71,11 @@ class PolicySpec:
             raise ValueError(f"init_from={self.init_from!r} is not a directory")
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple={self.vocab_multiple} must be >= 1")
+        for name in ("param_dtype", "dtype"):  # checked here, before the workdir is made
+            if getattr(self, name) not in MODEL_DTYPES:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}; choose one of {sorted(MODEL_DTYPES)}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,7 @@ class TaskSpec:
 
     name: "arithmetic" (synthetic, offline) or "math_jsonl" (GSM8K / MATH-style files).
     reward: a registered reward name; empty = the task's own verifiable reward.
+    instruction (math_jsonl): appended to each question in the user turn; "" = none.
     """
 
     name: str = "arithmetic"
@@ -86,6 +95,7 @@ class TaskSpec:
     eval_path: str = ""
     reward: str = ""
     seed: int = 0
+    instruction: str = DEFAULT_INSTRUCTION
 
     def validate(self) -> None:
         if self.name not in ("arithmetic", "math_jsonl"):
@@ -99,6 +109,11 @@ class TaskSpec:
             ArithmeticTask(
                 min_digits=self.min_digits, max_digits=self.max_digits, operators=self.operators
             )
+        if self.reward:  # a reward that cannot be imported fails now, not after the SFT stage
+            try:
+                get_reward(self.reward)
+            except (KeyError, TypeError) as e:
+                raise ValueError(str(e).strip("\"'")) from None
 
 
 def build_tokenizer(policy: PolicySpec, task: TaskSpec):
@@ -108,8 +123,9 @@ def build_tokenizer(policy: PolicySpec, task: TaskSpec):
         if os.path.isdir(os.path.join(policy.init_from, "model")):  # a run's workdir
             tokenizer_dir = os.path.join(policy.init_from, "model")
         return hf.load_tokenizer(tokenizer_dir)
-    if task.name != "arithmetic":
-        raise ValueError("a math_jsonl task needs policy.init_from (a model with a tokenizer)")
+    # A preset trained from scratch uses the offline character tokenizer, whatever the task: on
+    # math_jsonl it spells lowercase text, digits and punctuation (a pipeline check on a tiny
+    # file, configs/rl/gsm8k_tiny.gin); real GSM8K / MATH runs start from a model (init_from).
     return build_arithmetic_tokenizer()
 
 
@@ -125,7 +141,9 @@ def build_model_config(policy: PolicySpec, tokenizer) -> ModelConfig:
     return PRESETS[policy.preset](vocab, tokenizer).replace(**overrides)
 
 
-def build_source(task: TaskSpec, tokenizer):
+def build_source(task: TaskSpec, tokenizer, max_prompt_tokens: int | None = None):
+    """The task's prompt source. `max_prompt_tokens` (math_jsonl): problems whose prompt is
+    longer are left out, with a count (the model's context minus the tokens to generate)."""
     if task.name == "arithmetic":
         return ArithmeticSource(
             ArithmeticTask(
@@ -135,7 +153,14 @@ def build_source(task: TaskSpec, tokenizer):
                 seed=task.seed,
             )
         )
-    return JsonlMathSource(task.train_path, task.eval_path or None, tokenizer, seed=task.seed)
+    return JsonlMathSource(
+        task.train_path,
+        task.eval_path or None,
+        tokenizer,
+        seed=task.seed,
+        instruction=task.instruction,
+        max_prompt_tokens=max_prompt_tokens,
+    )
 
 
 def reward_name(task: TaskSpec, source) -> str:

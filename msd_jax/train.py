@@ -347,6 +347,7 @@ def run_training(
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(abstract_target=state_tree(state))
             state = _tree_to_state(restored.state, state)
+            writer.discard_after(restored.step)  # the steps after it run again: one line each
             if restored.step < config.steps:
                 print(f"[{desc}] resuming {run_dir} from step {restored.step}", flush=True)
         start = int(state.step)
@@ -370,7 +371,7 @@ def run_training(
             if faults.wants_kill_in_save(done):
                 # The previous (async) save must commit first: the fault belongs to this save.
                 ckpt.wait_until_finished()
-            stopping = preemption.requested()  # SIGTERM: save this step, then stop
+            stopping = preemption.requested()  # SIGTERM / Ctrl-C: save this step, then stop
             force = done == config.steps or stopping
             if force or ckpt.should_save(done):  # never checkpoint a non-finite state
                 _check_finite(float(metrics["loss/total"]), done, ckpt, desc)
@@ -386,6 +387,7 @@ def run_training(
             bar.close()
         ckpt.close()
         writer.close()
+        preemption.uninstall()
     return state
 
 
