@@ -12,8 +12,8 @@ from collections import Counter
 import gin
 import numpy as np
 import pytest
-
 from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
+
 from jaxrl.infra import faults
 from jaxrl.infra.config import launch
 from jaxrl.infra.metrics import TENSORBOARD_DIR, event_of, read_event_records
@@ -108,7 +108,8 @@ def test_help_lists_the_configurable_classes_with_fields_and_defaults(job, capsy
     text = capsys.readouterr().out
     expected = {
         "rl": ["RLConfig:", "  total_steps: int = 1000", "  rho: float = 4.0", "SFTConfig:",
-               "  optimizer: OptimizerConfig = OptimizerConfig(warmup_steps=20, schedule='linear')", "rl_main.policy: PolicySpec (required)",
+               "  optimizer: OptimizerConfig = OptimizerConfig(warmup_steps=20, "
+               "schedule='linear')", "rl_main.policy: PolicySpec (required)",
                "example configs: configs/rl/arith_tiny.gin"],
         "sft": ["SFTConfig:", "  steps: int = 300", "TaskSpec:", "  operators: str = '+'"],
         "msd": ["msd_main.", "TeacherConfig:", "StudyConfig:"],
@@ -152,7 +153,8 @@ def test_jsonl_demonstrations_are_the_chat_prompt_then_the_worked_solution():
         np.testing.assert_array_equal(
             mask[row], (np.arange(64) >= prompt_len) & (np.arange(64) < len(want))
         )
-    with pytest.raises(ValueError, match=r"gsm8k_tiny.jsonl:\d+: the demonstration .*SFTConfig.seq_len=8"):
+    too_long = r"gsm8k_tiny.jsonl:\d+: the demonstration .*SFTConfig.seq_len=8"
+    with pytest.raises(ValueError, match=too_long):
         source.demonstrations(0, 1, tok, seq_len=8)
 
 
@@ -178,7 +180,10 @@ RESUME = [
 
 
 def test_ctrl_c_saves_and_a_resumed_run_keeps_one_record_per_step(
-    tmp_path, monkeypatch, capsys, jax_disk_cache  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+    jax_disk_cache,  # noqa: F811
 ):
     """Bug 8 / acceptance 3. A run crashes after step 3 (step 2 saved; steps 1-3 logged), is
     resumed and interrupted by SIGINT after step 4 (it saves step 4 and exits 0, no traceback),
