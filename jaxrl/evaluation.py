@@ -55,7 +55,7 @@ def evaluate(
     """Metrics on a fixed held-out set (a reward > 0.5 counts as correct).
 
     eval/accuracy: greedy decoding. eval/accuracy_t1 (`accuracy_key`: eval/accuracy_t0.7 at
-    temperature 0.7): mean correctness of `samples` draws at `temperature`. eval/pass@k:
+    temperature 0.7): mean correctness of `samples` draws at `temperature`. eval/pass_at_k:
     fraction of prompts with at least one correct draw among `samples` (k = samples; with n = k
     draws the unbiased estimator is exactly this).
     """
@@ -89,7 +89,9 @@ def evaluate(
         ).reshape(len(items), samples)
         correct = sampled > 0.5
         metrics[accuracy_key(temperature)] = float(correct.mean())
-        metrics[f"eval/pass@{samples}"] = float(correct.any(axis=1).mean())
+        # "pass_at_k", not "pass@k": TensorBoard tags allow [-/\w.] only (it would show
+        # "pass_4"), and the JSON lines and TensorBoard use the same names.
+        metrics[f"eval/pass_at_{samples}"] = float(correct.any(axis=1).mean())
     metrics["eval/num_prompts"] = float(len(items))
     metrics["time/eval_s"] = time.perf_counter() - start
     return metrics

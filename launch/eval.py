@@ -4,7 +4,7 @@
     python -m launch.eval --hf_dir=exported/ --task=arithmetic --eval_size=512 --samples=8
 
 A run is evaluated on its own task and settings (read from WORKDIR/config.gin). Prints one JSON
-line of metrics (eval/accuracy, eval/accuracy_t<temperature>, eval/pass@k).
+line of metrics (eval/accuracy, eval/accuracy_t<temperature>, eval/pass_at_k).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections import Counter
 
@@ -226,3 +227,33 @@ def test_ctrl_c_saves_and_a_resumed_run_keeps_one_record_per_step(
     assert set(points.values()) == {1}, [k for k, v in points.items() if v > 1]
     assert points[("loss", 3)] == 1 and points[("learning_rate", 5)] == 1
     assert len(list((workdir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 3
+
+
+def test_too_few_devices_on_a_cpu_names_the_xla_flag():
+    """The 8-device configs on a CPU without XLA_FLAGS said to start 8 processes, never how to
+    simulate the devices in one."""
+    from jaxrl.infra.distributed import ProcessLayoutError, check_mesh_fits
+    from jaxrl.infra.mesh import MeshConfig
+
+    needs_16 = MeshConfig(("fsdp", "tp"), (4, 4), first_device=0, num_devices=16)
+    with pytest.raises(
+        ProcessLayoutError,
+        match=r"simulate 16 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=16",
+    ):
+        check_mesh_fits({"trainer": needs_16})
+
+
+def test_progress_lines_show_seconds_per_step_and_an_eta(tmp_path, capsys):
+    from jaxrl.run_io import RunIO
+
+    io = RunIO(str(tmp_path), total_steps=4, save_every_steps=4, keep_last_n=1, desc="sft",
+               log_every_steps=2)  # fmt: skip
+    try:
+        io.start(0)
+        for step in (1, 2):
+            io.log(step, {"loss": 1.0}, {"loss": "1.000"})
+    finally:
+        io.close()
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    pace = r"\(\d+s, [\d.e-]+ s/step, ETA 0m\d\ds\)"
+    assert re.fullmatch(rf"\[sft\] step 2/4 loss=1\.000 {pace}", line), line

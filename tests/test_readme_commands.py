@@ -200,21 +200,34 @@ def test_eval_of_a_run_repeats_the_runs_own_last_evaluation(readme):
     evaluated = json.loads(_output(outputs, "launch.eval --workdir=runs/arith_sync").strip())
     logged = read_metrics(root / "runs" / "arith_sync" / "metrics.jsonl")[-1]
     assert evaluated["step"] == logged["step"] == 2
-    for key in ("eval/accuracy", "eval/accuracy_t1", "eval/pass@2", "eval/num_prompts"):
+    for key in ("eval/accuracy", "eval/accuracy_t1", "eval/pass_at_2", "eval/num_prompts"):
         assert evaluated[key] == round(logged[key], 4), key
     # The comparison can fail: the run's sampled accuracy is neither 0 nor 1.
     assert 0 < logged["eval/accuracy_t1"] < 1
 
 
-def test_eval_names_the_sampled_accuracy_by_its_temperature(readme, capsys):
+def test_eval_names_the_sampled_accuracy_by_its_temperature(readme, monkeypatch, capsys):
+    """`eval/accuracy_t1` was so named whatever --temperature was. The sampling itself is
+    replaced by a stub (what is checked is the naming and the note, not the model)."""
     root, _ = readme
+    import numpy as np
+
+    from jaxrl import evaluation
     from launch import eval as eval_launch
 
-    argv = [f"--workdir={root / 'runs' / 'arith_sync'}", "--temperature=0.5", "--eval_size=4"]
+    temperatures = []
+
+    def fake_score(sampler, params, tokenizer, reward, items, ids, sampling, key, batch_size):
+        temperatures.append(None if sampling.greedy else sampling.temperature)
+        return np.ones(len(items))
+
+    monkeypatch.setattr(evaluation, "_score", fake_score)
+    argv = [f"--workdir={root / 'runs' / 'arith_sync'}", "--temperature=0.5"]
     assert eval_launch.main(argv) == 0
     captured = capsys.readouterr()
     metrics = json.loads(captured.out.strip().splitlines()[-1])
-    assert "eval/accuracy_t0.5" in metrics and "eval/accuracy_t1" not in metrics
+    assert temperatures == [None, 0.5]
+    assert metrics["eval/accuracy_t0.5"] == 1.0 and "eval/accuracy_t1" not in metrics
     assert "note: --temperature=0.5; the run evaluated with temperature=1.0" in captured.err
 
 
@@ -260,3 +273,45 @@ def test_the_gsm8k_config_trains_sft_then_rl_on_the_jsonl_fixture(readme):
     # Logged in RL too now: update 1 of the linear warm-up to 1e-4, which the schedule caps at
     # the run's 2 steps.
     assert rl[-1]["learning_rate"] == pytest.approx(1e-4 * 1 / 2)
+
+
+def test_the_exported_directory_generates_right_in_transformers(readme, tmp_path):
+    """Frictions of issue 25: the exported tokenizer padded on the right (batched generation in
+    transformers then continued from pad tokens), claimed a context of 512, came without a
+    generation_config.json, in a directory of mode 0700. Greedy batch generation in transformers
+    (PyTorch) from the export now gives the completions of our sampler."""
+    import stat
+
+    import torch
+    import transformers
+
+    from launch import generate
+
+    root, _ = readme
+    exported = root / "exported"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o777 & ~umask
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.padding_side == "left" and tokenizer.model_max_length == 64
+    generation = transformers.GenerationConfig.from_pretrained(exported)
+    assert (generation.eos_token_id, generation.pad_token_id) == (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+
+    prompts = ["12+7=", "3+45=", "60+21="]  # different lengths: the batch is padded
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "ours.jsonl"
+    argv = [f"--hf_dir={exported}", f"--prompts={tmp_path / 'p.txt'}", f"--output={out}"]
+    assert generate.main([*argv, "--greedy", "--max_new_tokens=6"]) == 0
+    ours = [json.loads(x)["completion_ids"] for x in out.read_text().splitlines()]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        generated = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    width = batch["input_ids"].shape[1]
+    for row, want in enumerate(ours):
+        theirs = generated[row, width:].tolist()
+        assert theirs[: len(want)] == want, (prompts[row], theirs, want)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import sys
 import time
@@ -27,6 +28,7 @@ import jax
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+_TAG_CHARS = re.compile(r"[-/\w.]+")  # what tensorboardX keeps of a tag
 TENSORBOARD_DIR = "tensorboard"
 
 Scalar = int | float | bool
@@ -95,6 +97,12 @@ class MetricsWriter:
         flat = {k: to_scalar(v, k) for k, v in flatten_metrics(metrics).items()}
         if "step" in flat or "wall_time_s" in flat:
             raise ValueError("metric names 'step' and 'wall_time_s' are reserved.")
+        for name in flat:
+            if _TAG_CHARS.fullmatch(name) is None:  # TensorBoard would rename it
+                raise ValueError(
+                    f"metric name {name!r}: use letters, digits and '_-/.' only (TensorBoard "
+                    "would show another name than metrics.jsonl)"
+                )
         if not self.is_writer:
             return flat
         record = {"step": int(step), "wall_time_s": round(time.time(), 3), **flat}
