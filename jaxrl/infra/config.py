@@ -286,9 +286,19 @@ def parse_gin(
     files = [str(Path(f).resolve()) if Path(f).exists() else f for f in gin_files]
     try:
         with contextlib.chdir(roots[0]) if roots else contextlib.nullcontext():
-            gin.parse_config_files_and_bindings(files, list(gin_params))
+            gin.parse_config_files_and_bindings(files, None, finalize_config=False)
+            # Scopes the files reference stay known when a --gin_param replaces the reference
+            # (`rl_main.generator_mesh = None` leaves the file's generator/ bindings unused).
+            _FILE_SCOPES.clear()
+            for bindings in gin.config._CONFIG.values():
+                _scopes_referenced(bindings, _FILE_SCOPES)
+            gin.parse_config_files_and_bindings([], list(gin_params))
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
+
+
+# Scopes referenced by the gin files of the last `parse_gin` (before its --gin_param bindings).
+_FILE_SCOPES: set[str] = set()
 
 
 def _scopes_referenced(value: Any, found: set[str]) -> None:
@@ -308,12 +318,14 @@ def _check_scopes() -> None:
     """A binding under a scope no reference uses (`sfts/OptimizerConfig.learning_rate`, a typo of
     `sft/`) would be written to config.gin and never applied: refuse it, naming it.
 
-    A scope is in use when a reference `@scope/Name()` (or a nested `@a/scope/Name()`) names it;
-    gin applies `scope/Name.field` only to calls made inside that scope. Macros (`gin.macro`)
+    A scope is in use when a reference `@scope/Name()` (or a nested `@a/scope/Name()`) names it,
+    in the config or in its gin files before the --gin_param bindings (which may replace a
+    reference: its scope then stays known); gin applies `scope/Name.field` only to calls made
+    inside that scope. Macros (`gin.macro`)
     are stored by gin as scoped bindings too, and are left alone.
     """
     config = gin.config._CONFIG  # gin has no public listing of the scoped bindings
-    used: set[str] = set()
+    used: set[str] = set(_FILE_SCOPES)
     for bindings in config.values():
         _scopes_referenced(bindings, used)
     for (scope, selector), bindings in config.items():
