@@ -118,11 +118,13 @@ def main(argv=None) -> int:
                 _note(f"--{flag}={value!r}; the run evaluated with {flag}={settings[flag]!r}")
             settings[flag] = value
     task.validate()
-    source = build_source(task, tokenizer)
+    # The prompts that fit the context, as in the run (jsonl problems that do not are left out).
+    room = model.config.max_position_embeddings - settings["max_new_tokens"]
+    source = build_source(task, tokenizer, max_prompt_tokens=room)
     items = source.eval_items(settings["eval_size"])
     if not items:
         raise SystemExit("no evaluation problems: pass --eval_path for a math_jsonl task")
-    ids = encode_prompts(tokenizer, items, chat_formatted=task.name == "math_jsonl")
+    ids = encode_prompts(tokenizer, items, getattr(source, "chat_formatted", False))
     sampler, params = Sampler.for_model(model, pad_id=tokenizer.pad_token_id)
     metrics = evaluate(
         sampler, params, tokenizer, reward_name(task, source), items, ids,

@@ -387,7 +387,8 @@ def run_training(
             bar.close()
         ckpt.close()
         writer.close()
-        preemption.uninstall()
+        # No preemption.uninstall(): the handlers stay for the study's later stages, so a
+        # signal between two trainings (e.g. while teacher logits are cached) is still honoured.
     return state
 
 
