@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import struct
 from collections import Counter
 
 import gin
@@ -17,7 +18,6 @@ from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 
 from jaxrl.infra import faults
 from jaxrl.infra.config import launch
-from jaxrl.infra.metrics import TENSORBOARD_DIR, event_of, read_event_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASYNC = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
@@ -160,13 +160,31 @@ def test_jsonl_demonstrations_are_the_chat_prompt_then_the_worked_solution():
 
 
 def _tensorboard_steps(workdir) -> Counter:
-    """(tag, step) -> number of scalar points, over every event file of the run."""
+    """(tag, step) -> number of scalar points, over every event file of the run, read here
+    independently of the library: TFRecord framing (uint64 length, its CRC, the data, its CRC;
+    the CRCs are checked) around `Event` protobufs."""
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
     points = Counter()
-    for path in sorted((workdir / TENSORBOARD_DIR).glob("events.out.tfevents.*")):
-        for record in read_event_records(path):
-            event = event_of(record)
+    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            header = data[pos : pos + 8]
+            (length,) = struct.unpack("<Q", header)
+            assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked(header)
+            body = data[pos + 12 : pos + 12 + length]
+            assert struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])[0] == masked(
+                body
+            )
+            event = Event.FromString(body)
             for value in event.summary.value:
                 points[(value.tag, event.step)] += 1
+            pos += 16 + length
     return points
 
 
@@ -226,7 +244,7 @@ def test_ctrl_c_saves_and_a_resumed_run_keeps_one_record_per_step(
     assert {step for _, step in points} == {0, 1, 2, 3, 4, 5}
     assert set(points.values()) == {1}, [k for k, v in points.items() if v > 1]
     assert points[("loss", 3)] == 1 and points[("learning_rate", 5)] == 1
-    assert len(list((workdir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 3
+    assert len(list((workdir / "tensorboard").glob("events.out.tfevents.*"))) == 3
 
 
 def test_too_few_devices_on_a_cpu_names_the_xla_flag():
