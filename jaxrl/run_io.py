@@ -58,6 +58,7 @@ class RunIO:
         self.metrics = MetricsWriter(workdir)
         self.bar = None
         self._start = time.perf_counter()
+        self._start_step = 0
         self._saved_step: int | None = None
         preemption.install()
 
@@ -116,8 +117,9 @@ class RunIO:
         return written
 
     def _pace(self, step: int, elapsed: float) -> str:
-        """ ", 0.25 s/step, ETA 1m40s" over the steps run by this launch (empty before one)."""
-        done = step - getattr(self, "_start_step", 0)
+        """`, 0.25 s/step, ETA 1m40s`: the mean over the steps this launch ran (compilation
+        included), empty before the first."""
+        done = step - self._start_step
         if done < 1:
             return ""
         per_step = elapsed / done
