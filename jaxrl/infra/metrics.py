@@ -76,6 +76,7 @@ class MetricsWriter:
         self.workdir = Path(workdir)
         self.is_writer = jax.process_index() == 0
         self.flush_every_writes = flush_every_writes
+        self.tensorboard = tensorboard
         self._writes_since_flush = 0
         self._jsonl = None
         self._tb = None
@@ -97,7 +98,7 @@ class MetricsWriter:
         flat = {k: to_scalar(v, k) for k, v in flatten_metrics(metrics).items()}
         if "step" in flat or "wall_time_s" in flat:
             raise ValueError("metric names 'step' and 'wall_time_s' are reserved.")
-        for name in flat:
+        for name in flat if self.tensorboard else ():  # checked on every process alike
             if _TAG_CHARS.fullmatch(name) is None:  # TensorBoard would rename it
                 raise ValueError(
                     f"metric name {name!r}: use letters, digits and '_-/.' only (TensorBoard "
