@@ -51,6 +51,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -209,7 +210,12 @@ class Controller:
         ref_params: Params | None = None,
         weights: GeneratorWeights | None = None,
         eval_sampler: Sampler | None = None,
+        learning_rate: Callable[[int], float] | None = None,
     ):
+        """`weights` (async mode): the generator's weight store, fed by the trainer's pushes.
+        `eval_sampler`: samples from the trainer's params (default: the generator's sampler,
+        which in sync mode is on the trainer mesh). `learning_rate`: the optimizer's schedule
+        (update index -> rate), logged as `learning_rate` every step."""
         check_controller_inputs(config, trainer, generator, source, io)
         if config.mode == "async" and weights is None:
             raise ValueError("async mode needs `weights`: the generator's own mesh and WeightSync")
@@ -221,11 +227,14 @@ class Controller:
         )
         self.source, self.tokenizer, self.io, self.reward = source, tokenizer, io, reward
         self.ref_params, self.weights = ref_params, weights
+        self.learning_rate = learning_rate
         self.eval_sampler = eval_sampler or generator.sampler
         # Async mode in a job of several processes: the two threads' device work takes turns.
         self.in_turns = config.mode == "async" and jax.process_count() > 1
         self.eval_items = source.eval_items(config.eval_size) if config.eval_size else []
-        self.eval_ids = encode_prompts(tokenizer, self.eval_items, chat_formatted=False)
+        # Chat-formatted prompts (math_jsonl) carry their special tokens already.
+        self.chat_formatted = getattr(source, "chat_formatted", False)
+        self.eval_ids = encode_prompts(tokenizer, self.eval_items, self.chat_formatted)
 
     def evaluate(self, params) -> dict:
         c = self.config
@@ -249,7 +258,7 @@ class Controller:
         task's stream."""
         n = self.config.num_prompts * self.config.oversample
         items = [self.source.item(batch_index * n + j) for j in range(n)]
-        return items, encode_prompts(self.tokenizer, items, chat_formatted=False)
+        return items, encode_prompts(self.tokenizer, items, self.chat_formatted)
 
     def score(self, generated) -> tuple[list, dict]:
         """Rewards of a generated batch, and the `num_prompts` groups the trainer gets."""
@@ -302,7 +311,7 @@ class Controller:
                 "time/step_s": t2 - t0,
                 "throughput/tokens_per_s": tokens / (t2 - t0),
                 "data/prompts_seen": float(step * c.num_prompts * c.oversample),
-            }
+            } | self._learning_rate(step)
             if step % c.eval_every_steps == 0 or step == c.total_steps:
                 metrics |= self.evaluate(state.params)
             headline = {"reward": f"{metrics['reward/mean']:.3f}"}
@@ -313,6 +322,12 @@ class Controller:
             self.io.after_step(step)
         jax.block_until_ready(state.params)
         return state
+
+    def _learning_rate(self, step: int) -> dict[str, float]:
+        """The rate of the update that made `step` (updates count from 0)."""
+        if self.learning_rate is None:
+            return {}
+        return {"learning_rate": float(self.learning_rate(step - 1))}
 
     def extra(self, step: int) -> dict:
         return {
@@ -370,7 +385,7 @@ class Controller:
                     "async/generator_version": float(batch.policy_version),
                     "async/staleness": float(staleness),
                     "async/queue_depth": float(depth),
-                }
+                } | self._learning_rate(step)
                 metrics |= _queue_metrics(queue.stats)
                 headline = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"}
                 if "eval/accuracy" in metrics:

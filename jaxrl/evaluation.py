@@ -32,6 +32,11 @@ def _score(sampler, params, tokenizer, reward, items, prompt_ids, sampling, key,
     return np.concatenate(scores)
 
 
+def accuracy_key(temperature: float) -> str:
+    """The metric name of sampled accuracy at `temperature`: "eval/accuracy_t1" at 1."""
+    return f"eval/accuracy_t{temperature:g}"
+
+
 def evaluate(
     sampler: Sampler,
     params,
@@ -48,9 +53,10 @@ def evaluate(
 ) -> dict[str, float]:
     """Metrics on a fixed held-out set (a reward > 0.5 counts as correct).
 
-    eval/accuracy: greedy decoding. eval/accuracy_t1: mean correctness of `samples` draws at
-    `temperature`. eval/pass@k: fraction of prompts with at least one correct draw among
-    `samples` (k = samples; with n = k draws the unbiased estimator is exactly this).
+    eval/accuracy: greedy decoding. eval/accuracy_t1 (`accuracy_key`: eval/accuracy_t0.7 at
+    temperature 0.7): mean correctness of `samples` draws at `temperature`. eval/pass_at_k:
+    fraction of prompts with at least one correct draw among `samples` (k = samples; with n = k
+    draws the unbiased estimator is exactly this).
     """
     start = time.perf_counter()
     key = jax.random.fold_in(jax.random.key(seed), _EVAL_STREAM)
@@ -81,8 +87,10 @@ def evaluate(
             batch_size,
         ).reshape(len(items), samples)
         correct = sampled > 0.5
-        metrics["eval/accuracy_t1"] = float(correct.mean())
-        metrics[f"eval/pass@{samples}"] = float(correct.any(axis=1).mean())
+        metrics[accuracy_key(temperature)] = float(correct.mean())
+        # "pass_at_k", not "pass@k": TensorBoard tags allow [-/\w.] only (it would show
+        # "pass_4"), and the JSON lines and TensorBoard use the same names.
+        metrics[f"eval/pass_at_{samples}"] = float(correct.any(axis=1).mean())
     metrics["eval/num_prompts"] = float(len(items))
     metrics["time/eval_s"] = time.perf_counter() - start
     return metrics

@@ -64,14 +64,23 @@ class RunIO:
         self.metrics = MetricsWriter(workdir)
         self.bar = None
         self._start = time.perf_counter()
+        self._start_step = 0
         self._saved_step: int | None = None
         preemption.install()
 
     def restore(self, abstract_state: TrainState) -> tuple[TrainState, dict] | None:
-        """The newest finished checkpoint of this run, or None."""
+        """The newest finished checkpoint of this run, or None.
+
+        Either way the metrics the interrupted run logged after that checkpoint (all of them
+        when there is none) are dropped first: those steps run again, and each step keeps one
+        line in metrics.jsonl and one TensorBoard point (issue 25: a resumed run appended its
+        redone steps a second time).
+        """
         if self.ckpt.latest_step() is None:
+            self.metrics.discard_after(-1)
             return None
         restored = self.ckpt.restore(abstract_target=state_tree(abstract_state))
+        self.metrics.discard_after(int(restored.step))
         if self.metrics.is_writer:
             print(f"[{self.desc}] resuming {self.workdir} from step {restored.step}", flush=True)
         return tree_to_state(restored.state), restored.extra
@@ -82,6 +91,7 @@ class RunIO:
     def start(self, step: int) -> None:
         self.bar = progress_bar(self.total_steps, initial_step=step, desc=self.desc)
         self._start = time.perf_counter()
+        self._start_step = step
 
     def log(self, step: int, metrics: dict[str, Any], headline: dict[str, str]) -> dict:
         """Writes `metrics` for `step`; raises NonFiniteLossError naming the step if the loss or
@@ -110,10 +120,21 @@ class RunIO:
                 elapsed = time.perf_counter() - self._start
                 text = " ".join(f"{k}={v}" for k, v in headline.items())
                 print(
-                    f"[{self.desc}] step {step}/{self.total_steps} {text} ({elapsed:.0f}s)",
+                    f"[{self.desc}] step {step}/{self.total_steps} {text} "
+                    f"({elapsed:.0f}s{self._pace(step, elapsed)})",
                     flush=True,
                 )
         return written
+
+    def _pace(self, step: int, elapsed: float) -> str:
+        """`, 0.25 s/step, ETA 1m40s`: the mean over the steps this launch ran (compilation
+        included), empty before the first."""
+        done = step - self._start_step
+        if done < 1:
+            return ""
+        per_step = elapsed / done
+        eta = round(per_step * (self.total_steps - step))
+        return f", {per_step:.3g} s/step, ETA {eta // 60}m{eta % 60:02d}s"
 
     def save_due(self, step: int, force: bool = False) -> bool:
         """Whether `save` writes `step`: its schedule, `force` (the final step; unless
@@ -135,11 +156,14 @@ class RunIO:
             preemption.stop(step, self.ckpt.directory)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self.ckpt.wait_until_finished()
-        self.ckpt.close()
-        self.metrics.close()
+        try:
+            if self.bar is not None:
+                self.bar.close()
+            self.ckpt.wait_until_finished()
+            self.ckpt.close()
+            self.metrics.close()
+        finally:
+            preemption.uninstall()
 
 
 def host_rss_mb() -> float:

@@ -38,7 +38,8 @@ class SFTConfig:
     """The supervised warm start: `steps` AdamW steps on batches of `batch_size` demonstrations
     (padded to `seq_len` tokens), evaluated greedily on `eval_size` held-out problems.
     `num_demonstrations` > 0 limits the demonstrations to a pool of that many worked problems,
-    cycled (a scarce-data warm start); 0 draws fresh ones from the task's unlimited stream."""
+    cycled (a scarce-data warm start); 0 draws fresh ones from the task's unlimited stream.
+    Without a terminal, a progress line every `log_every_steps` steps."""
 
     steps: int = 300
     batch_size: int = 64
@@ -54,6 +55,7 @@ class SFTConfig:
     keep_last_n: int = 2
     seed: int = 0
     num_demonstrations: int = 0
+    log_every_steps: int = 50
 
     def validate(self) -> None:
         if self.num_demonstrations < 0:
@@ -61,7 +63,14 @@ class SFTConfig:
                 f"SFTConfig.num_demonstrations={self.num_demonstrations}: use 0 (an unlimited "
                 "stream of demonstrations) or a positive pool size"
             )
-        for name in ("steps", "batch_size", "seq_len", "eval_every_steps", "save_every_steps"):
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "eval_every_steps",
+            "save_every_steps",
+            "log_every_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -89,7 +98,8 @@ def run_sft(
     """Trains (or resumes, or finds finished) the SFT stage in `workdir`; returns its params."""
     tokenizer = build_tokenizer(policy, task)
     model_config = build_model_config(policy, tokenizer)
-    source = build_source(task, tokenizer)
+    room = model_config.max_position_embeddings - config.max_new_tokens
+    source = build_source(task, tokenizer, max_prompt_tokens=room)
     mesh = make_mesh(mesh_config)
     optimizer = config.optimizer.make(config.steps)
     trainer = Trainer(
@@ -106,6 +116,7 @@ def run_sft(
         save_every_steps=config.save_every_steps,
         keep_last_n=config.keep_last_n,
         desc="sft",
+        log_every_steps=config.log_every_steps,
     )
     try:
         restored = io.restore(trainer.abstract_state())
@@ -128,7 +139,7 @@ def run_sft(
 
         sampler = colocated_sampler(trainer, tokenizer)
         eval_items = source.eval_items(config.eval_size)
-        eval_ids = encode_prompts(tokenizer, eval_items, chat_formatted=False)
+        eval_ids = encode_prompts(tokenizer, eval_items, getattr(source, "chat_formatted", False))
 
         def run_eval(params) -> dict:
             return evaluate(

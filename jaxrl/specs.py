@@ -10,9 +10,12 @@ import os
 
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
+from jaxrl.models.config import _DTYPES as MODEL_DTYPES
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.tasks.arithmetic import ArithmeticTask
+from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION
+from jaxrl.tasks.rewards import get_reward
 from jaxrl.tasks.source import PromptSource, get_task
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 
@@ -78,6 +81,11 @@ class PolicySpec:
             raise ValueError(
                 f"remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}"
             )
+        for name in ("param_dtype", "dtype"):  # checked here, before the workdir is made
+            if getattr(self, name) not in MODEL_DTYPES:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}; choose one of {sorted(MODEL_DTYPES)}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +100,7 @@ class TaskSpec:
       `reward_name`.
     The other fields are read by the built-in tasks; a user task's factory gets this TaskSpec and
     may read `seed` (its own settings are best bound in gin on the factory itself).
+    instruction (math_jsonl): appended to each question in the user turn; "" = none.
     """
 
     name: str = "arithmetic"
@@ -102,6 +111,7 @@ class TaskSpec:
     eval_path: str = ""
     reward: str = ""
     seed: int = 0
+    instruction: str = DEFAULT_INSTRUCTION
 
     def validate(self) -> None:
         try:
@@ -117,6 +127,11 @@ class TaskSpec:
             ArithmeticTask(
                 min_digits=self.min_digits, max_digits=self.max_digits, operators=self.operators
             )
+        if self.reward:  # a reward that cannot be imported fails now, not after the SFT stage
+            try:
+                get_reward(self.reward)
+            except (KeyError, TypeError) as e:
+                raise ValueError(str(e).strip("\"'")) from None
 
 
 def build_tokenizer(policy: PolicySpec, task: TaskSpec):
@@ -126,8 +141,9 @@ def build_tokenizer(policy: PolicySpec, task: TaskSpec):
         if os.path.isdir(os.path.join(policy.init_from, "model")):  # a run's workdir
             tokenizer_dir = os.path.join(policy.init_from, "model")
         return hf.load_tokenizer(tokenizer_dir)
-    if task.name == "math_jsonl":
-        raise ValueError("a math_jsonl task needs policy.init_from (a model with a tokenizer)")
+    # A preset trained from scratch uses the offline character tokenizer, whatever the task: on
+    # math_jsonl it spells lowercase text, digits and punctuation (a pipeline check on a tiny
+    # file, configs/rl/gsm8k_tiny.gin); real GSM8K / MATH runs start from a model (init_from).
     return build_arithmetic_tokenizer()
 
 
@@ -148,15 +164,30 @@ def build_model_config(policy: PolicySpec, tokenizer) -> ModelConfig:
     return PRESETS[policy.preset](vocab, tokenizer).replace(**overrides)
 
 
-def build_source(task: TaskSpec, tokenizer) -> PromptSource:
-    """The task's prompt source, built by its registered factory (see `TaskSpec.name`)."""
-    source = get_task(task.name)(task, tokenizer)
+def build_source(task: TaskSpec, tokenizer, max_prompt_tokens: int | None = None) -> PromptSource:
+    """The task's prompt source, built by its registered factory (see `TaskSpec.name`).
+    `max_prompt_tokens` (the model's context minus the tokens to generate) goes to factories
+    that take it (math_jsonl: problems whose prompt is longer are left out, with a count)."""
+    factory = get_task(task.name)
+    kwargs = {}
+    if max_prompt_tokens is not None and "max_prompt_tokens" in _parameters(factory):
+        kwargs["max_prompt_tokens"] = max_prompt_tokens
+    source = factory(task, tokenizer, **kwargs)
     if not isinstance(source, PromptSource):
         raise TypeError(
             f"task {task.name!r} built a {type(source).__name__}, which lacks the PromptSource "
             "methods item(index) -> PromptItem and eval_items(limit) -> list[PromptItem]"
         )
     return source
+
+
+def _parameters(fn) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def reward_name(task: TaskSpec, source) -> str:

@@ -3,13 +3,16 @@
     python -m launch.eval --workdir=runs/arith_sync [--step=N]
     python -m launch.eval --hf_dir=exported/ --task=arithmetic --eval_size=512 --samples=8
 
-Prints one JSON line of metrics (eval/accuracy, eval/accuracy_t1, eval/pass@k).
+A run is evaluated on its own task and settings (read from WORKDIR/config.gin). Prints one JSON
+line of metrics (eval/accuracy, eval/accuracy_t<temperature>, eval/pass_at_k).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 
 from jaxrl import workdir as run_dir
@@ -20,49 +23,121 @@ from jaxrl.specs import TaskSpec, build_source, reward_name
 from jaxrl.tasks.source import encode_prompts
 
 
+def run_settings(workdir: str) -> tuple[TaskSpec, dict]:
+    """The task and the evaluation settings of the run in `workdir`, from its config.gin: an RL
+    run's RLConfig (eval_size, eval_samples, max_new_tokens, temperature, seed), an SFT run's
+    SFTConfig (at temperature 1). A run trained on another task (operators, task seed, jsonl
+    files, reward) is so evaluated on its own held-out split."""
+    import gin
+
+    from jaxrl.infra.config import CONFIG_FILE, parse_gin, resolve_bindings
+
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise SystemExit(f"--workdir {workdir}: no {CONFIG_FILE}, so not a run's workdir")
+    text = open(path, encoding="utf-8").read()
+    if "rl_main." in text:
+        from launch.rl import rl_main as launch_fn
+    else:
+        from launch.sft import sft_main as launch_fn
+    try:
+        parse_gin([path], [])
+        kwargs = resolve_bindings(launch_fn)
+    finally:
+        gin.clear_config()
+    stage = kwargs["rl"] if "rl" in kwargs else kwargs["sft"]
+    settings = {
+        "eval_size": stage.eval_size,
+        "samples": stage.eval_samples,
+        "max_new_tokens": stage.max_new_tokens,
+        "temperature": getattr(stage, "temperature", 1.0),
+        "seed": stage.seed,
+    }
+    return kwargs["task"], settings
+
+
+# Flags that default to the run's settings (--workdir) or to these (--hf_dir).
+DEFAULTS = {"eval_size": 512, "samples": 4, "temperature": 1.0, "max_new_tokens": 6, "seed": 0}
+TASK_FLAGS = {  # flag -> TaskSpec field
+    "task": "name",
+    "min_digits": "min_digits",
+    "max_digits": "max_digits",
+    "operators": "operators",
+    "task_seed": "seed",
+    "eval_path": "eval_path",
+    "reward": "reward",
+}
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="With --workdir every unset flag takes the run's own value (its TaskSpec and its "
+        "RLConfig / SFTConfig evaluation settings, read from WORKDIR/config.gin); a flag that "
+        "differs from the run's is used, with a note. With --hf_dir the task defaults are "
+        f"TaskSpec's ({TaskSpec()}) and the others {DEFAULTS}.",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", help="a jaxrl run (newest checkpoint unless --step)")
     source.add_argument("--hf_dir", help="a save_pretrained directory")
     p.add_argument("--step", type=int, default=None)
-    p.add_argument("--task", default="arithmetic", choices=("arithmetic", "math_jsonl"))
-    p.add_argument("--eval_path", default="", help="jsonl of held-out problems (math_jsonl)")
-    p.add_argument("--min_digits", type=int, default=1)
-    p.add_argument("--max_digits", type=int, default=2)
-    p.add_argument("--eval_size", type=int, default=512)
-    p.add_argument("--samples", type=int, default=4, help="k of pass@k (draws at temperature)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max_new_tokens", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", default=None, choices=("arithmetic", "math_jsonl"))
+    p.add_argument("--eval_path", default=None, help="jsonl of held-out problems (math_jsonl)")
+    p.add_argument("--min_digits", type=int, default=None)
+    p.add_argument("--max_digits", type=int, default=None)
+    p.add_argument("--operators", default=None, help="arithmetic operators, e.g. '+-'")
+    p.add_argument("--task_seed", type=int, default=None, help="the task's seed (its split)")
+    p.add_argument("--reward", default=None, help="reward name (default: the task's own)")
+    p.add_argument("--eval_size", type=int, default=None)
+    p.add_argument("--samples", type=int, default=None, help="k of pass@k (draws at temperature)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--max_new_tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
     args = p.parse_args(argv)
 
     if args.workdir:
+        task, settings = run_settings(args.workdir)
         step, model, tokenizer = run_dir.load_policy(args.workdir, step=args.step)
     else:
+        task, settings = TaskSpec(), dict(DEFAULTS)
         step, model, tokenizer = None, hf.load_model(args.hf_dir), hf.load_tokenizer(args.hf_dir)
-    task = TaskSpec(
-        name=args.task,
-        min_digits=args.min_digits,
-        max_digits=args.max_digits,
-        train_path=args.eval_path,
-        eval_path=args.eval_path,
-    )
+    overrides = {}
+    for flag, field in TASK_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None and value != getattr(task, field):
+            overrides[field] = value
+            if args.workdir:
+                _note(f"--{flag}={value!r}; the run used TaskSpec.{field}={getattr(task, field)!r}")
+    task = dataclasses.replace(task, **overrides)
+    if task.name == "math_jsonl" and not task.train_path:
+        task = dataclasses.replace(task, train_path=task.eval_path)
+    for flag in DEFAULTS:
+        value = getattr(args, flag)
+        if value is not None and value != settings[flag]:
+            if args.workdir:
+                _note(f"--{flag}={value!r}; the run evaluated with {flag}={settings[flag]!r}")
+            settings[flag] = value
     task.validate()
-    source = build_source(task, tokenizer)
-    items = source.eval_items(args.eval_size)
+    # The prompts that fit the context, as in the run (jsonl problems that do not are left out).
+    room = model.config.max_position_embeddings - settings["max_new_tokens"]
+    source = build_source(task, tokenizer, max_prompt_tokens=room)
+    items = source.eval_items(settings["eval_size"])
     if not items:
         raise SystemExit("no evaluation problems: pass --eval_path for a math_jsonl task")
-    ids = encode_prompts(tokenizer, items, chat_formatted=args.task == "math_jsonl")
+    ids = encode_prompts(tokenizer, items, getattr(source, "chat_formatted", False))
     sampler, params = Sampler.for_model(model, pad_id=tokenizer.pad_token_id)
     metrics = evaluate(
         sampler, params, tokenizer, reward_name(task, source), items, ids,
-        max_new_tokens=args.max_new_tokens, samples=args.samples,
-        temperature=args.temperature, seed=args.seed,
-    )
+        max_new_tokens=settings["max_new_tokens"], samples=settings["samples"],
+        temperature=settings["temperature"], seed=settings["seed"],
+    )  # fmt: skip
     metrics = {"step": step, **{k: round(v, 4) for k, v in metrics.items()}}
     print(json.dumps(metrics))
     return 0
+
+
+def _note(text: str) -> None:
+    print(f"[eval] note: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

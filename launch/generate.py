@@ -12,6 +12,7 @@ On several devices `--tp` / `--dp` lay the model out tensor-parallel with data-p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -23,9 +24,9 @@ from jaxrl.generation.sampling import SamplingConfig
 
 
 def read_prompts(path: str) -> list[str]:
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    stream = contextlib.nullcontext(sys.stdin) if path == "-" else open(path, encoding="utf-8")
     prompts = []
-    with stream:
+    with stream as stream:
         for number, line in enumerate(stream, start=1):
             line = line.rstrip("\n")
             if path.endswith(".jsonl"):
@@ -80,16 +81,58 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     if chat_template:
         if not tokenizer.chat_template:
             raise ValueError("--chat_template: this tokenizer has no chat template")
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
+        # Rendered as text, then encoded without adding special tokens (the template writes
+        # them): `tokenize=True` returns a list in transformers 4 but a BatchEncoding in 5.
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
+        return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt)
 
 
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def completion_budget(requested: int | None, context: int, longest: int, truncate: bool) -> int:
+    """Tokens to generate per prompt: `requested`, or by default up to 64 within the room the
+    longest prompt leaves in the model's context (with --truncate, at most half the context,
+    so a long prompt keeps its last tokens)."""
+    if requested is not None:
+        if truncate and requested >= context:
+            raise ValueError(
+                f"--max_new_tokens={requested} leaves no room for a prompt in the model's "
+                f"context of {context} tokens; lower it (at most {context - 1})"
+            )
+        return requested
+    room = context - longest
+    if room < 1:
+        if not truncate:
+            raise ValueError(
+                f"the longest prompt has {longest} tokens, which fills the model's context of "
+                f"{context} tokens; shorten it, or pass --truncate (keeps its last tokens)"
+            )
+        room = max(context // 2, 1)
+    return min(DEFAULT_MAX_NEW_TOKENS, room)
+
+
+def sampling_help() -> str:
+    """The sampling fields the flags set (`SamplingConfig`), for --help."""
+    import dataclasses
+
+    fields = ", ".join(
+        f"{f.name}={f.default!r}"
+        for f in dataclasses.fields(SamplingConfig)
+        if f.default is not dataclasses.MISSING
+    )
+    return f"The flags fill jaxrl.generation.sampling.SamplingConfig (defaults: {fields})."
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Sample completions with the KV-cache sampler.")
+    p = argparse.ArgumentParser(
+        description="Sample completions with the KV-cache sampler.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=sampling_help(),
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf_dir", help="a save_pretrained directory (safetensors)")
     source.add_argument("--workdir", help="a jaxrl run's workdir (newest checkpoint)")
@@ -100,7 +143,13 @@ def main(argv=None) -> int:
     p.add_argument("--top_k", type=int, default=0)
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=None,
+        help="tokens to generate per prompt (default: 64, or less when the longest prompt "
+        "leaves less room in the model's context)",
+    )
     p.add_argument("--batch_size", type=int, default=32, help="prompts per generate call")
     p.add_argument("--chat_template", action="store_true", help="wrap prompts as a user turn")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of long prompts")
@@ -108,13 +157,6 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     args = p.parse_args(argv)
 
-    sampling = SamplingConfig(
-        max_new_tokens=args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-    )
     prompts = read_prompts(args.prompts)
     model, tokenizer, mesh, rules = load(args)
     sampler, params = Sampler.for_model(
@@ -123,14 +165,36 @@ def main(argv=None) -> int:
         mesh=mesh,
         rules=rules,
     )
+    ids_all = [encode(tokenizer, q, args.chat_template) for q in prompts]
+    max_new_tokens = completion_budget(
+        args.max_new_tokens, sampler.max_total_len, max(map(len, ids_all)), args.truncate
+    )
+    if args.max_new_tokens is None and max_new_tokens < DEFAULT_MAX_NEW_TOKENS:
+        print(
+            f"max_new_tokens={max_new_tokens}: the room the longest prompt leaves in the "
+            f"model's context of {sampler.max_total_len} tokens",
+            file=sys.stderr,
+        )
+    sampling = SamplingConfig(
+        max_new_tokens=max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
     stop_ids = set(sampler.eos_ids) | set(sampling.stop_ids)
     key = jax.random.key(args.seed)
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    # Standard output is written to, never closed (a caller in the same process keeps it).
+    out = (
+        contextlib.nullcontext(sys.stdout)
+        if args.output == "-"
+        else open(args.output, "w", encoding="utf-8")
+    )
     start, total_tokens = time.perf_counter(), 0
-    with out:
+    with out as out:
         for first in range(0, len(prompts), args.batch_size):
             batch = prompts[first : first + args.batch_size]
-            ids = [encode(tokenizer, q, args.chat_template) for q in batch]
+            ids = ids_all[first : first + args.batch_size]
             result = sampler.generate(
                 params, ids, sampling, jax.random.fold_in(key, first), truncate=args.truncate
             )

@@ -121,7 +121,9 @@ def rl_main(
         )
     tokenizer = build_tokenizer(policy, task)
     model_config = build_model_config(policy, tokenizer)
-    source = build_source(task, tokenizer)
+    source = build_source(
+        task, tokenizer, max_prompt_tokens=model_config.max_position_embeddings - rl.max_new_tokens
+    )
     reward = reward_name(task, source)
     if sft is not None and not policy.init_from:
         # After the SFT warm start, RL reads the stream after the items SFT trained on, without
@@ -152,6 +154,10 @@ def rl_main(
         )
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
     trainer_mesh = make_mesh(mesh)
+    # Placement is checked before any work (the SFT stage used to run first, then this failed).
+    gen_mesh = make_mesh(generator_mesh) if generator_mesh is not None else None
+    if gen_mesh is not None:
+        check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
     trainer = Trainer(
         model_config,
         trainer_mesh,
@@ -187,8 +193,6 @@ def rl_main(
         if generator_mesh is None:
             sampler = colocated_sampler(trainer, tokenizer)
         else:
-            gen_mesh = make_mesh(generator_mesh)
-            check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
             sampler = mesh_sampler(trainer, tokenizer, gen_mesh, GENERATOR_RULES)
             sync = make_weight_sync(
                 trainer.param_shardings,
@@ -214,6 +218,7 @@ def rl_main(
             ref_params=ref_params,
             weights=weights,
             eval_sampler=colocated_sampler(trainer, tokenizer) if weights else None,
+            learning_rate=optimizer.schedule_fn(rl.total_steps),
         )
         try:
             state = controller.run(state, extra)

@@ -348,6 +348,7 @@ def run_training(
         if ckpt.latest_step() is not None:
             restored = ckpt.restore(abstract_target=state_tree(state))
             state = _tree_to_state(restored.state, state)
+            writer.discard_after(restored.step)  # the steps after it run again: one line each
             if restored.step < config.steps:
                 print(f"[{desc}] resuming {run_dir} from step {restored.step}", flush=True)
         start = int(state.step)
@@ -371,7 +372,7 @@ def run_training(
             if faults.wants_kill_in_save(done):
                 # The previous (async) save must commit first: the fault belongs to this save.
                 ckpt.wait_until_finished()
-            stopping = preemption.requested()  # SIGTERM: save this step, then stop
+            stopping = preemption.requested()  # SIGTERM / Ctrl-C: save this step, then stop
             force = done == config.steps or stopping
             if force or ckpt.should_save(done):  # never checkpoint a non-finite state
                 _check_finite(float(metrics["loss/total"]), done, ckpt, desc)
@@ -387,6 +388,8 @@ def run_training(
             bar.close()
         ckpt.close()
         writer.close()
+        # No preemption.uninstall(): the handlers stay for the study's later stages, so a
+        # signal between two trainings (e.g. while teacher logits are cached) is still honoured.
     return state
 
 

@@ -101,7 +101,7 @@ def test_sync_rl_runs_end_to_end_on_a_2x2_mesh(tmp_path, capsys):
     assert eval_launch.main([f"--workdir={tmp_path / 'run'}", "--eval_size=8", "--samples=2"]) == 0
     evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert evaluated["step"] == 4 and 0 <= evaluated["eval/accuracy"] <= 1
-    assert "eval/pass@2" in evaluated
+    assert "eval/pass_at_2" in evaluated
 
 
 RESUME = [

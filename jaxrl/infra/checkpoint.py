@@ -253,6 +253,10 @@ def use_coordination_barriers() -> None:
     flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name].value = True
 
 
+def _drop_read_only_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints in `directory` (one writer; readers read_only).
 
@@ -280,9 +284,18 @@ class Checkpointer:
             use_coordination_barriers()
             if not read_only:
                 _barrier("init")
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=_manager_options(config, read_only), item_handlers=_handlers()
-        )
+        # A reader (eval, generate, export) is read only by design: Orbax's warning that says
+        # so ("Given directory is read only") is noise there.
+        absl_logger = logging.getLogger("absl")
+        absl_logger.addFilter(_drop_read_only_notice)
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=_manager_options(config, read_only),
+                item_handlers=_handlers(),
+            )
+        finally:
+            absl_logger.removeFilter(_drop_read_only_notice)
         self._closed = False
         atexit.register(self.close)
 

@@ -71,9 +71,16 @@ class LaunchFlags:
     overwrite: bool = False
 
 
-def parse_flags(argv: Sequence[str] | None = None, description: str | None = None) -> LaunchFlags:
-    """Parses --gin_file (repeatable), --gin_param (repeatable), --workdir, --overwrite."""
-    parser = argparse.ArgumentParser(description=description)
+def parse_flags(
+    argv: Sequence[str] | None = None, description: str | None = None, epilog: str | None = None
+) -> LaunchFlags:
+    """Parses --gin_file (repeatable), --gin_param (repeatable), --workdir, --overwrite.
+    `epilog` ends --help (`launch` puts the configurable classes there, `config_help`)."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--workdir", required=True, help="Run directory: checkpoints, metrics.")
     parser.add_argument("--gin_file", action="append", default=[], help="Gin file (repeatable).")
     parser.add_argument(
@@ -103,6 +110,8 @@ def parse_flags(argv: Sequence[str] | None = None, description: str | None = Non
 def _type_name(annotation: Any) -> str:
     if annotation is type(None):
         return "None"
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
@@ -279,7 +288,13 @@ def parse_gin(
     files = [str(Path(f).resolve()) if Path(f).exists() else f for f in gin_files]
     try:
         with contextlib.chdir(roots[0]) if roots else contextlib.nullcontext():
-            gin.parse_config_files_and_bindings(files, list(gin_params))
+            gin.parse_config_files_and_bindings(files, None, finalize_config=False)
+            # Scopes the files reference stay known when a --gin_param replaces the reference
+            # (`rl_main.generator_mesh = None` leaves the file's generator/ bindings unused).
+            _FILE_SCOPES.clear()
+            for bindings in gin.config._CONFIG.values():
+                _scopes_referenced(bindings, _FILE_SCOPES)
+            gin.parse_config_files_and_bindings([], list(gin_params))
     except ImportError as err:  # `import my_module` in a gin file
         raise ConfigError(
             f"gin: {err}; a module a gin file imports must be importable: put its directory on "
@@ -287,6 +302,53 @@ def parse_gin(
         ) from err
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
+
+
+# Scopes referenced by the gin files of the last `parse_gin` (before its --gin_param bindings).
+_FILE_SCOPES: set[str] = set()
+
+
+def _scopes_referenced(value: Any, found: set[str]) -> None:
+    """Adds the scope components of every `@scope/Name` reference inside `value`."""
+    if isinstance(value, gin.config.ConfigurableReference):
+        scope = value.config_key[0]
+        found.update(c for c in scope.split("/") if c)
+    elif isinstance(value, list | tuple | set):
+        for item in value:
+            _scopes_referenced(item, found)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _scopes_referenced(item, found)
+
+
+def _check_scopes() -> None:
+    """A binding under a scope no reference uses (`sfts/OptimizerConfig.learning_rate`, a typo of
+    `sft/`) would be written to config.gin and never applied: refuse it, naming it.
+
+    A scope is in use when a reference `@scope/Name()` (or a nested `@a/scope/Name()`) names it,
+    in the config or in its gin files before the --gin_param bindings (which may replace a
+    reference: its scope then stays known); gin applies `scope/Name.field` only to calls made
+    inside that scope. Macros (`gin.macro`)
+    are stored by gin as scoped bindings too, and are left alone.
+    """
+    config = gin.config._CONFIG  # gin has no public listing of the scoped bindings
+    used: set[str] = set(_FILE_SCOPES)
+    for bindings in config.values():
+        _scopes_referenced(bindings, used)
+    for (scope, selector), bindings in config.items():
+        if not scope or selector.startswith("gin."):
+            continue
+        unused = [c for c in scope.split("/") if c not in used]
+        if not unused:
+            continue
+        name = selector.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(unused[0], sorted(used), n=3)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        field = next(iter(bindings), "<field>")
+        raise ConfigError(
+            f"gin binding `{scope}/{name}.{field}`: no reference uses the scope {unused[0]!r} "
+            f"(scopes in use: {sorted(used) or 'none'}), so the binding would be ignored.{hint}"
+        )
 
 
 def _check_registered_bindings() -> None:
@@ -309,6 +371,7 @@ def resolve_bindings(launch_fn: Callable, skip: Sequence[str] = ("workdir",)) ->
     """
     name = _launch_name(launch_fn)
     try:
+        _check_scopes()
         _check_registered_bindings()
         kwargs = gin.get_bindings(launch_fn)
     except ConfigError:
@@ -329,6 +392,90 @@ def resolve_bindings(launch_fn: Callable, skip: Sequence[str] = ("workdir",)) ->
                 f"`{name}.{param.name} = @...()` to a gin file or --gin_param."
             )
     return kwargs
+
+
+# --help and hints ----------------------------------------------------------------------------
+
+
+def _config_classes(annotation: Any) -> list[type]:
+    """The registered config dataclasses an annotation names (through unions / Optional)."""
+    if annotation in _CONFIGS.values():
+        return [annotation]
+    return [c for arg in typing.get_args(annotation) for c in _config_classes(arg)]
+
+
+def _show(value: Any) -> str:
+    if value is gin.REQUIRED or value is inspect.Parameter.empty:
+        return "(required)"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = ", ".join(  # the fields that differ from the class defaults
+            f"{f.name}={getattr(value, f.name)!r}"
+            for f in dataclasses.fields(value)
+            if f.default is dataclasses.MISSING or getattr(value, f.name) != f.default
+        )
+        return f"= {type(value).__name__}({changed})"
+    return f"= {value!r}"
+
+
+def _summary(cls: type) -> str:
+    """The first sentence of a class's docstring, on one line."""
+    paragraph = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+    return paragraph.split(". ")[0].rstrip(".") + "." if paragraph else ""
+
+
+def config_help(launch_fn: Callable, skip: Sequence[str] = ("workdir",)) -> str:
+    """What --help shows after the flags: the launch function's gin-bound arguments, then every
+    config class they take (nested ones too) with each field's type and default."""
+    name = _launch_name(launch_fn)
+    hints = typing.get_type_hints(launch_fn)
+    lines = [
+        "gin-configurable (bind in a --gin_file, or --gin_param='Class.field = value'):",
+        "",
+    ]
+    classes: list[type] = []
+    for param in inspect.signature(launch_fn).parameters.values():
+        if param.name in skip:
+            continue
+        annotation = hints.get(param.name, Any)
+        lines.append(f"  {name}.{param.name}: {_type_name(annotation)} {_show(param.default)}")
+        classes += [c for c in _config_classes(annotation) if c not in classes]
+    for cls in classes:  # grows while iterating: nested configs (SFTConfig.optimizer) append
+        lines += ["", f"{cls.__name__}: {_summary(cls)}"]
+        for field, annotation in _field_types(cls).items():
+            f = next(f for f in dataclasses.fields(cls) if f.name == field)
+            default = f.default
+            if f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            shown = "(required)" if default is dataclasses.MISSING else _show(default)
+            lines.append(f"  {field}: {_type_name(annotation)} {shown}")
+            classes += [c for c in _config_classes(annotation) if c not in classes]
+    examples = example_configs(name)
+    if examples:
+        lines += ["", "example configs: " + ", ".join(examples)]
+    return "\n".join(lines)
+
+
+def example_configs(launch_name: str) -> list[str]:
+    """The gin files under ./configs (or the repository's) that bind `launch_name`."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / "configs").is_dir():
+            found = [
+                str(p.relative_to(root))
+                for p in sorted((root / "configs").glob("**/*.gin"))
+                if f"{launch_name}." in p.read_text()
+            ]
+            if found:
+                return found
+    return []
+
+
+def _no_gin_file_hint(launch_fn: Callable) -> str:
+    examples = example_configs(_launch_name(launch_fn))
+    shown = f" e.g. --gin_file={examples[0]} (all: {', '.join(examples)})" if examples else ""
+    return (
+        f"\n  No --gin_file was given: start from a config in configs/,{shown}; --help lists "
+        "every configurable class with its fields and defaults."
+    )
 
 
 # The run directory ---------------------------------------------------------------------------
@@ -426,10 +573,15 @@ def launch(
     `launch_fn` is a `gin.configurable` taking `workdir` and its gin-bound arguments. Config
     errors raise SystemExit with the message (naming the binding) before any device is used.
     """
-    flags = parse_flags(argv, description)
+    flags = parse_flags(argv, description, epilog=config_help(launch_fn))
     try:
         parse_gin(flags.gin_files, flags.gin_params, flags.gin_search_paths)
-        kwargs = resolve_bindings(launch_fn)
+        try:
+            kwargs = resolve_bindings(launch_fn)
+        except ConfigError as err:
+            if not flags.gin_files and "is required but not bound" in str(err):
+                raise ConfigError(f"{err}{_no_gin_file_hint(launch_fn)}") from err
+            raise
         # Only now touch JAX (process_index initialises the backend): configs are known good.
         if jax.process_index() == 0:
             prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite)
@@ -445,3 +597,10 @@ def launch(
     except preemption.StopRequested as stop:
         print(f"[jaxrl] {stop}", flush=True)
         raise SystemExit(0) from None
+    except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal, or twice
+        print(
+            "[jaxrl] interrupted (Ctrl-C) without saving; rerun the same command to resume from "
+            "the last checkpoint.",
+            flush=True,
+        )
+        raise SystemExit(130) from None

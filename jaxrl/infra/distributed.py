@@ -505,9 +505,18 @@ def check_mesh_fits(meshes: Mapping[str, MeshConfig]) -> None:
             problems.append(f"the {role} mesh {axes} uses {where}")
     if problems:
         fit = math.ceil(most / local) if most else processes
+        simulate = ""
+        if jax.default_backend() == "cpu" and processes == 1:
+            # The usual case on a laptop: the configs assume 8 simulated CPU devices.
+            simulate = (
+                f"On a CPU, one process can simulate {most} devices: set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={most} before Python starts "
+                f"(e.g. `export XLA_FLAGS=--xla_force_host_platform_device_count={most}`). "
+                "Otherwise: "
+            )
         raise ProcessLayoutError(
             f"{'; '.join(problems)}, but this job has {processes} process(es) x {local} local "
-            f"devices = {len(devices)} devices. Start {fit} processes "
+            f"devices = {len(devices)} devices. {simulate}Start {fit} processes "
             f"(on one machine: python -m launch.local_cluster --num_processes {fit} "
             f"--devices_per_process {local} -- ...), give each process more devices, or shrink "
             "the meshes."

@@ -5,7 +5,8 @@ Set `JAXRL_FAULT` to one of
   `kill_in_save=N`   SIGKILL inside the checkpoint save of step N, once its temporary directory
                      exists and before it is committed;
   `sigterm_at_step=N` SIGTERM to itself right after step N (the graceful stop of
-                     `jaxrl.infra.preemption`: the run saves a later step and exits 0).
+                     `jaxrl.infra.preemption`: the run saves a later step and exits 0);
+  `sigint_at_step=N` SIGINT (Ctrl-C) to itself right after step N (the same graceful stop).
 A suffix `@P` limits the fault to process P of a multi-process job (`JAXRL_PROCESS_ID`, as set
 by `launch.local_cluster`), e.g. `kill_at_step=3@1`: one process of the job dies, the others
 are then stopped by the job's failure handling. Unset (the default), every hook is a no-op.
@@ -28,12 +29,13 @@ def _fault() -> tuple[str, int] | None:
     fault, _, process = spec.partition("@")
     kind, _, step = fault.partition("=")
     if (
-        kind not in ("kill_at_step", "kill_in_save", "sigterm_at_step")
+        kind not in ("kill_at_step", "kill_in_save", "sigterm_at_step", "sigint_at_step")
         or not step.isdigit()
         or (process and not process.isdigit())
     ):
         raise ValueError(
-            f"{ENV_VAR}={spec!r}; expected kill_at_step=N, kill_in_save=N or sigterm_at_step=N, "
+            f"{ENV_VAR}={spec!r}; expected kill_at_step=N, kill_in_save=N, sigterm_at_step=N or "
+            "sigint_at_step=N, "
             "optionally followed by @P (only process P)"
         )
     if process and int(process) != int(os.environ.get("JAXRL_PROCESS_ID", "0")):
@@ -57,6 +59,8 @@ def after_step(step: int, wait_for_saves=None) -> None:
         _kill()
     if _fault() == ("sigterm_at_step", step):
         os.kill(os.getpid(), signal.SIGTERM)
+    if _fault() == ("sigint_at_step", step):
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def wants_kill_in_save(step: int) -> bool:

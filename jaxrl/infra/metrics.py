@@ -6,13 +6,18 @@ training loop needs no `if process_index == 0`. One JSON object per line:
 Keys are flat and namespaced with "/" (nested dicts are flattened that way), values are plain
 Python numbers (JAX / NumPy scalars are fetched and converted). Non-finite floats are written as
 Python's json writes them (NaN, Infinity), which `json.loads` and pandas read back. The file is
-appended to, so a resumed run continues it; readers keep the last line of a repeated step.
+appended to, so a resumed run continues it; a run that resumes from step s first calls
+`discard_after(s)`, which drops what the interrupted run logged after its checkpoint (from the
+JSON lines and the TensorBoard events alike), so each step has one line and one point.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import struct
 import sys
 import time
 from collections.abc import Mapping
@@ -23,6 +28,7 @@ import jax
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+_TAG_CHARS = re.compile(r"[-/\w.]+")  # what tensorboardX keeps of a tag
 TENSORBOARD_DIR = "tensorboard"
 
 Scalar = int | float | bool
@@ -70,6 +76,7 @@ class MetricsWriter:
         self.workdir = Path(workdir)
         self.is_writer = jax.process_index() == 0
         self.flush_every_writes = flush_every_writes
+        self.tensorboard = tensorboard
         self._writes_since_flush = 0
         self._jsonl = None
         self._tb = None
@@ -89,6 +96,12 @@ class MetricsWriter:
         flat = {k: to_scalar(v, k) for k, v in flatten_metrics(metrics).items()}
         if "step" in flat or "wall_time_s" in flat:
             raise ValueError("metric names 'step' and 'wall_time_s' are reserved.")
+        for name in flat if self.tensorboard else ():  # checked on every process alike
+            if _TAG_CHARS.fullmatch(name) is None:  # TensorBoard would rename it
+                raise ValueError(
+                    f"metric name {name!r}: use letters, digits and '_-/.' only (TensorBoard "
+                    "would show another name than metrics.jsonl)"
+                )
         if not self.is_writer:
             return flat
         record = {"step": int(step), "wall_time_s": round(time.time(), 3), **flat}
@@ -100,6 +113,43 @@ class MetricsWriter:
         if self._writes_since_flush >= self.flush_every_writes:
             self.flush()
         return flat
+
+    def discard_after(self, step: int) -> int:
+        """Drops every record of a step > `step` (the JSON lines and the TensorBoard events), and
+        returns how many JSON lines went.
+
+        A run resumed from the checkpoint of step s calls it with s (a fresh start with -1): the
+        steps the interrupted run logged after that checkpoint are trained again, and appending
+        their new records next to the old ones would give two lines (and two TensorBoard points)
+        per step. A file that changes is rewritten whole and renamed over the old one, so a
+        reader never sees it half written. Call it before the first `write`.
+        """
+        if not self.is_writer:
+            return 0
+        kept, dropped = [], 0
+        if self.jsonl_path.exists():
+            with open(self.jsonl_path, encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    try:
+                        keep = json.loads(line)["step"] <= step
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        keep = False  # half a line from a killed run
+                    if keep:
+                        kept.append(line.rstrip("\n") + "\n")
+                    else:
+                        dropped += 1
+        if dropped:  # our append handle would keep writing to the replaced file: reopen it
+            self._jsonl.close()
+            _replace_file(self.jsonl_path, "".join(kept).encode())
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if self._tb is not None:
+            # The file this writer just opened holds no summary yet, so it is left as it is;
+            # the earlier launches' files are rewritten (they are closed).
+            for path in sorted((self.workdir / TENSORBOARD_DIR).glob("events.out.tfevents.*")):
+                _drop_events_after(path, step)
+        return dropped
 
     def write_histogram(self, step: int, name: str, values: Any) -> None:
         """A histogram (e.g. staleness in policy versions) to TensorBoard only."""
@@ -147,6 +197,43 @@ def _summary_writer():
     finally:
         del sys.modules["torch"]
     return SummaryWriter
+def _replace_file(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def read_event_records(path: str | Path) -> list[bytes]:
+    """The raw records of a TensorBoard event file (TFRecord framing: a little-endian uint64
+    length, its masked CRC32C, the data, the data's masked CRC32C); a torn last record (a
+    killed writer) is left out."""
+    data, records, pos = Path(path).read_bytes(), [], 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        records.append(data[pos:end])
+        pos = end
+    return records
+
+
+def event_of(record: bytes):
+    """The `Event` protobuf inside one raw record of `read_event_records`."""
+    from tensorboardX.proto import event_pb2
+
+    event = event_pb2.Event()
+    event.ParseFromString(record[12:-4])
+    return event
+
+
+def _drop_events_after(path: Path, step: int) -> None:
+    """Rewrites an event file without its summaries of steps > `step` (the records are copied
+    byte for byte, CRCs included; the file-version header has step 0 and stays)."""
+    records = read_event_records(path)
+    kept = [r for r in records if not event_of(r).HasField("summary") or event_of(r).step <= step]
+    if len(kept) != len(records):
+        _replace_file(path, b"".join(kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -337,11 +337,46 @@ def save_hf(model: Transformer, path: str, tokenizer=None, dtype: str | None = N
         ]
         hf_config.save_pretrained(tmp)
         write_safetensors(os.path.join(tmp, SINGLE_FILE), tensors)
+        _save_generation_config(config, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+            _fit_tokenizer_config(tmp, config.max_position_embeddings)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; an export is for others to read
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_generation_config(config: ModelConfig, directory: str) -> None:
+    """`generation_config.json`: the special tokens `transformers.generate` needs (greedy by
+    default, as the model was evaluated)."""
+    import transformers
+
+    eos = config.eos_token_id
+    transformers.GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=list(eos) if isinstance(eos, tuple) else eos,
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(directory)
+
+
+def _fit_tokenizer_config(directory: str, max_positions: int) -> None:
+    """The exported tokenizer pads on the left (a decoder continues the prompt's last token: with
+    right padding, batched `generate` in transformers continues from pad tokens and answers
+    wrongly) and announces the model's context as its `model_max_length`."""
+    import json
+
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        settings = json.load(f)
+    settings["padding_side"] = "left"
+    settings["model_max_length"] = max_positions
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=2, ensure_ascii=False)

@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from jaxrl.tasks.arithmetic import ArithmeticTask, demonstration, encode_demonstrations
-from jaxrl.tasks.math_jsonl import format_prompt, load_math_jsonl
+from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION, format_prompt, load_math_jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +150,7 @@ class ArithmeticSource:
     """The synthetic arithmetic task: `train` items for training, a fixed held-out eval set."""
 
     reward_name = "arithmetic_exact"
+    chat_formatted = False  # prompts are raw text: encoding adds the BOS token
 
     def __init__(self, task: ArithmeticTask):
         self.task = task
@@ -177,33 +178,99 @@ class ArithmeticSource:
 
 class JsonlMathSource:
     """GSM8K / MATH-style jsonl: items cycle through the file in a seeded order per epoch; the
-    eval set is a separate file (or the first `limit` items of it)."""
+    eval set is a separate file (or the first `limit` items of it).
+
+    Prompts are the questions rendered with the tokenizer's chat template (`format_prompt`, with
+    `instruction`; "" = the question alone). `max_prompt_tokens` (the context minus the tokens
+    to generate) drops the problems whose prompt would not fit, up front and counted, rather
+    than failing at the first batch that holds one.
+    """
 
     reward_name = "math_answer"
+    chat_formatted = True  # the chat template writes the special tokens itself
 
-    def __init__(self, train_path: str, eval_path: str | None, tokenizer, seed: int = 0):
-        self.examples = load_math_jsonl(train_path)
+    def __init__(
+        self,
+        train_path: str,
+        eval_path: str | None,
+        tokenizer,
+        seed: int = 0,
+        *,
+        instruction: str | None = DEFAULT_INSTRUCTION,
+        max_prompt_tokens: int | None = None,
+    ):
+        self.tokenizer, self.seed = tokenizer, seed
+        self.instruction = instruction or None
+        self.examples = self._fitting(load_math_jsonl(train_path), train_path, max_prompt_tokens)
         if not self.examples:
             raise ValueError(
-                f"{train_path}: no training problems (the file is empty); give a jsonl file "
-                'with one {"question": ..., "answer": ...} object per line'
+                f"{train_path}: no training problems (the file is empty, or no prompt fits "
+                f"in {max_prompt_tokens} tokens); give a jsonl file with one "
+                '{"question": ..., "answer": ...} object per line'
             )
-        self.eval_examples = load_math_jsonl(eval_path) if eval_path else []
-        self.tokenizer, self.seed = tokenizer, seed
+        self.eval_examples = (
+            self._fitting(load_math_jsonl(eval_path), eval_path, max_prompt_tokens)
+            if eval_path
+            else []
+        )
+
+    def prompt(self, question: str) -> str:
+        return format_prompt(question, self.tokenizer, instruction=self.instruction)
+
+    def _fitting(self, examples, path: str, max_prompt_tokens: int | None) -> list:
+        if max_prompt_tokens is None:
+            return examples
+        fits = [
+            e
+            for e in examples
+            if len(self.tokenizer.encode(self.prompt(e.question), add_special_tokens=False))
+            <= max_prompt_tokens
+        ]
+        if len(fits) < len(examples):
+            print(
+                f"[jaxrl] {path}: {len(examples) - len(fits)} of {len(examples)} problems left "
+                f"out: their prompts exceed {max_prompt_tokens} tokens (the model's context "
+                "minus the tokens to generate)",
+                flush=True,
+            )
+        return fits
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
-    def item(self, index: int) -> PromptItem:
+    def _example(self, index: int):
         epoch, offset = divmod(index, len(self.examples))
-        example = self.examples[int(self._order(epoch)[offset])]
-        return PromptItem(format_prompt(example.question, self.tokenizer), example.reference)
+        return self.examples[int(self._order(epoch)[offset])]
+
+    def item(self, index: int) -> PromptItem:
+        example = self._example(index)
+        return PromptItem(self.prompt(example.question), example.reference)
 
     def eval_items(self, limit: int) -> list[PromptItem]:
         return [
-            PromptItem(format_prompt(e.question, self.tokenizer), e.reference)
-            for e in self.eval_examples[:limit]
+            PromptItem(self.prompt(e.question), e.reference) for e in self.eval_examples[:limit]
         ]
+
+    def demonstrations(self, start: int, count: int, tokenizer, seq_len: int, pool: int = 0):
+        """SFT batch `(tokens_bs, loss_mask_bs)` of items [start, start + count) (with `pool`
+        > 0, of items [0, pool) cycled): the chat prompt, then the worked solution and `<eos>`,
+        right-padded to `seq_len`; the loss mask covers the solution and `<eos>`."""
+        tokens = np.full((count, seq_len), tokenizer.pad_token_id, np.int32)
+        loss_mask = np.zeros((count, seq_len), bool)
+        for row, index in enumerate(range(start, start + count)):
+            example = self._example(index % pool if pool else index)
+            prompt_ids = tokenizer.encode(self.prompt(example.question), add_special_tokens=False)
+            answer_ids = tokenizer.encode(example.solution, add_special_tokens=False)
+            ids = prompt_ids + answer_ids + [tokenizer.eos_token_id]
+            if len(ids) > seq_len:
+                raise ValueError(
+                    f"{example.source}: the demonstration (prompt + solution) has {len(ids)} "
+                    f"tokens > SFTConfig.seq_len={seq_len}; raise seq_len (within the model's "
+                    "context) or shorten the solution"
+                )
+            tokens[row, : len(ids)] = ids
+            loss_mask[row, len(prompt_ids) : len(ids)] = True
+        return tokens, loss_mask
 
 
 def encode_prompts(tokenizer, items: Sequence[PromptItem], chat_formatted: bool) -> list[list[int]]:
@@ -223,10 +290,17 @@ def _arithmetic(spec, tokenizer) -> ArithmeticSource:
     )
 
 
-def _math_jsonl(spec, tokenizer) -> JsonlMathSource:
+def _math_jsonl(spec, tokenizer, max_prompt_tokens: int | None = None) -> JsonlMathSource:
     if not spec.train_path:
         raise ValueError("task math_jsonl needs train_path (a jsonl of question/answer)")
-    return JsonlMathSource(spec.train_path, spec.eval_path or None, tokenizer, seed=spec.seed)
+    return JsonlMathSource(
+        spec.train_path,
+        spec.eval_path or None,
+        tokenizer,
+        seed=spec.seed,
+        instruction=spec.instruction,
+        max_prompt_tokens=max_prompt_tokens,
+    )
 
 
 register_task("arithmetic", _arithmetic)
