@@ -204,6 +204,9 @@ def test_first_rl_batch_after_sft_holds_no_demonstration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rl_launch, "Controller", FirstBatch)
     monkeypatch.setattr(rl_launch, "initial_params", lambda *args: args[5].init_params(0))
+    from launch import plot as plot_module
+
+    monkeypatch.setattr(plot_module, "write_plot", lambda workdir: None)  # the stub logs nothing
     flags = ["--gin_file", os.path.join(REPO, "configs", "rl", "arith_tiny_sync.gin")]
     flags += ["--workdir", str(tmp_path / "run"), "--gin_param", "RLConfig.eval_size = 0"]
     try:

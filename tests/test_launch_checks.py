@@ -108,7 +108,7 @@ def test_help_lists_the_configurable_classes_with_fields_and_defaults(job, capsy
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     expected = {
-        "rl": ["RLConfig:", "  total_steps: int = 1000", "  rho: float = 4.0", "SFTConfig:",
+        "rl": ["RLConfig:", "  total_steps: int = 1000", "  rho: float | None = None", "SFTConfig:",
                "  optimizer: OptimizerConfig = OptimizerConfig(warmup_steps=20, "
                "schedule='linear')", "rl_main.policy: PolicySpec (required)",
                "example configs: configs/rl/arith_tiny.gin"],
