@@ -79,17 +79,23 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--lora_steps", type=int, default=0, help="default: 2x --full_steps")
     parser.add_argument("--eval_every", type=int, default=50)
     parser.add_argument("--out", default="", help="write the table (markdown) here")
+    parser.add_argument("--full_dir", default="", help="reuse this finished full run (and its SFT)")
+    parser.add_argument("--lora_param", action="append", default=[], help="extra gin for LoRA")
+    parser.add_argument("--lora_name", default="LoRA r=1, all projections")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_lora_learning_")
     lora_steps = args.lora_steps or 2 * args.full_steps
     common = [] if args.smoke else ["RLConfig.save_every_steps = 100000"]
+    full_dir = args.full_dir or os.path.join(workdir, "full")
     runs = [
-        ("full fine-tuning", FULL, args.full_steps, []),
-        ("LoRA r=1, all projections", LORA, lora_steps, []),
+        ("full fine-tuning", FULL, args.full_steps, [], full_dir),
+        (args.lora_name, LORA, lora_steps, args.lora_param, os.path.join(workdir, "lora")),
     ]
     rows = []
-    for name, config, steps, extra in runs:
-        run_dir = os.path.join(workdir, name.split()[0].lower())
+    for name, config, steps, extra, run_dir in runs:
+        if args.full_dir and run_dir == full_dir:  # reused, not rerun
+            rows.append(summarise(name, os.path.join(run_dir, "metrics.jsonl"), float("nan")))
+            continue
         params = list(LEARNING_SMOKE) if args.smoke else []
         if not args.smoke:
             params += [
@@ -97,7 +103,7 @@ def main(argv=None) -> list[dict]:
                 f"RLConfig.eval_every_steps = {args.eval_every}",
             ]
         if rows:  # the first run trained the SFT stage: the LoRA run starts from it
-            sft_dir = os.path.join(workdir, "full", "sft")
+            sft_dir = os.path.join(full_dir, "sft")
             params += ["rl_main.sft = None", f"PolicySpec.init_from = '{sft_dir}'"]
         seconds = run_rl(config, run_dir, common + params + extra)
         rows.append(summarise(name, os.path.join(run_dir, "metrics.jsonl"), seconds))
