@@ -81,9 +81,11 @@ def test_async_lora_resumes_bitwise_and_exports(tmp_path):
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     base_bytes = os.path.getsize(os.path.join(base, "model.safetensors"))
     assert size < base_bytes / 4, (size, base_bytes)
-    # Each push moved the adapters only: 4,864 fp32 parameters on the CPU generator.
+    # Each push moved the adapters only (fp32 on the CPU generator), ~1% of the model.
     pushed = [r["sync/bytes_pushed"] for r in _last_records(run) if "sync/bytes_pushed" in r]
-    assert pushed and set(pushed) == {4 * 4864.0}
+    n_adapters = sum(v.size for v in ours.values())
+    assert pushed and set(pushed) == {4.0 * n_adapters}
+    assert n_adapters <= 0.02 * config.num_params()
 
     # Exports: merged HF directory and PEFT adapters, against the unmerged LoRA policy.
     merged_dir, peft_dir = tmp_path / "merged", tmp_path / "peft"
