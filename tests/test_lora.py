@@ -147,6 +147,10 @@ def test_trainer_moves_adapters_only(base):
     assert n_adapters == lora_lib.count_params(lora_lib.init_adapters(config, ALL))
     opt_arrays = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert sum(x.size for x in opt_arrays) == 2 * n_adapters
+    # The KL reference (trained adapters switched off) is the base, bit for bit.
+    plain, _ = _logits(config, params)
+    off, _ = _logits(config, params, lora_lib.zero_adapters(jax.device_get(state.params)))
+    assert np.array_equal(off, plain)
     # Merged (plain model) logits match the trained LoRA model within fp32 rounding.
     merged, _ = _logits(config, lora_lib.merge(params, jax.device_get(state.params), ALL))
     unmerged, _ = _logits(config, params, jax.device_get(state.params))
