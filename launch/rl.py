@@ -84,9 +84,7 @@ def initial_params(workdir, policy, task, sft, mesh_config, trainer, model_confi
         else:
             from jaxrl.models import hf
 
-            params = hf.load_params(
-                policy.init_from, model_config, trainer.base_param_shardings
-            )
+            params = hf.load_params(policy.init_from, model_config, trainer.base_param_shardings)
             _say(f"[rl] starting from the HF checkpoint {policy.init_from}")
         return nnx.to_pure_dict(params)
     if sft is not None:
