@@ -171,20 +171,23 @@ def _llama3_8b() -> ModelConfig:
 
 
 def test_adapter_bytes_within_two_percent_of_the_model():
-    """Bytes per push (the adapters) vs the full model: the arithmetic config (rank 1, all
-    projections) and a Llama 3 8B shape (rank 16, all projections). Adapters are counted on the
-    abstract LoRA model (the 8B one with 2 of its 32 identical layers, to keep qwix's tracing
-    short) and checked against r * (in + out) summed over the projections."""
+    """Bytes per push (the adapters) vs the full model: the arithmetic config (rank 8,
+    attention; and rank 1, all projections) and a Llama 3 8B shape (rank 16, all projections).
+    Adapters are counted on the abstract LoRA model (the 8B one with 2 of its 32 identical
+    layers, to keep qwix's tracing short) and checked against r * (in + out) summed over the
+    projections."""
     from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
     arith = build_model_config(PolicySpec(), build_tokenizer(PolicySpec(), TaskSpec()))
-    for config, lora in (
-        (arith, lora_lib.LoraConfig(rank=1, alpha=2.0)),
-        (_llama3_8b(), lora_lib.LoraConfig(rank=16, alpha=32.0)),
+    attention_only = lora_lib.LoraConfig(rank=8, alpha=16.0, target_modules=r"layers/\d+/attention")
+    for config, lora, mlp in (
+        (arith, attention_only, False),  # configs/rl/arith_tiny_lora.gin
+        (arith, lora_lib.LoraConfig(rank=1, alpha=2.0), True),
+        (_llama3_8b(), lora_lib.LoraConfig(rank=16, alpha=32.0), True),
     ):
         e, f = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        per_layer = lora.rank * ((e + q) + 2 * (e + kv) + (q + e) + 2 * (e + f) + (f + e))
+        per_layer = lora.rank * ((e + q) + 2 * (e + kv) + (q + e) + mlp * (2 * (e + f) + (f + e)))
         counted = config.replace(num_layers=min(config.num_layers, 2))
         _, abstract = lora_lib.abstract_lora(counted, lora)
         assert lora_lib.count_params(nnx.to_pure_dict(abstract)) == counted.num_layers * per_layer
