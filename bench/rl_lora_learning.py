@@ -2,7 +2,7 @@
 
 1. full: `configs/rl/arith_tiny.gin` (async, lag 2, AIPO), `--full_steps` trainer steps; trains
    the SFT stage that the LoRA run then starts from.
-2. lora: `configs/rl/arith_tiny_lora.gin` (the same run, rank-8 attention adapters only),
+2. lora: `configs/rl/arith_tiny_lora.gin` (the same run, rank-4 attention adapters only),
    `--lora_steps` (default 2x full) steps, `PolicySpec.init_from` = the full run's SFT stage.
 
 Reports greedy held-out accuracy at the start and end, the gain, the first evaluated step at
@@ -81,7 +81,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", default="", help="write the table (markdown) here")
     parser.add_argument("--full_dir", default="", help="reuse this finished full run (and its SFT)")
     parser.add_argument("--lora_param", action="append", default=[], help="extra gin for LoRA")
-    parser.add_argument("--lora_name", default="LoRA r=8, attention only (the config)")
+    parser.add_argument("--lora_name", default="LoRA r=4, attention only (the config)")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_lora_learning_")
     lora_steps = args.lora_steps or 2 * args.full_steps
