@@ -49,7 +49,7 @@ def compile_step(config: ModelConfig, batch: int, length: int) -> dict:
     }
     start = time.perf_counter()
     with trainer._context():
-        lowered = trainer._sft.lower(trainer.abstract_state(), batch_spec)
+        lowered = trainer._sft.lower(trainer.abstract_state(), batch_spec, None)
     lowered_s = time.perf_counter() - start
     start = time.perf_counter()
     compiled = lowered.compile()

@@ -419,7 +419,13 @@ class Controller:
         if not needed:
             return {"time/sync_s": 0.0}
         sync, waited = _unwrap(self.weights.publish, params, version, c.stall_timeout_s)
-        return {"time/sync_s": sync.seconds, "time/sync_wait_s": waited, "sync/gbps": sync.gbps}
+        return {
+            "time/sync_s": sync.seconds,
+            "time/sync_wait_s": waited,
+            "sync/gbps": sync.gbps,
+            # one copy of what was pushed (LoRA: the adapters only), in the generator dtype
+            "sync/bytes_pushed": float(sync.params_bytes),
+        }
 
     def _collate(self, rollouts):
         c = self.config

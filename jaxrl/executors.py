@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl import lora as lora_lib
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.sharding import param_shardings
@@ -155,6 +156,19 @@ class RewardExecutor:
 RL_PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
+class AdapterSampler(Sampler):
+    """A sampler of a LoRA policy that holds the frozen base once (`base_params`, on its mesh)
+    and takes the adapters as the params of each `generate` call: applied unmerged, so a weight
+    push moves the adapters only and the base is never rewritten or copied."""
+
+    base_params: dict | None = None
+
+    def generate(self, params, *args, **kwargs):
+        if self.base_params is None:
+            raise ValueError("AdapterSampler.base_params is unset: place the frozen base first")
+        return super().generate(lora_lib.combine(self.base_params, params), *args, **kwargs)
+
+
 def mesh_sampler(
     trainer,
     tokenizer,
@@ -162,12 +176,17 @@ def mesh_sampler(
     rules,
     max_total_len: int | None = None,
     prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
+    base_dtype: str | None = None,
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
     `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
-    the same bucket)."""
-    return Sampler(
+    the same bucket).
+
+    A LoRA trainer gets an `AdapterSampler` holding the trainer's base (set before this call)
+    placed on `mesh` (and cast to `base_dtype`): one copy, shared by every pushed version."""
+    cls = Sampler if trainer.lora is None else AdapterSampler
+    sampler = cls(
         trainer.graphdef,
         trainer.model_config,
         pad_id=tokenizer.pad_token_id,
@@ -177,6 +196,18 @@ def mesh_sampler(
         mesh=mesh,
         rules=rules,
     )
+    if trainer.lora is not None:
+        if trainer.base_params is None:
+            raise ValueError("a LoRA trainer's sampler needs its base: call trainer.init first")
+        base = trainer.base_params
+        if base_dtype is not None:
+            base = jax.tree.map(lambda x: x.astype(base_dtype), base)
+        if mesh is trainer.mesh and rules is trainer.rules:
+            sampler.base_params = base
+        else:
+            shardings = generator_param_shardings(trainer, mesh, rules, base=True)
+            sampler.base_params = jax.device_put(base, shardings)
+    return sampler
 
 
 def colocated_sampler(
@@ -193,8 +224,12 @@ def colocated_sampler(
     )
 
 
-def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules):
-    """The params' shardings on the generator mesh (same pure-dict tree as the trainer's)."""
+def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules, base: bool = False):
+    """The params' shardings on the generator mesh (same pure-dict tree as the trainer's): the
+    trained params (LoRA: the adapters), or with `base` the full model's."""
+    if trainer.lora is not None and not base:
+        _, abstract = lora_lib.abstract_lora(trainer.model_config, trainer.lora)
+        return nnx.to_pure_dict(param_shardings(abstract, mesh, rules))
     model = nnx.eval_shape(lambda: Transformer(trainer.model_config, rngs=nnx.Rngs(0)))
     return nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
 

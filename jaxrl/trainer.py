@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxrl import lora as lora_lib
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
@@ -248,16 +249,23 @@ def sft_loss(graphdef, params: Params, batch: dict, vocab_chunk_size: int | None
     return nll, {"loss": nll, "token_confident_fraction": accuracy}
 
 
+def _with_base(base: Params | None, params: Params) -> Params:
+    """The params the graphdef merges: `params` alone, or (LoRA) the frozen base plus the
+    trained adapters `params`."""
+    return params if base is None else lora_lib.combine(base, params)
+
+
 def sft_step(
     state: TrainState,
     batch: dict,
+    base: Params | None = None,
     *,
     graphdef,
     optimizer,
     grad_accum_steps: int,
     vocab_chunk_size: int | None,
 ):
-    loss_fn = lambda p, b: sft_loss(graphdef, p, b, vocab_chunk_size)
+    loss_fn = lambda p, b: sft_loss(graphdef, _with_base(base, p), b, vocab_chunk_size)
     micro = _split_micro(batch, grad_accum_steps)
     counts_m = jnp.sum(micro["loss_mask_bs"][:, :, 1:], axis=(1, 2)).astype(jnp.float32)
     weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
@@ -320,6 +328,7 @@ def rl_step(
     state: TrainState,
     batch: RolloutBatch,
     ref_params: Params | None,
+    base: Params | None = None,
     *,
     graphdef,
     optimizer,
@@ -329,13 +338,17 @@ def rl_step(
     """One optimizer update on a batch of scored rollouts.
 
     The frozen reference policy (KL term) lives on the trainer mesh with the params' sharding:
-    one extra forward pass per step and one more copy of the params in memory.
+    one extra forward pass per step and one more copy of the params in memory. With LoRA
+    (`base` given, `state.params` the adapters) the reference is the base with the adapters off
+    (B = 0: exactly the base's logits) and `ref_params` is ignored: no copy of the weights.
     """
     mask_bt = batch.completion_mask_bt & batch.valid_b[:, None]
     advantages_b = make_advantage_estimator(loss.advantage_name)(
         batch.reward_b, batch.group_id_b, batch.valid_b
     )
     micro_all = dataclasses.asdict(batch) | {"advantages_b": advantages_b}
+    if base is not None and loss.kl_coef > 0:
+        ref_params = _with_base(base, lora_lib.zero_adapters(state.params))
     if ref_params is not None and loss.kl_coef > 0:
         ref_model = nnx.merge(graphdef, ref_params)
         ref_logprobs, _ = completion_logprobs(ref_model, batch, loss, with_entropy=False)
@@ -350,7 +363,7 @@ def rl_step(
         counts_m = jnp.sum(_split_micro(rows_b, grad_accum_steps), axis=1)
     counts_m = counts_m.astype(jnp.float32)
     weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
-    loss_fn = lambda p, m: rl_loss(graphdef, p, m, loss)
+    loss_fn = lambda p, m: rl_loss(graphdef, _with_base(base, p), m, loss)
     grads, metrics = _accumulate(loss_fn, state.params, micro, weights_m)
     state, opt_metrics = _apply(state, grads, optimizer)
     metrics = metrics | opt_metrics
@@ -368,6 +381,11 @@ class Trainer:
 
     `state_shardings` lay params and optimizer state out as `rules` say (FSDP x TP by default);
     batches are split along the batch axis; metrics come back replicated.
+
+    LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
+    optimizer state and checkpoints cover the adapters; the frozen base lives in
+    `self.base_params` (laid out as a full model's params, set by `init` or `set_base`) and
+    enters each step as an argument that is never donated or updated.
     """
 
     def __init__(
@@ -380,13 +398,19 @@ class Trainer:
         grad_accum_steps: int = 1,
         loss: LossConfig | None = None,
         vocab_chunk_size: int | None = None,
+        lora: lora_lib.LoraConfig | None = None,
     ):
         self.model_config, self.mesh, self.rules = model_config, mesh, rules
         self.optimizer = optimizer
         self.loss = loss or LossConfig()
+        self.lora = lora
         graphdef, abstract = nnx.split(
             nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
         )
+        self.base_param_shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
+        self.base_params: Params | None = None
+        if lora is not None:
+            graphdef, abstract = lora_lib.abstract_lora(model_config, lora)
         self.graphdef = graphdef
         self.abstract_params = nnx.to_pure_dict(abstract)
         self.param_shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
@@ -401,14 +425,14 @@ class Trainer:
         self.replicated = ax.replicated(mesh)
         common = dict(graphdef=graphdef, optimizer=optimizer, grad_accum_steps=grad_accum_steps)
         self._sft = jax.jit(
-            lambda s, b: sft_step(s, b, vocab_chunk_size=vocab_chunk_size, **common),
-            in_shardings=(self.state_shardings, None),
+            lambda s, b, base: sft_step(s, b, base, vocab_chunk_size=vocab_chunk_size, **common),
+            in_shardings=(self.state_shardings, None, None),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=0,
         )
         self._rl = jax.jit(
-            lambda s, b, r: rl_step(s, b, r, loss=self.loss, **common),
-            in_shardings=(self.state_shardings, None, None),
+            lambda s, b, r, base: rl_step(s, b, r, base, loss=self.loss, **common),
+            in_shardings=(self.state_shardings, None, None, None),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=0,
         )
@@ -474,14 +498,36 @@ class Trainer:
             params = nnx.state(params)
         if isinstance(params, nnx.State):
             params = nnx.to_pure_dict(params)
+        if self.lora is not None:
+            self.set_base(params)
+            with self._context():
+                params = jax.jit(
+                    lambda: lora_lib.init_adapters(self.model_config, self.lora),
+                    out_shardings=self.param_shardings,
+                )()
         params = jax.device_put(params, self.param_shardings)
         with self._context():
             return jax.jit(
                 lambda p: init_state(p, self.optimizer), out_shardings=self.state_shardings
             )(params)
 
+    def set_base(self, params: Params) -> None:
+        """The frozen base of a LoRA trainer (placed into the full model's trainer layout)."""
+        if self.lora is None:
+            raise ValueError("set_base is for a LoRA trainer (Trainer(..., lora=LoraConfig()))")
+        self.base_params = jax.device_put(params, self.base_param_shardings)
+
+    def policy_params(self, params: Params) -> Params:
+        """What the graphdef merges for `state.params`: the base plus the adapters with LoRA."""
+        return _with_base(self._base(), params) if self.lora is not None else params
+
+    def _base(self) -> Params | None:
+        if self.lora is not None and self.base_params is None:
+            raise ValueError("a LoRA trainer needs its frozen base: call init(base) or set_base")
+        return self.base_params
+
     def init_params(self, seed: int) -> Params:
-        """Random params born sharded (a jitted init with `out_shardings`)."""
+        """Random params born sharded (a jitted init with `out_shardings`); LoRA: the base's."""
 
         def make():  # the key is made inside: no host constant to place across processes
             key = jax.random.fold_in(jax.random.key(seed), 0)
@@ -490,7 +536,7 @@ class Trainer:
             )
 
         with self._context():
-            return jax.jit(make, out_shardings=self.param_shardings)()
+            return jax.jit(make, out_shardings=self.base_param_shardings)()
 
     def place_batch(self, batch):
         return ax.place_host(batch, ax.batch_shardings(batch, self.mesh, self.rules))
@@ -500,10 +546,10 @@ class Trainer:
 
     def sft_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with self._context():
-            return self._sft(state, self.place_batch(batch))
+            return self._sft(state, self.place_batch(batch), self._base())
 
     def rl_step(
         self, state: TrainState, batch: RolloutBatch, ref_params: Params | None = None
     ) -> tuple[TrainState, dict]:
         with self._context():
-            return self._rl(state, self.place_batch(batch), ref_params)
+            return self._rl(state, self.place_batch(batch), ref_params, self._base())

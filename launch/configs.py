@@ -6,14 +6,17 @@ Gin files and --gin_param refer to them by class name, e.g. `RLConfig.total_step
 from jaxrl.controller import RLConfig
 from jaxrl.infra.config import register_config
 from jaxrl.infra.mesh import MeshConfig
+from jaxrl.lora import LoraConfig
 from jaxrl.sft import SFTConfig
 from jaxrl.specs import PolicySpec, TaskSpec
 from jaxrl.trainer import LossConfig, OptimizerConfig
 
 for _cls in (RLConfig, MeshConfig, SFTConfig, PolicySpec, TaskSpec, LossConfig, OptimizerConfig):
     register_config(_cls)
+register_config(LoraConfig)
 
 __all__ = [
+    "LoraConfig",
     "LossConfig",
     "MeshConfig",
     "OptimizerConfig",

@@ -5,6 +5,15 @@
 The architecture and tokenizer come from WORKDIR/model/, the weights from the newest finished
 checkpoint (or --step); only the params are read, never the optimizer state. The output
 directory is written atomically (a temporary directory renamed into place).
+
+A LoRA run (WORKDIR/lora.json) checkpoints adapters only:
+
+    python -m launch.export --workdir=runs/arith_lora --out=exported/ --merge_lora
+    python -m launch.export --workdir=runs/arith_lora --peft_out=adapters/
+
+`--merge_lora` folds `W + (alpha / r) A @ B` into a plain HF directory (the base read from where
+the run recorded it); `--peft_out` writes the adapters alone in PEFT's layout
+(`adapter_config.json` + `adapter_model.safetensors`) for `peft.PeftModel.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import os
 import sys
 import time
 
+from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.models import hf
 
@@ -21,7 +31,11 @@ from jaxrl.models import hf
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Export a run's policy as a HF checkpoint.")
     parser.add_argument("--workdir", required=True, help="the run's workdir")
-    parser.add_argument("--out", required=True, help="output directory (save_pretrained layout)")
+    parser.add_argument("--out", default=None, help="output directory (save_pretrained layout)")
+    parser.add_argument(
+        "--merge_lora", action="store_true", help="LoRA run: export base + adapters merged"
+    )
+    parser.add_argument("--peft_out", default=None, help="LoRA run: adapters-only PEFT directory")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
     parser.add_argument(
         "--dtype",
@@ -32,11 +46,36 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
 
-    if os.path.exists(args.out) and not args.overwrite:
-        print(f"error: {args.out} exists; pass --overwrite to replace it", file=sys.stderr)
+    is_lora = lora_lib.load_run_lora(args.workdir) is not None
+    if is_lora and args.out and not args.merge_lora:
+        print(
+            f"error: {args.workdir} is a LoRA run (its checkpoints hold adapters only): pass "
+            "--merge_lora with --out, or --peft_out for the adapters alone",
+            file=sys.stderr,
+        )
         return 2
+    if (args.merge_lora or args.peft_out) and not is_lora:
+        print(f"error: {args.workdir} is not a LoRA run (no lora.json)", file=sys.stderr)
+        return 2
+    if not args.out and not args.peft_out:
+        print("error: pass --out (and/or --peft_out for a LoRA run)", file=sys.stderr)
+        return 2
+    for out in (args.out, args.peft_out):
+        if out and os.path.exists(out) and not args.overwrite:
+            print(f"error: {out} exists; pass --overwrite to replace it", file=sys.stderr)
+            return 2
     start = time.perf_counter()
-    step, model, tokenizer = run_dir.load_policy(args.workdir, step=args.step)
+    if is_lora:
+        step, model, adapters, lora, base, tokenizer = lora_lib.load_lora_policy(
+            args.workdir, step=args.step
+        )
+        if args.peft_out:
+            lora_lib.save_peft(adapters, lora, args.peft_out, base_model=base)
+            print(f"wrote the adapters of step {step} to {os.path.abspath(args.peft_out)}")
+        if not args.out:
+            return 0
+    else:
+        step, model, tokenizer = run_dir.load_policy(args.workdir, step=args.step)
     hf.save_hf(model, args.out, tokenizer=tokenizer, dtype=args.dtype)
     print(
         f"exported step {step} of {args.workdir} ({model.config.num_params():,} params, "

@@ -18,6 +18,7 @@ import traceback
 import gin
 from flax import nnx
 
+from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.controller import Controller, sampling_config
 from jaxrl.executors import (
@@ -38,6 +39,7 @@ from jaxrl.specs import build_model_config, build_source, build_tokenizer, rewar
 from jaxrl.trainer import Trainer
 from jaxrl.weight_sync_xproc import make_weight_sync
 from launch.configs import (
+    LoraConfig,
     LossConfig,
     MeshConfig,
     OptimizerConfig,
@@ -64,18 +66,26 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
+def initial_source(workdir, policy, sft) -> str | None:
+    """Where `initial_params` reads from (None: random weights)."""
+    if policy.init_from:
+        return policy.init_from
+    return os.path.join(workdir, "sft") if sft is not None else None
+
+
 def initial_params(workdir, policy, task, sft, mesh_config, trainer, model_config):
-    """Params to start RL from when the run has no checkpoint of its own."""
+    """Params to start RL from when the run has no checkpoint of its own (with LoRA: the
+    frozen base, read again on every start since checkpoints hold the adapters only)."""
     if policy.init_from:
         if os.path.isdir(run_dir.checkpoint_dir(policy.init_from)):
             _, params = run_dir.restore_params(
-                policy.init_from, model_config, shardings=trainer.param_shardings
+                policy.init_from, model_config, shardings=trainer.base_param_shardings
             )
             _say(f"[rl] starting from the run in {policy.init_from}")
         else:
             from jaxrl.models import hf
 
-            params = hf.load_params(policy.init_from, model_config, trainer.param_shardings)
+            params = hf.load_params(policy.init_from, model_config, trainer.base_param_shardings)
             _say(f"[rl] starting from the HF checkpoint {policy.init_from}")
         return nnx.to_pure_dict(params)
     if sft is not None:
@@ -107,6 +117,7 @@ def rl_main(
     generator_mesh: MeshConfig | None = None,
     sft: SFTConfig | None = None,
     generator_dtype: str = "auto",
+    lora: LoraConfig | None = None,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -114,7 +125,11 @@ def rl_main(
     of the generator's copy of the weights, cast on the trainer during each push: "bfloat16",
     "float32", or "auto" (bfloat16 on GPU / TPU, where decoding is bound by reading the weights;
     the trainer's parameter dtype on CPU, where bf16 matmuls are slower and the fp32 log-ratio
-    checks hold exactly). AIPO's per-token ratio corrects for the bf16 sampler like any lag."""
+    checks hold exactly). AIPO's per-token ratio corrects for the bf16 sampler like any lag.
+    `lora` (`@LoraConfig()`): train LoRA adapters on the frozen initial policy (`jaxrl.lora`):
+    checkpoints and weight pushes hold the adapters only, the KL reference is the base with the
+    adapters off, and the generator keeps one copy of the base and applies each pushed version's
+    adapters unmerged."""
     if generator_dtype not in GENERATOR_DTYPES:
         raise SystemExit(
             f"rl_main.generator_dtype={generator_dtype!r}; expected one of {GENERATOR_DTYPES}"
@@ -165,8 +180,19 @@ def rl_main(
         optimizer.make(rl.total_steps),
         grad_accum_steps=optimizer.grad_accum_steps,
         loss=loss,
+        lora=lora,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
+    if lora is not None:
+        if initial_source(workdir, policy, sft) is None:
+            raise SystemExit(
+                "LoRA trains adapters on a frozen base: set PolicySpec.init_from or an SFT stage "
+                "(rl_main.sft); a random base has nothing to adapt"
+            )
+        if jax.process_count() > 1:
+            raise SystemExit("LoRA runs are single-process for now; drop rl_main.lora")
+        if is_main_process():
+            lora_lib.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
     io = RunIO(
         workdir,
         total_steps=rl.total_steps,
@@ -180,24 +206,31 @@ def rl_main(
         extra = None
         if restored is not None:
             state, extra = restored
+            if lora is not None:
+                trainer.set_base(
+                    initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
+                )
         else:
             state = trainer.init(
                 initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
             )
         # The frozen reference policy of the KL term: the initial weights, on the trainer mesh.
         ref_params = None
-        if loss.kl_coef > 0:
+        if loss.kl_coef > 0 and lora is None:  # LoRA: the base with the adapters off
             ref_params = initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
 
         weights = None
         if generator_mesh is None:
             sampler = colocated_sampler(trainer, tokenizer)
         else:
-            sampler = mesh_sampler(trainer, tokenizer, gen_mesh, GENERATOR_RULES)
+            gen_dtype = resolve_generator_dtype(generator_dtype, gen_mesh)
+            sampler = mesh_sampler(
+                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype
+            )
             sync = make_weight_sync(
                 trainer.param_shardings,
                 generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
-                generator_dtype=resolve_generator_dtype(generator_dtype, gen_mesh),
+                generator_dtype=gen_dtype,
             )
             weights = GeneratorWeights(sync, latest_only=rl.schedule == "free_running")
         generator = GeneratorExecutor(

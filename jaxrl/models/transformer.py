@@ -72,8 +72,7 @@ class Attention(nnx.Module):
     def _project(self, x_bte, name: str, heads_axis: str) -> jax.Array:
         dtype = self.config.jnp_dtype
         kernel_ehd = getattr(self, f"{name}_kernel")[...].astype(dtype)
-        e, h, d = kernel_ehd.shape
-        y = _matmul(x_bte, kernel_ehd.reshape(e, h * d)).reshape(*x_bte.shape[:2], h, d)
+        y = _matmul(x_bte, kernel_ehd)
         if self.config.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(dtype)
         y = ax.constrain(y, (ax.ACT_BATCH, ax.ACT_LENGTH, heads_axis, ax.ACT_HEAD_DIM))
@@ -114,9 +113,7 @@ class Attention(nnx.Module):
         )
         out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         out = checkpoint_name(out, remat.ATTN_OUT)
-        o_kernel_hde = self.o_kernel[...].astype(c.jnp_dtype)
-        h, d, e = o_kernel_hde.shape
-        y = _matmul(out.reshape(*out.shape[:2], h * d), o_kernel_hde.reshape(h * d, e))
+        y = _matmul(out, self.o_kernel[...].astype(c.jnp_dtype), contract=2)
         if c.o_bias:
             y = y + self.o_bias[...].astype(c.jnp_dtype)
         return y, cache
@@ -252,17 +249,24 @@ class Transformer(nnx.Module):
         return self.logits(hidden)
 
 
-def _matmul(x_btk: jax.Array, w_kn: jax.Array, **kwargs) -> jax.Array:
-    """`[B, T, K] @ [K, N] -> [B, T, N]` computed as one 2-D matmul over B*T rows.
+def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> jax.Array:
+    """`[B, T, *K] @ [*K, *N] -> [B, T, *N]` (`K`: the leading `contract` axes of `w_k`)
+    computed as one matmul over B*T rows.
 
     Same math as an einsum, but the backward pass then needs only 2-D transposes: XLA:CPU emits
     the 3-D transposes a `bte,ef` contraction's weight gradient asks for (fused with the
     activation's derivative) as slow strided loops, which made the backward pass ~10x the
     forward pass on CPU.
+
+    Written as `jax.lax.dot_general` on the kernel as stored (q/k/v kernels `[E, H, D]` are not
+    reshaped) because that is the call qwix intercepts to attach LoRA adapters
+    (`jaxrl.lora`): inside `jnp.matmul` (itself jitted) or after a reshape, qwix cannot tell
+    which parameter the right operand is, and the projection silently gets no adapter.
     """
-    b, t, k = x_btk.shape
-    y = jnp.matmul(x_btk.reshape(b * t, k), w_kn, **kwargs)
-    return y.reshape(b, t, w_kn.shape[-1])
+    b, t = x_btk.shape[:2]
+    dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
+    y = jax.lax.dot_general(x_btk.reshape(b * t, *x_btk.shape[2:]), w_k, dims, **kwargs)
+    return y.reshape(b, t, *w_k.shape[contract:])
 
 
 def positions_from_mask(valid_bt: jax.Array) -> jax.Array:

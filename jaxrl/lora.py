@@ -1,0 +1,302 @@
+"""LoRA adapters on the policy through qwix (the library Tunix uses for LoRA on Flax NNX).
+
+A targeted projection `y = x @ W` (W `[*K, *N]`: the kernel as stored, e.g. q `[E, H, D]`,
+o `[H, D, E]`, gate `[E, F]`) becomes
+
+    y = x @ W + (alpha / r) * (x @ A) @ B,   A `[prod K, r]` (he-uniform), B `[r, prod N]` (zeros)
+
+so a fresh adapter leaves the model bit for bit unchanged (B = 0 adds exact zeros). qwix
+intercepts `jax.lax.dot_general` inside `Transformer.hidden_states` (the method the trainer and
+the sampler both call) and creates `{name}_lora_a` / `{name}_lora_b` (`nnx.LoRAParam`) next to
+each kernel of a module whose path (e.g. `layers/3/attention`) matches `target_modules`; the
+adapters inherit the kernel's logical sharding names on their K / N sides.
+
+Adapter params ("adapters") are a pure dict holding only the LoRA leaves; base params the usual
+pure dict of the plain model. `combine(base, adapters)` is what the LoRA graphdef merges.
+
+Scanned layers (`ModelConfig.scan_layers`) are refused: qwix creates the adapters during a
+forward pass, which under `nnx.scan` happens inside a trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer, causal_mask, positions_from_mask
+
+Params = dict
+
+# Projections of each targetable module, and their names in HF / PEFT checkpoints.
+_HF_PROJ = {
+    "attention": {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                  "o": "self_attn.o_proj"},
+    "mlp": {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """rank r, alpha (the update is scaled by alpha / r), and `target_modules`: a regex that
+    must match a module's whole path, e.g. `layers/0/attention` (q, k, v, o) or
+    `layers/0/mlp` (gate, up, down). Dropout is 0 (adapters are deterministic)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: str = r"layers/\d+/(attention|mlp)"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoraConfig.rank={self.rank} must be >= 1")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha={self.alpha} must be > 0")
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _check_model(config: ModelConfig) -> None:
+    if config.scan_layers:
+        raise ValueError(
+            "LoRA needs unrolled layers: qwix creates the adapters during a forward pass, which "
+            "under nnx.scan runs inside a trace; set ModelConfig.scan_layers=False "
+            "(PolicySpec.scan_layers = False in gin)"
+        )
+
+
+def apply_lora(model: Transformer, lora: LoraConfig) -> Transformer:
+    """A copy of `model` with zero-B adapters on the targeted projections (qwix)."""
+    import qwix
+
+    _check_model(model.config)
+    provider = qwix.LoraProvider(
+        module_path=lora.target_modules, rank=lora.rank, alpha=lora.alpha, dropout=0.0
+    )
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    valid = jnp.ones((1, 2), bool)
+    lora_model = qwix.apply_lora_to_model(
+        model,
+        provider,
+        tokens,
+        positions_from_mask(valid),
+        causal_mask(valid),
+        methods=("hidden_states",),
+        rngs=nnx.Rngs(params=jax.random.key(lora.seed)),
+    )
+    if not adapter_names(nnx.to_pure_dict(nnx.state(lora_model, nnx.LoRAParam))):
+        raise ValueError(
+            f"LoraConfig.target_modules={lora.target_modules!r} matched no projection; module "
+            "paths look like 'layers/0/attention' and 'layers/0/mlp'"
+        )
+    return lora_model
+
+
+def lora_model(config: ModelConfig, lora: LoraConfig, seed: int = 0) -> Transformer:
+    """A random-init model with adapters (tests; the trainer builds adapters abstractly)."""
+    return apply_lora(Transformer(config, rngs=nnx.Rngs(seed)), lora)
+
+
+def abstract_lora(config: ModelConfig, lora: LoraConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The LoRA model's graphdef and its abstract adapter state (with sharding metadata)."""
+    model = nnx.eval_shape(lambda: lora_model(config, lora))
+    graphdef, _ = nnx.split(model)
+    return graphdef, nnx.state(model, nnx.LoRAParam)
+
+
+def init_adapters(config: ModelConfig, lora: LoraConfig) -> Params:
+    """Fresh adapters (A he-uniform from `lora.seed`, B zeros) as a pure dict. Jitted: the
+    random base it is built on and the forward pass qwix runs are dead code and cost nothing."""
+    make = lambda: nnx.to_pure_dict(nnx.state(lora_model(config, lora), nnx.LoRAParam))
+    return jax.jit(make)()
+
+
+def adapter_names(adapters: Params) -> list[str]:
+    """'layers/0/attention/q_kernel'-style names of the adapted kernels."""
+    out = []
+    for path, _ in jax.tree_util.tree_leaves_with_path(adapters):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        if keys[-1].endswith("_lora_a"):
+            out.append("/".join([*keys[:-1], keys[-1][: -len("_lora_a")]]))
+    return out
+
+
+def combine(base: Params, adapters: Params) -> Params:
+    """`base` with the adapter leaves added (a new dict tree; the arrays are shared)."""
+    out = dict(base)
+    for key, value in adapters.items():
+        out[key] = combine(base[key], value) if isinstance(value, dict) else value
+    return out
+
+
+def zero_adapters(adapters: Params) -> Params:
+    """Adapters that are off: B = 0 makes every delta exactly zero (the frozen base policy)."""
+
+    def one(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return jnp.zeros_like(x) if name.endswith("_lora_b") else x
+
+    return jax.tree_util.tree_map_with_path(one, adapters)
+
+
+def _walk(adapters: Params):
+    """(path tuple, kernel name, A, B) for each adapted kernel."""
+    found = []
+
+    def visit(node, path):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                visit(value, (*path, key))
+            elif str(key).endswith("_lora_a"):
+                kernel = str(key)[: -len("_lora_a")]
+                found.append((path, kernel, value, node[f"{kernel}_lora_b"]))
+
+    visit(adapters, ())
+    return found
+
+
+def merge(base: Params, adapters: Params, lora: LoraConfig) -> Params:
+    """Plain-model params with `W + (alpha / r) * (A @ B)` folded in (computed in float32)."""
+    return jax.jit(lambda b, a: _merge(b, a, lora))(base, adapters)
+
+
+def _merge(base: Params, adapters: Params, lora: LoraConfig) -> Params:
+    out = jax.tree.map(lambda x: x, base)  # a fresh tree to write into
+    for path, kernel, a, b in _walk(adapters):
+        node = out
+        for key in path:
+            node = node[key]
+        w = node[kernel]
+        delta = jnp.asarray(a, jnp.float32) @ jnp.asarray(b, jnp.float32)
+        node[kernel] = (jnp.asarray(w, jnp.float32) + lora.scale * delta.reshape(w.shape)).astype(
+            w.dtype
+        )
+    return out
+
+
+def count_params(tree: Any) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def tree_bytes(tree: Any, dtype=None) -> int:
+    """Bytes of one copy of `tree` (in `dtype` if given, else each leaf's own)."""
+    return sum(
+        math.prod(x.shape) * np.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+# --- PEFT export ----------------------------------------------------------------------------------
+
+
+def save_peft(adapters: Params, lora: LoraConfig, path: str, base_model: str = "") -> None:
+    """Writes `adapter_config.json` + `adapter_model.safetensors` (PEFT's LoRA layout) that
+    `peft.PeftModel.from_pretrained(hf_base, path)` loads.
+
+    PEFT stores `lora_A.weight` `[r, in]` and `lora_B.weight` `[out, r]` with the update
+    `(lora_alpha / r) * B @ A` on a torch `[out, in]` weight; our A `[in, r]`, B `[r, out]` (with
+    `in`, `out` flattened in the order the HF export flattens heads) are their transposes.
+    """
+    from jaxrl.models.safetensors_io import write_safetensors
+
+    tensors, targets = {}, set()
+    for where, kernel, a, b in _walk(adapters):
+        layer, module = where[1], where[2]
+        proj = _HF_PROJ[module][kernel.removesuffix("_kernel")]
+        targets.add(proj.split(".")[-1])
+        prefix = f"base_model.model.model.layers.{layer}.{proj}"
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b, np.float32).T)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    write_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+
+
+# --- the run's record of its adapters -------------------------------------------------------------
+
+LORA_FILE = "lora.json"
+
+
+def save_run_lora(workdir: str, lora: LoraConfig, base: str) -> None:
+    """Records a LoRA run's adapter config and where its frozen base comes from (a run workdir
+    or an HF directory), so that export can merge without being told."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, LORA_FILE), "w") as f:
+        json.dump(dataclasses.asdict(lora) | {"base": os.path.abspath(base)}, f, indent=2)
+
+
+def load_run_lora(workdir: str) -> tuple[LoraConfig, str] | None:
+    path = os.path.join(workdir, LORA_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    base = record.pop("base")
+    return LoraConfig(**record), base
+
+
+def restore_adapters(workdir: str, config: ModelConfig, lora: LoraConfig, step=None):
+    """(step, adapters) of a LoRA run's checkpoint `step` (default newest), on the first device."""
+    from jaxrl import workdir as run_dir
+
+    _, abstract = abstract_lora(config, lora)
+    abstract = nnx.to_pure_dict(abstract)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract)
+    return run_dir._restore_pure_params(workdir, step, abstract, shardings)
+
+
+def load_base(source: str, config: ModelConfig) -> Params:
+    """A LoRA run's frozen base from `source`: a jaxrl run workdir or an HF directory."""
+    from jaxrl import workdir as run_dir
+    from jaxrl.models import hf
+
+    if os.path.isdir(run_dir.checkpoint_dir(source)):
+        _, params = run_dir.restore_params(source, config)
+    else:
+        params = hf.load_params(source, config)
+    return nnx.to_pure_dict(params)
+
+
+def load_lora_policy(workdir: str, step=None):
+    """(step, merged plain Transformer, adapters, LoraConfig, base source, tokenizer) of a LoRA
+    run: the base from where the run recorded it (`lora.json`), the adapters from the run's
+    checkpoint."""
+    from jaxrl import workdir as run_dir
+
+    record = load_run_lora(workdir)
+    if record is None:
+        raise ValueError(f"{workdir} has no {LORA_FILE}: it is not a LoRA run")
+    lora, source = record
+    config, tokenizer = run_dir.load_model_spec(workdir)
+    step, adapters = restore_adapters(workdir, config, lora, step)
+    merged = merge(load_base(source, config), adapters, lora)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(abstract, merged)
+    return step, nnx.merge(graphdef, abstract), adapters, lora, source, tokenizer

@@ -1,0 +1,196 @@
+"""LoRA through qwix (`jaxrl.lora`): adapters attach to every targeted projection, a fresh adapter
+is the base bit for bit, merged / PEFT exports match the unmerged model (against `transformers` +
+`peft`), the trainer moves adapters only, and weight pushes are <= 2% of the model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+from hf_fixtures import save_tiny_checkpoint
+
+from jaxrl import lora as lora_lib
+from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.models import hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.trainer import Trainer
+
+ALL = lora_lib.LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random HF Llama 3 (2 layers, E 64, F 96, 4 / 2 heads), loaded into our model."""
+    path = tmp_path_factory.mktemp("base") / "hf"
+    save_tiny_checkpoint(path, "llama3")
+    config = hf.load_config(str(path))
+    return str(path), config, nnx.to_pure_dict(hf.load_params(str(path), config))
+
+
+def _logits(config, params, adapters=None, lora=ALL):
+    """float32 logits of the plain model (`adapters` None) or the LoRA model, and the tokens."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 97, (2, 9)), jnp.int32)
+    if adapters is None:
+        graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+    else:
+        graphdef, _ = lora_lib.abstract_lora(config, lora)
+        params = lora_lib.combine(params, adapters)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    return np.asarray(forward(params, tokens)), np.asarray(tokens)
+
+
+def _random_adapters(config, lora, seed=1):
+    """Adapters with A and B both nonzero (a fresh B is zero), large enough to move logits."""
+    leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(lora_lib.abstract_lora(config, lora)[1]))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        treedef,
+        [0.3 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)],
+    )
+
+
+def test_adapters_attach_to_every_targeted_projection(base):
+    _, config, _ = base
+    cases = {
+        r"layers/\d+/(attention|mlp)": {"q", "k", "v", "o", "gate", "up", "down"},
+        r"layers/\d+/attention": {"q", "k", "v", "o"},
+        r"layers/1/mlp": {"gate", "up", "down"},
+    }
+    for pattern, kernels in cases.items():
+        lora = lora_lib.LoraConfig(rank=2, alpha=2.0, target_modules=pattern)
+        _, abstract = lora_lib.abstract_lora(config, lora)
+        names = lora_lib.adapter_names(nnx.to_pure_dict(abstract))
+        layers = 1 if "layers/1" in pattern else config.num_layers
+        assert len(names) == layers * len(kernels), names
+        assert {n.split("/")[-1].removesuffix("_kernel") for n in names} == kernels
+    with pytest.raises(ValueError, match="matched no projection"):
+        lora_lib.abstract_lora(config, lora_lib.LoraConfig(target_modules="nothing"))
+    with pytest.raises(ValueError, match="scan_layers=False"):
+        lora_lib.abstract_lora(config.replace(scan_layers=True), ALL)
+
+
+def test_fresh_adapters_are_the_base_and_merge_matches_unmerged(base):
+    _, config, params = base
+    fresh = lora_lib.init_adapters(config, ALL)
+    assert all(not np.any(b) for n, b in _flat(fresh).items() if n.endswith("_lora_b']"))
+    plain, _ = _logits(config, params)
+    zero_b, _ = _logits(config, params, fresh)
+    assert np.array_equal(plain, zero_b)  # B = 0: bit-identical
+    adapters = _random_adapters(config, ALL)
+    unmerged, _ = _logits(config, params, adapters)
+    merged, _ = _logits(config, lora_lib.merge(params, adapters, ALL))
+    assert np.abs(unmerged - plain).max() > 1.0  # the adapters matter (negative control)
+    np.testing.assert_allclose(merged, unmerged, rtol=1e-5, atol=2e-5)
+
+
+def test_peft_export_loads_in_transformers_and_matches(base, tmp_path):
+    import peft
+    import transformers
+
+    path, config, params = base
+    adapters = _random_adapters(config, ALL)
+    ours, tokens = _logits(config, params, adapters)
+    lora_lib.save_peft(adapters, ALL, str(tmp_path / "peft"), base_model=path)
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        plain = hf_base(torch.from_numpy(tokens)).logits.numpy()
+    model = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    assert np.abs(theirs - plain).max() > 1.0  # peft applied the adapters
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    # The merged export is a plain HF checkpoint with the same logits.
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+    hf.save_hf(nnx.merge(graphdef, lora_lib.merge(params, adapters, ALL)), str(tmp_path / "m"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            merged(torch.from_numpy(tokens)).logits.numpy(), ours, rtol=1e-4, atol=1e-4
+        )
+
+
+def _flat(tree):
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def test_trainer_moves_adapters_only(base):
+    _, config, params = base
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 1), num_devices=4))
+    trainer = Trainer(config, mesh, TRAINER_RULES, optax.adam(1e-2), lora=ALL)
+    state = trainer.init(params)
+    base_before = _flat(params)
+    rng = np.random.default_rng(0)
+    batch = {
+        "tokens_bs": rng.integers(3, 97, (4, 10)).astype(np.int32),
+        "loss_mask_bs": np.tile(np.arange(10) >= 5, (4, 1)),
+    }
+    first = None
+    for _ in range(3):
+        state, metrics = trainer.sft_step(state, batch)
+        first = first if first is not None else float(metrics["loss"])
+    assert float(metrics["loss"]) < first
+    # The base is bitwise unchanged; every adapter B moved off zero.
+    after = _flat(trainer.base_params)
+    assert after.keys() == base_before.keys()
+    assert all(after[k].tobytes() == base_before[k].tobytes() for k in after)
+    assert all(np.any(v) for k, v in _flat(state.params).items() if k.endswith("_lora_b']"))
+    # Params and optimizer state are the adapters' size (Adam: mu and nu, plus a counter).
+    n_adapters = lora_lib.count_params(state.params)
+    assert n_adapters == lora_lib.count_params(lora_lib.init_adapters(config, ALL))
+    opt_arrays = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sum(x.size for x in opt_arrays) == 2 * n_adapters
+    # The KL reference (trained adapters switched off) is the base, bit for bit.
+    plain, _ = _logits(config, params)
+    off, _ = _logits(config, params, lora_lib.zero_adapters(jax.device_get(state.params)))
+    assert np.array_equal(off, plain)
+    # Merged (plain model) logits match the trained LoRA model within fp32 rounding.
+    merged, _ = _logits(config, lora_lib.merge(params, jax.device_get(state.params), ALL))
+    unmerged, _ = _logits(config, params, jax.device_get(state.params))
+    np.testing.assert_allclose(merged, unmerged, rtol=1e-5, atol=2e-5)
+
+
+def _llama3_8b() -> ModelConfig:
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
+
+
+def test_adapter_bytes_within_two_percent_of_the_model():
+    """Bytes per push (the adapters) vs the full model: the arithmetic config (rank 4,
+    attention; and rank 1, all projections) and a Llama 3 8B shape (rank 16, all projections).
+    Adapters are counted on the abstract LoRA model (the 8B one with 2 of its 32 identical
+    layers, to keep qwix's tracing short) and checked against r * (in + out) summed over the
+    projections."""
+    from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+
+    arith = build_model_config(PolicySpec(), build_tokenizer(PolicySpec(), TaskSpec()))
+    attention_only = lora_lib.LoraConfig(rank=4, alpha=8.0, target_modules=r"layers/\d+/attention")
+    for config, lora, mlp in (
+        (arith, attention_only, False),  # configs/rl/arith_tiny_lora.gin
+        (arith, lora_lib.LoraConfig(rank=1, alpha=2.0), True),
+        (_llama3_8b(), lora_lib.LoraConfig(rank=16, alpha=32.0), True),
+    ):
+        e, f = config.hidden_size, config.intermediate_size
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        per_layer = lora.rank * ((e + q) + 2 * (e + kv) + (q + e) + mlp * (2 * (e + f) + (f + e)))
+        counted = config.replace(num_layers=min(config.num_layers, 2))
+        _, abstract = lora_lib.abstract_lora(counted, lora)
+        assert lora_lib.count_params(nnx.to_pure_dict(abstract)) == counted.num_layers * per_layer
+        full = nnx.state(nnx.eval_shape(lambda c=config: Transformer(c, rngs=nnx.Rngs(0))))
+        fraction = config.num_layers * per_layer / lora_lib.count_params(full)
+        assert fraction <= 0.02, (config.num_layers, fraction)
