@@ -31,10 +31,17 @@ Design
   interface would be served by a Pallas ragged / paged attention kernel (JetStream's
   `ragged_paged_attention`, vLLM-style paged KV) that reads exactly each slot's `pos[s] + 1` keys;
   the slot bookkeeping here stays as it is.
+* **A draining queue shrinks the batch.** Decode runs over the first `active` slots only
+  (`active` = the power-of-two bucket holding the highest live slot); free slots are refilled
+  lowest first, and when the live rows fit a smaller bucket the ones above it are moved down (a
+  device copy of their cache rows). So the tail of a long-tailed workload, a few long rows after
+  the queue is empty, costs those rows' steps, not `num_slots` rows per step.
 * **Results independent of scheduling.** Sample g of request r draws token t with the key
   `fold_in(fold_in(fold_in(seed, r), g), t)`, per row (`jax.vmap` of `sample_tokens`), never from
   the slot index or the step count, so the same requests give the same tokens with 4 slots or 64,
-  in any arrival order (up to float rounding of different batch shapes: log-probs agree to ~1e-7).
+  in any arrival order. Tokens are identical; log-probs are bitwise equal when the batch shapes
+  of the device calls are, and otherwise differ by XLA:CPU's shape-dependent fp32 rounding (up to
+  ~5e-6 on a test model with logits of magnitude ~10).
 * **Exact behaviour log-probs.** Every token's log-prob is `processed_logprobs` (fp32
   temperature, top-k / top-p, log-softmax) of the logits it was drawn from, as in the `Sampler`.
 
@@ -43,8 +50,8 @@ compiled programs; per-request `max_new_tokens` is dynamic). A request with a di
 waits until the running ones drain (FIFO order is kept).
 
 Compiled programs (`stats.num_traces`): one prefill per (prompt-batch bucket, prompt-length
-bucket) pair and one decode per span bucket, each per sampling config: bounded by the bucket
-lists, never by the number of requests.
+bucket) pair, one decode per (span bucket, active-slot bucket) pair per sampling config, and one
+slot-move program: bounded by the bucket lists, never by the number of requests.
 
 Shapes: S slots, C cache capacity, L span (attended prefix), P prompt batch, T prompt length,
 V vocabulary, N steps per call.
@@ -225,6 +232,11 @@ class Engine:
             if self.num_slots % dp:
                 raise ValueError(f"num_slots={num_slots} must be a multiple of the data-parallel "
                                  f"size {dp}")  # fmt: skip
+        else:
+            dp = 1
+        # Decode runs over the first `active` slots only (live rows are packed there when the
+        # queue drains), so a draining tail does not pay for idle slots.
+        self.active_buckets = tuple(b for b in _pow2_buckets(1, self.num_slots) if b % dp == 0)
         self.stats = EngineStats()
         self._queue: collections.deque[Request] = collections.deque()
         self._ids: set[int] = set()
@@ -232,8 +244,9 @@ class Engine:
         self._cache = None
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
         self._decode = jax.jit(
-            self._decode_impl, static_argnames=("sampling", "span"), donate_argnums=(1,)
+            self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
         )
+        self._move = jax.jit(self._move_impl, donate_argnums=(0,))
 
     @classmethod
     def for_model(cls, model: Transformer, **kwargs) -> tuple[Engine, nnx.State]:
@@ -360,27 +373,47 @@ class Engine:
             if not running:
                 continue
 
+            # Pack live rows into the smallest slot bucket that holds them (a device copy of
+            # their cache rows), then decode over that bucket only.
+            state = [token, pos, index, budget, live, req_of, sample_of]
+            target = _bucket(int(live.sum()), self.active_buckets, s_count)
+            movers = [s for s in np.flatnonzero(live) if s >= target]
+            if movers:
+                holes = [s for s in range(target) if owner[s] is None][: len(movers)]
+                dest = np.full(s_count, s_count, np.int32)
+                src = np.zeros(s_count, np.int32)
+                dest[: len(movers)], src[: len(movers)] = holes, movers
+                self._cache = self._call(self._move, self._cache, dest, src)
+                for a, b in zip(movers, holes, strict=True):
+                    for x in state:
+                        x[b] = x[a]
+                    live[a], owner[b], owner[a] = False, owner[a], None
+                    group = running[owner[b]]
+                    group.slots[group.slots.index(a)] = b
+            active = _bucket(int(np.flatnonzero(live).max()) + 1, self.active_buckets, s_count)
             span = _bucket(int(pos[live].max()) + n_steps, self.span_buckets, self.capacity)
-            state = (token, pos, index, budget, live, req_of, sample_of)
             self._cache, new_state, out = self._call(
                 self._decode,
                 params,
                 self._cache,
-                tuple(self._place(x) for x in state),
+                tuple(self._place(x[:active]) for x in state),
                 key_data,
                 sampling=config,
                 span=span,
+                active=active,
             )
-            token, pos, index, budget, live, req_of, sample_of = (np.array(x) for x in new_state)
-            out_tokens, out_logprobs, out_valid = (np.asarray(x) for x in out)  # [N, S]
+            for x, new in zip(state, new_state, strict=True):
+                x[:active] = np.asarray(new)
+            token, pos, index, budget, live, req_of, sample_of = state
+            out_tokens, out_logprobs, out_valid = (np.asarray(x) for x in out)  # [N, active]
             self.stats.decode_calls += 1
-            self.stats.slot_steps += n_steps * s_count
+            self.stats.slot_steps += n_steps * active
             self.stats.kept_tokens += int(out_valid.sum())
 
             for rid in list(running):
                 group = running[rid]
                 for g, s in enumerate(group.slots):
-                    if owner[s] != rid:
+                    if owner[s] != rid or s >= active:
                         continue
                     kept = out_valid[:, s]
                     group.tokens[g].extend(out_tokens[kept, s].tolist())
@@ -470,8 +503,17 @@ class Engine:
 
         return constrain_cache(jax.tree.map(insert, cache, fresh))
 
-    def _decode_impl(self, params, cache, state, key_data, *, sampling: SamplingConfig, span: int):
-        """`steps_per_call` decode steps of every slot over the cache prefix `[:span]`.
+    def _move_impl(self, cache, dest_s, src_s):
+        """Copies slot `src_s[i]`'s cache row to slot `dest_s[i]` (out of range: skipped)."""
+        self.stats.num_traces += 1
+        if self.model_config.scan_layers:
+            return jax.tree.map(lambda c: c.at[:, dest_s].set(c[:, src_s], mode="drop"), cache)
+        return jax.tree.map(lambda c: c.at[dest_s].set(c[src_s], mode="drop"), cache)
+
+    def _decode_impl(
+        self, params, cache, state, key_data, *, sampling: SamplingConfig, span: int, active: int
+    ):
+        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`.
 
         state: (token_s next input, pos_s its position = cache write index, index_s completion
         index of the next draw, budget_s max_new_tokens, live_s, req_s, sample_s).
@@ -482,10 +524,15 @@ class Engine:
         param_leaves, params_def = jax.tree.flatten(params)
         stacked = self.model_config.scan_layers
         seq_axis = 2 if stacked else 1
-        prefix = jax.tree.map(lambda c: jax.lax.slice_in_dim(c, 0, span, axis=seq_axis), cache)
+
+        def cut(c):
+            c = jax.lax.slice_in_dim(c, 0, active, axis=seq_axis - 1)
+            return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
+
+        prefix = jax.tree.map(cut, cache)
         stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
         n = self.steps_per_call
-        s_count = self.num_slots
+        s_count = active
 
         def draw(logits_sv, req_s, sample_s, index_s):
             def one(logits_v, r, g, t):
@@ -534,6 +581,6 @@ class Engine:
         )
         prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
         cache = jax.tree.map(
-            lambda c, p: jax.lax.dynamic_update_slice_in_dim(c, p, 0, axis=seq_axis), cache, prefix
+            lambda c, p: jax.lax.dynamic_update_slice(c, p, (0,) * c.ndim), cache, prefix
         )
         return constrain_cache(cache), state, outs
