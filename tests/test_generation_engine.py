@@ -152,7 +152,7 @@ def test_same_tokens_with_4_or_32_slots_in_either_arrival_order(tiny_model):
     for slots in (4, 32):
         for name, order in (("fifo", requests), ("reversed", requests[::-1])):
             engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=slots,
-                                              steps_per_call=5)  # fmt: skip
+                                              steps_per_call=5, span_buckets=(64,))  # fmt: skip
             out = engine.generate(params, order, jax.random.key(11))
             runs[slots, name] = {g.request_id: g for g in out}
     first = runs[4, "fifo"]
@@ -169,7 +169,8 @@ def test_same_tokens_with_4_or_32_slots_in_either_arrival_order(tiny_model):
     for rid, g in runs[32, "fifo"].items():
         np.testing.assert_array_equal(runs[32, "reversed"][rid].logprobs_gn, g.logprobs_gn)
     # Negative control: another seed changes the tokens (the comparison can fail).
-    engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4)
+    engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
+                                      steps_per_call=5, span_buckets=(64,))  # fmt: skip
     other_seed = {g.request_id: g for g in engine.generate(params, requests, jax.random.key(12))}
     assert any((other_seed[r].tokens_gn != g.tokens_gn).any() for r, g in first.items())
     # The G samples of one request differ from each other (noise is keyed by the sample index).

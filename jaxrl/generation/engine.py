@@ -236,7 +236,10 @@ class Engine:
             dp = 1
         # Decode runs over the first `active` slots only (live rows are packed there when the
         # queue drains), so a draining tail does not pay for idle slots.
-        self.active_buckets = tuple(b for b in _pow2_buckets(1, self.num_slots) if b % dp == 0)
+        # Buckets start at 8 rows: below that a decode step costs about the same.
+        self.active_buckets = tuple(
+            b for b in _pow2_buckets(min(8, self.num_slots), self.num_slots) if b % dp == 0
+        )
         self.stats = EngineStats()
         self._queue: collections.deque[Request] = collections.deque()
         self._ids: set[int] = set()
