@@ -8,6 +8,9 @@ time (first call minus a steady call) is reported separately. PyTorch runs with
 
     python -m bench.gen            # rlbench-tiny and the ~100M Llama
     python -m bench.gen --smoke    # a few seconds, for CI
+
+`--long_tail` runs the long-tail workload instead (`bench/gen_long_tail.py`: the continuous-
+batching engine against this sampler and transformers on log-normal completion lengths).
 """
 
 from __future__ import annotations
@@ -119,7 +122,24 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no_torch", action="store_true", help="JAX side only")
+    parser.add_argument("--long_tail", action="store_true", help="the long-tail workload")
+    parser.add_argument("--prompts", type=int, default=256, help="long-tail prompts (x G=8)")
+    parser.add_argument(
+        "--prompts_100m", type=int, default=None, help="long-tail prompts for llama-100m"
+    )
+    parser.add_argument("--slots", type=int, default=64, help="engine slots = static batch rows")
+    parser.add_argument("--steps_per_call", type=int, default=8, help="engine decode steps/call")
     args = parser.parse_args(argv)
+    if args.long_tail:
+        from bench import gen_long_tail
+
+        smoke = [("rlbench-tiny", rlbench_tiny(num_layers=1), 4, 16)]
+        full = [
+            ("rlbench-tiny", rlbench_tiny(), args.prompts, args.slots),
+            ("llama-100m", llama_100m(), args.prompts_100m or args.prompts, args.slots),
+        ]
+        gen_long_tail.main(args, smoke, full)
+        return
     if args.smoke:
         cases = [("rlbench-tiny", rlbench_tiny(num_layers=1), 4, 8, 8)]
         repeats = 1

@@ -90,6 +90,8 @@ class Attention(nnx.Module):
         """Attends `x` to itself, or to the cache after writing `x`'s keys at `cache_index`.
 
         `mask_bts[b, t, s]` is True where query t may attend key s (causal and not padding).
+        `cache_index` is one position for every row (a scalar) or one per row (`[B]`, the
+        generation engine's slots, each at its own length).
         """
         c = self.config
         q = self._project(x_bte, "q", ax.ACT_HEADS)
@@ -100,9 +102,8 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos_btd, sin_btd)
         k = apply_rope(k, cos_btd, sin_btd)
         if cache is not None:
-            start = (0, cache_index, 0, 0)
-            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
-            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
+            k = _write_cache(cache[0], k, cache_index)
+            v = _write_cache(cache[1], v, cache_index)
             cache = (k, v)
         out = jax.nn.dot_product_attention(
             q,
@@ -267,6 +268,16 @@ def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> ja
     dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
     y = jax.lax.dot_general(x_btk.reshape(b * t, *x_btk.shape[2:]), w_k, dims, **kwargs)
     return y.reshape(b, t, *w_k.shape[contract:])
+
+
+def _write_cache(cache_bskd: jax.Array, x_btkd: jax.Array, index: jax.Array) -> jax.Array:
+    """Writes `x` into the cache at sequence position `index` (a scalar, or `[B]` per row)."""
+    x_btkd = x_btkd.astype(cache_bskd.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice(cache_bskd, x_btkd, (0, index, 0, 0))
+    return jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(c, x, (i, 0, 0)))(
+        cache_bskd, x_btkd, index
+    )
 
 
 def positions_from_mask(valid_bt: jax.Array) -> jax.Array:

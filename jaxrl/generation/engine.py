@@ -1,0 +1,589 @@
+"""Continuous-batching generation engine: decode slots, one prefill per group, live lengths.
+
+The static `Sampler` runs a left-padded batch until its longest row stops, prefills each of a
+group's G samples separately and attends over the whole `P_bucket + max_new` cache at every step.
+This engine removes those three wastes.
+
+Design
+------
+* **Slots.** A fixed number `S` of decode rows share one KV cache `[S, C, K, D]` per layer
+  (`C = max_total_len`). Each slot holds one sample of one request. A host FIFO queue holds the
+  requests (prompt ids, G samples, per-request `max_new_tokens`, a `SamplingConfig`).
+* **One prefill per group.** When at least G slots are free, the head request is admitted: its
+  prompt is run through the model once (prompts admitted together are prefilled together,
+  right-padded into a `[P_bucket, L_bucket]` batch) and its keys/values are copied into each of its
+  G slots by the same device call (MaxText's `prefill_multisampling` + `bulk_insert`). The prefill
+  computes no logits: each slot then feeds the prompt's last token as its first decode step (its
+  key/value is rewritten in place), which draws the sample's first token from that slot's own
+  noise. So a group costs `len(prompt)` prefill tokens, counted in `stats.prefill_tokens`.
+* **Several decode steps per device call.** `decode` runs `steps_per_call` steps in a
+  `fori_loop`; a slot whose row stops (stop token or its own `max_new_tokens`) idles until the call
+  ends, then the host frees it, hands out finished groups and refills free slots. Larger
+  `steps_per_call` amortises dispatch, smaller wastes fewer slot-steps on finished rows.
+* **Attention over live lengths.** Each slot has its own length (write position `pos[s]`, the
+  model's per-row `cache_index`), and a decode call attends only over a bucketed prefix
+  `span = bucket(max live pos + steps_per_call)` of the cache: the prefix is sliced out at the
+  start of the call, decoded into, and written back at its end, so attention and the cache copy
+  cost follows the longest *live* row, not the capacity, and the number of compiled decode
+  programs is the number of span buckets. We chose per-slot lengths over a bucketed prefix rather
+  than a paged KV with a block table because XLA:CPU (this build) has no kernel that gathers pages
+  cheaply: a gather of blocks per step would cost more than it saves. On TPU / GPU the same
+  interface would be served by a Pallas ragged / paged attention kernel (JetStream's
+  `ragged_paged_attention`, vLLM-style paged KV) that reads exactly each slot's `pos[s] + 1` keys;
+  the slot bookkeeping here stays as it is.
+* **A draining queue shrinks the batch.** Decode runs over the first `active` slots only
+  (`active` = the power-of-two bucket holding the highest live slot); free slots are refilled
+  lowest first, and when the live rows fit a smaller bucket the ones above it are moved down (a
+  device copy of their cache rows). So the tail of a long-tailed workload, a few long rows after
+  the queue is empty, costs those rows' steps, not `num_slots` rows per step.
+* **Results independent of scheduling.** Sample g of request r draws token t with the key
+  `fold_in(fold_in(fold_in(seed, r), g), t)`, per row (`jax.vmap` of `sample_tokens`), never from
+  the slot index or the step count, so the same requests give the same tokens with 4 slots or 64,
+  in any arrival order. Tokens are identical; log-probs are bitwise equal when the batch shapes
+  of the device calls are, and otherwise differ by XLA:CPU's shape-dependent fp32 rounding (up to
+  ~5e-6 on a test model with logits of magnitude ~10).
+* **Exact behaviour log-probs.** Every token's log-prob is `processed_logprobs` (fp32
+  temperature, top-k / top-p, log-softmax) of the logits it was drawn from, as in the `Sampler`.
+
+Sampling configs: all slots decoding together share one `SamplingConfig` (it is static in the
+compiled programs; per-request `max_new_tokens` is dynamic). A request with a different config
+waits until the running ones drain (FIFO order is kept).
+
+Compiled programs (`stats.num_traces`): one prefill per (prompt-batch bucket, prompt-length
+bucket) pair, one decode per (span bucket, active-slot bucket) pair per sampling config, and one
+slot-move program: bounded by the bucket lists, never by the number of requests.
+
+Shapes: S slots, C cache capacity, L span (attended prefix), P prompt batch, T prompt length,
+V vocabulary, N steps per call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd as flax_spmd
+
+from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
+from jaxrl.generation.sampling import SamplingConfig, sample_tokens
+from jaxrl.infra import sharding as ax
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import (
+    Transformer,
+    causal_mask,
+    constrain_cache,
+    init_cache,
+    positions_from_mask,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to complete `num_samples` times.
+
+    max_new_tokens: this request's completion budget (default: `sampling.max_new_tokens`).
+    request_id: keys the sampling noise (with the sample index and token index); unique per run.
+    """
+
+    request_id: int
+    prompt: Sequence[int]
+    num_samples: int = 1
+    sampling: SamplingConfig = SamplingConfig()
+    max_new_tokens: int | None = None
+
+    @property
+    def budget(self) -> int:
+        return self.max_new_tokens or self.sampling.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """The G completions of one request (host arrays, N = the request's `max_new_tokens`).
+
+    tokens_gn: sampled ids, `pad_id` after a row's stop. logprobs_gn: float32 behaviour
+    log-probs (0 where masked). mask_gn: True on completion tokens (the stop token included).
+    """
+
+    request_id: int
+    prompt: tuple[int, ...]
+    tokens_gn: np.ndarray
+    logprobs_gn: np.ndarray
+    mask_gn: np.ndarray
+
+    @property
+    def lengths_g(self) -> np.ndarray:
+        return self.mask_gn.sum(axis=-1)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine was built.
+
+    prefill_tokens: prompt tokens run through prefill (each request's prompt once).
+    prefill_padded_tokens: prefill positions computed, padding included.
+    slot_steps: decode slot-steps executed (S per decode step, idle slots included).
+    kept_tokens: slot-steps that produced a completion token (utilisation = kept / slot_steps).
+    decode_calls, prefill_calls: device calls; num_traces: programs compiled.
+    """
+
+    prefill_tokens: int = 0
+    prefill_padded_tokens: int = 0
+    slot_steps: int = 0
+    kept_tokens: int = 0
+    decode_calls: int = 0
+    prefill_calls: int = 0
+    num_traces: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        return self.kept_tokens / max(self.slot_steps, 1)
+
+
+def _bucket(n: int, buckets: Sequence[int], cap: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    return min(buckets[i] if i < len(buckets) else cap, cap)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return (*out, hi)
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host view of one admitted request."""
+
+    request: Request
+    slots: list[int]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    open_rows: int
+
+
+class Engine:
+    """Continuous-batching sampler for a `Transformer` whose params are passed per run.
+
+    Args:
+      graphdef, model_config: as for `Sampler`.
+      num_slots: decode rows (S); a request's G must not exceed it.
+      pad_id, eos_ids: as for `Sampler` (EOS ends a row unless `SamplingConfig.ignore_eos`).
+      max_total_len: cache capacity C, the longest prompt + completion (default: the model's
+        `max_position_embeddings`).
+      steps_per_call: decode steps per device call between refills.
+      prompt_buckets: allowed padded prompt lengths for prefill (capped at C).
+      span_buckets: allowed attended prefixes for decode (default: powers of two from 32, and C).
+      mesh, rules: the generation mesh and its rules table (slots split over the data-parallel
+        axis); None for one device. Meshes spanning several processes are refused.
+
+    Use: `submit` requests, then iterate `run(params, key)` for `GroupResult`s as groups finish;
+    `cancel(request_id)` frees a request's slots at the next refill. `generate` does all three.
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        model_config: ModelConfig,
+        *,
+        num_slots: int,
+        pad_id: int,
+        eos_ids: Sequence[int] = (),
+        max_total_len: int | None = None,
+        steps_per_call: int = 8,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        span_buckets: Sequence[int] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: ax.LogicalRules | None = None,
+    ):
+        if (mesh is None) != (rules is None):
+            raise ValueError("pass both mesh and rules, or neither")
+        if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+            raise ValueError(
+                "the engine runs on a single-process mesh; use the static Sampler for a generator "
+                "mesh that spans processes"
+            )
+        if num_slots < 1 or steps_per_call < 1:
+            raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}; need >= 1")
+        self.graphdef, self.model_config = graphdef, model_config
+        self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
+        self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
+        self.capacity = int(max_total_len or model_config.max_position_embeddings)
+        self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
+        self.span_buckets = tuple(
+            sorted(
+                b
+                for b in (span_buckets or _pow2_buckets(min(32, self.capacity), self.capacity))
+                if b <= self.capacity
+            )
+        )
+        self.mesh, self.rules = mesh, rules
+        if mesh is not None:
+            batch_axes = dict(rules)[ax.ACT_BATCH]
+            names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+            dp = int(np.prod([mesh.shape[a] for a in names]))
+            if self.num_slots % dp:
+                raise ValueError(f"num_slots={num_slots} must be a multiple of the data-parallel "
+                                 f"size {dp}")  # fmt: skip
+        else:
+            dp = 1
+        # Decode runs over the first `active` slots only (live rows are packed there when the
+        # queue drains), so a draining tail does not pay for idle slots.
+        # Buckets start at 8 rows: below that a decode step costs about the same.
+        self.active_buckets = tuple(
+            b for b in _pow2_buckets(min(8, self.num_slots), self.num_slots) if b % dp == 0
+        )
+        self.stats = EngineStats()
+        self._queue: collections.deque[Request] = collections.deque()
+        self._ids: set[int] = set()
+        self._cancelled: set[int] = set()
+        self._cache = None
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+        self._decode = jax.jit(
+            self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
+        )
+        self._move = jax.jit(self._move_impl, donate_argnums=(0,))
+
+    @classmethod
+    def for_model(cls, model: Transformer, **kwargs) -> tuple[Engine, nnx.State]:
+        """An engine for `model` and its params; pad / EOS ids default to the config's."""
+        graphdef, params = nnx.split(model)
+        c = model.config
+        kwargs.setdefault("pad_id", c.pad_token_id if c.pad_token_id is not None else 0)
+        kwargs.setdefault("eos_ids", c.eos_token_ids)
+        return cls(graphdef, c, **kwargs), params
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> int:
+        """Queues `request` after checking it; returns its id (ValueError naming the cause)."""
+        rid, n = request.request_id, len(request.prompt)
+        if rid in self._ids:
+            raise ValueError(f"request id {rid} is already queued or running; ids must be unique")
+        if n == 0:
+            raise ValueError(
+                f"request {rid}: the prompt is empty; there is nothing to condition on"
+            )
+        if request.budget < 1:
+            raise ValueError(f"request {rid}: max_new_tokens={request.budget}; must be >= 1")
+        if n + request.budget > self.capacity:
+            raise ValueError(
+                f"request {rid}: prompt of {n} tokens + max_new_tokens={request.budget} exceeds "
+                f"the engine's context of {self.capacity} tokens; shorten or truncate the prompt, "
+                "lower max_new_tokens, or build the engine with a larger max_total_len"
+            )
+        if not 1 <= request.num_samples <= self.num_slots:
+            raise ValueError(
+                f"request {rid}: num_samples={request.num_samples} but the engine has "
+                f"{self.num_slots} decode slots; a group's samples decode side by side, so build "
+                "the engine with num_slots >= G (or split the group into several requests)"
+            )
+        self._ids.add(rid)
+        self._queue.append(request)
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Drops a queued request, or frees a running one's slots at the next refill (its result
+        is never handed out). Unknown or finished ids are ignored."""
+        if request_id in self._ids:
+            self._cancelled.add(request_id)
+
+    def generate(
+        self, params: nnx.State, requests: Iterable[Request], key: jax.Array
+    ) -> list[GroupResult]:
+        """Submits `requests`, runs them all, returns their results in submission order."""
+        order = [self.submit(r) for r in requests]
+        results = {g.request_id: g for g in self.run(params, key)}
+        return [results[rid] for rid in order if rid in results]
+
+    # --- the scheduling loop ------------------------------------------------------------------
+
+    def _static_sampling(self, sampling: SamplingConfig) -> SamplingConfig:
+        stops = sampling.stop_ids
+        if not sampling.ignore_eos:
+            stops = tuple(sorted(set(stops) | set(self.eos_ids)))
+        return dataclasses.replace(sampling, max_new_tokens=1, stop_ids=stops, ignore_eos=False)
+
+    def run(self, params: nnx.State, key: jax.Array) -> Iterator[GroupResult]:
+        """Decodes until the queue is empty, yielding each group as its last sample stops.
+
+        Requests may be submitted (or cancelled) while iterating; they join at the next refill.
+        `key` seeds all the noise (see the module docstring).
+        """
+        s_count, n_steps = self.num_slots, self.steps_per_call
+        key_data = np.asarray(jax.random.key_data(key))
+        if self._cache is None:
+            self._cache = self._call(self._init_cache)
+        # Host mirrors of the per-slot state (the device gets them each call: [S] int32 / bool).
+        owner: list[int | None] = [None] * s_count  # request id per slot
+        token = np.zeros(s_count, np.int32)
+        pos = np.zeros(s_count, np.int32)
+        index = np.zeros(s_count, np.int32)  # completion token index of the next draw
+        budget = np.ones(s_count, np.int32)
+        live = np.zeros(s_count, bool)
+        req_of = np.zeros(s_count, np.int32)
+        sample_of = np.zeros(s_count, np.int32)
+        running: dict[int, _Live] = {}
+        config: SamplingConfig | None = None
+
+        while self._queue or running:
+            # Cancelled requests leave the queue and free their slots.
+            for rid in list(self._cancelled):
+                self._cancelled.discard(rid)
+                self._ids.discard(rid)
+                self._queue = collections.deque(r for r in self._queue if r.request_id != rid)
+                if rid in running:
+                    for s in running.pop(rid).slots:
+                        owner[s], live[s] = None, False
+            if not running:
+                config = None
+            # Admit FIFO while G slots are free and the sampling config matches the running one.
+            free = [s for s in range(s_count) if owner[s] is None]
+            admitted: list[tuple[Request, list[int]]] = []
+            while self._queue:
+                head = self._queue[0]
+                head_config = self._static_sampling(head.sampling)
+                if config is not None and head_config != config:
+                    break
+                if head.num_samples > len(free):
+                    break
+                config = head_config
+                self._queue.popleft()
+                slots, free = free[: head.num_samples], free[head.num_samples :]
+                admitted.append((head, slots))
+            if admitted:
+                self._admit(params, admitted)
+                for request, slots in admitted:
+                    running[request.request_id] = _Live(
+                        request,
+                        slots,
+                        [[] for _ in slots],
+                        [[] for _ in slots],
+                        len(slots),
+                    )
+                    for g, s in enumerate(slots):
+                        owner[s], live[s] = request.request_id, True
+                        token[s], pos[s] = request.prompt[-1], len(request.prompt) - 1
+                        index[s], budget[s] = 0, request.budget
+                        req_of[s], sample_of[s] = request.request_id, g
+            if not running:
+                continue
+
+            # Pack live rows into the smallest slot bucket that holds them (a device copy of
+            # their cache rows), then decode over that bucket only.
+            state = [token, pos, index, budget, live, req_of, sample_of]
+            target = _bucket(int(live.sum()), self.active_buckets, s_count)
+            movers = [s for s in np.flatnonzero(live) if s >= target]
+            if movers:
+                holes = [s for s in range(target) if owner[s] is None][: len(movers)]
+                dest = np.full(s_count, s_count, np.int32)
+                src = np.zeros(s_count, np.int32)
+                dest[: len(movers)], src[: len(movers)] = holes, movers
+                self._cache = self._call(self._move, self._cache, dest, src)
+                for a, b in zip(movers, holes, strict=True):
+                    for x in state:
+                        x[b] = x[a]
+                    live[a], owner[b], owner[a] = False, owner[a], None
+                    group = running[owner[b]]
+                    group.slots[group.slots.index(a)] = b
+            active = _bucket(int(np.flatnonzero(live).max()) + 1, self.active_buckets, s_count)
+            span = _bucket(int(pos[live].max()) + n_steps, self.span_buckets, self.capacity)
+            self._cache, new_state, out = self._call(
+                self._decode,
+                params,
+                self._cache,
+                tuple(self._place(x[:active]) for x in state),
+                key_data,
+                sampling=config,
+                span=span,
+                active=active,
+            )
+            for x, new in zip(state, new_state, strict=True):
+                x[:active] = np.asarray(new)
+            token, pos, index, budget, live, req_of, sample_of = state
+            out_tokens, out_logprobs, out_valid = (np.asarray(x) for x in out)  # [N, active]
+            self.stats.decode_calls += 1
+            self.stats.slot_steps += n_steps * active
+            self.stats.kept_tokens += int(out_valid.sum())
+
+            for rid in list(running):
+                group = running[rid]
+                for g, s in enumerate(group.slots):
+                    if owner[s] != rid or s >= active:
+                        continue
+                    kept = out_valid[:, s]
+                    group.tokens[g].extend(out_tokens[kept, s].tolist())
+                    group.logprobs[g].extend(out_logprobs[kept, s].tolist())
+                    if not live[s]:
+                        owner[s] = None
+                        group.open_rows -= 1
+                if group.open_rows == 0:
+                    del running[rid]
+                    self._ids.discard(rid)
+                    if rid in self._cancelled:
+                        self._cancelled.discard(rid)
+                        continue
+                    yield self._result(group)
+
+    def _result(self, group: _Live) -> GroupResult:
+        g, n = len(group.slots), group.request.budget
+        tokens = np.full((g, n), self.pad_id, np.int32)
+        logprobs = np.zeros((g, n), np.float32)
+        mask = np.zeros((g, n), bool)
+        for row, (toks, lps) in enumerate(zip(group.tokens, group.logprobs, strict=True)):
+            tokens[row, : len(toks)], logprobs[row, : len(lps)], mask[row, : len(toks)] = (
+                toks,
+                lps,
+                True,
+            )
+        return GroupResult(group.request.request_id, tuple(group.request.prompt), tokens,
+                           logprobs, mask)  # fmt: skip
+
+    def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
+        """Prefills the admitted prompts (each once) and copies each into its G slots."""
+        lengths = [len(r.prompt) for r, _ in admitted]
+        width = _bucket(max(lengths), self.prompt_buckets, self.capacity)
+        batch = _bucket(len(admitted), _pow2_buckets(1, self.num_slots), self.num_slots)
+        tokens = np.full((batch, width), self.pad_id, np.int32)
+        valid = np.zeros((batch, width), bool)
+        dest = np.full(self.num_slots, self.num_slots, np.int32)  # out of range: dropped
+        src = np.zeros(self.num_slots, np.int32)
+        i = 0
+        for row, (request, slots) in enumerate(admitted):
+            tokens[row, : len(request.prompt)] = request.prompt
+            valid[row, : len(request.prompt)] = True
+            for s in slots:
+                dest[i], src[i] = s, row
+                i += 1
+        valid[len(admitted) :, 0] = True  # padding rows: one token, so softmax rows are defined
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += sum(lengths)
+        self.stats.prefill_padded_tokens += batch * width
+        self._cache = self._call(self._prefill, params, self._cache, tokens, valid, dest, src)
+
+    # --- device side --------------------------------------------------------------------------
+
+    def _call(self, fn, *args, **kwargs):
+        if self.mesh is None:
+            return fn(*args, **kwargs)
+        with jax.set_mesh(self.mesh), flax_spmd.logical_axis_rules(self.rules):
+            return fn(*args, **kwargs)
+
+    def _place(self, array: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(array)
+        spec = ax.logical_to_pspec((ax.ACT_BATCH,), self.rules)
+        return ax.place_host(array, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def _init_cache(self):
+        return jax.jit(
+            lambda: constrain_cache(init_cache(self.model_config, self.num_slots, self.capacity))
+        )()
+
+    def _prefill_impl(self, params, cache, tokens_pt, valid_pt, dest_s, src_s):
+        """Runs right-padded prompts `[P, T]` through the model into a fresh `[P, T]` cache, then
+        copies row `src_s[i]`'s first T positions into slot `dest_s[i]` (out of range: skipped)."""
+        self.stats.num_traces += 1
+        model: Transformer = nnx.merge(self.graphdef, params)
+        batch, width = tokens_pt.shape
+        fresh = constrain_cache(init_cache(self.model_config, batch, width))
+        _, fresh = model.hidden_states(
+            tokens_pt, positions_from_mask(valid_pt), causal_mask(valid_pt), fresh, 0
+        )
+        stacked = self.model_config.scan_layers  # caches [L, B, C, K, D]: slots on axis 1
+
+        def insert(full, new):
+            if stacked:
+                return full.at[:, dest_s, :width].set(new[:, src_s], mode="drop")
+            return full.at[dest_s, :width].set(new[src_s], mode="drop")
+
+        return constrain_cache(jax.tree.map(insert, cache, fresh))
+
+    def _move_impl(self, cache, dest_s, src_s):
+        """Copies slot `src_s[i]`'s cache row to slot `dest_s[i]` (out of range: skipped)."""
+        self.stats.num_traces += 1
+        if self.model_config.scan_layers:
+            return jax.tree.map(lambda c: c.at[:, dest_s].set(c[:, src_s], mode="drop"), cache)
+        return jax.tree.map(lambda c: c.at[dest_s].set(c[src_s], mode="drop"), cache)
+
+    def _decode_impl(
+        self, params, cache, state, key_data, *, sampling: SamplingConfig, span: int, active: int
+    ):
+        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`.
+
+        state: (token_s next input, pos_s its position = cache write index, index_s completion
+        index of the next draw, budget_s max_new_tokens, live_s, req_s, sample_s).
+        Returns (cache, state, (tokens_ns, logprobs_ns, kept_ns)).
+        """
+        self.stats.num_traces += 1
+        key = jax.random.wrap_key_data(key_data)
+        param_leaves, params_def = jax.tree.flatten(params)
+        stacked = self.model_config.scan_layers
+        seq_axis = 2 if stacked else 1
+
+        def cut(c):
+            c = jax.lax.slice_in_dim(c, 0, active, axis=seq_axis - 1)
+            return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
+
+        prefix = jax.tree.map(cut, cache)
+        stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
+        n = self.steps_per_call
+        s_count = active
+
+        def draw(logits_sv, req_s, sample_s, index_s):
+            def one(logits_v, r, g, t):
+                k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, r), g), t)
+                tok, lp = sample_tokens(logits_v[None], sampling, k)
+                return tok[0], lp[0]
+
+            return jax.vmap(one)(logits_sv, req_s, sample_s, index_s)
+
+        def body(i, carry):
+            prefix, state, outs = carry
+            token_s, pos_s, index_s, budget_s, live_s, req_s, sample_s = state
+            write_s = jnp.minimum(pos_s, span - 1)  # idle slots may run past; keep them in range
+            mask_s1l = (jnp.arange(span)[None, :] <= write_s[:, None])[:, None, :]
+            model: Transformer = nnx.merge(
+                self.graphdef, jax.tree.unflatten(params_def, param_leaves)
+            )
+            hidden, prefix = model.hidden_states(
+                token_s[:, None], write_s[:, None], mask_s1l, prefix, write_s
+            )
+            logits_sv = model.logits(hidden)[:, 0]
+            new_s, logprob_s = draw(logits_sv, req_s, sample_s, index_s)
+            kept_s = live_s
+            outs = (
+                outs[0].at[i].set(jnp.where(kept_s, new_s, self.pad_id)),
+                outs[1].at[i].set(jnp.where(kept_s, logprob_s, 0.0)),
+                outs[2].at[i].set(kept_s),
+            )
+            index_s = index_s + kept_s
+            stopped_s = jnp.isin(new_s, stop_ids) | (index_s >= budget_s)
+            state = (
+                jnp.where(kept_s, new_s, token_s),
+                pos_s + kept_s,
+                index_s,
+                budget_s,
+                live_s & ~stopped_s,
+                req_s,
+                sample_s,
+            )
+            return prefix, state, outs
+
+        outs = (
+            jnp.full((n, s_count), self.pad_id, jnp.int32),
+            jnp.zeros((n, s_count), jnp.float32),
+            jnp.zeros((n, s_count), bool),
+        )
+        prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
+        cache = jax.tree.map(
+            lambda c, p: jax.lax.dynamic_update_slice(c, p, (0,) * c.ndim), cache, prefix
+        )
+        return constrain_cache(cache), state, outs

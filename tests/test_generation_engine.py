@@ -1,0 +1,242 @@
+"""The continuous-batching engine: greedy parity with transformers.generate and the static Sampler
+(groups, requests arriving mid-decode, scanned layers), exact behaviour log-probs while slots
+refill, results independent of slot count and arrival order, one prefill per group, bounded
+compilation, bad input and cancellation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_fixtures import save_tiny_checkpoint
+
+from jaxrl.generation.engine import Engine, Request
+from jaxrl.generation.sampler import Sampler
+from jaxrl.generation.sampling import SamplingConfig, processed_logprobs
+from jaxrl.models import hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 40]]
+BUDGETS = [24, 9, 17, 30]  # per-request max_new_tokens: rows finish at different steps
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = ModelConfig("llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128)
+    return Transformer(config, rngs=nnx.Rngs(0), init_std=0.3)
+
+
+def _requests(sampling, prompts=PROMPTS, budgets=BUDGETS, samples=2, first_id=0):
+    return [
+        Request(first_id + i, p, samples, sampling, max_new_tokens=b)
+        for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+
+
+def _run_with_late_arrivals(engine, params, early, late, key):
+    """Submits `early`, starts decoding, and submits `late` once the first group is out (so they
+    join while the other rows are mid-decode). Returns {request_id: GroupResult}."""
+    for r in early:
+        engine.submit(r)
+    results = {}
+    for group in engine.run(params, key):
+        if not results:
+            for r in late:
+                engine.submit(r)
+        results[group.request_id] = group
+    return results
+
+
+def _hf_greedy(torch_model, prompts, new_tokens):
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    attention = np.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :], attention[row, width - len(p) :] = p, 1
+    out = torch_model.generate(
+        torch.tensor(ids),
+        attention_mask=torch.tensor(attention),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=2,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[:, width:].numpy(), out.scores
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_greedy_matches_transformers_and_sampler_with_groups_and_late_arrivals(scan, tmp_path):
+    torch_model = save_tiny_checkpoint(tmp_path, "llama3")
+    model = hf.load_model(str(tmp_path), scan_layers=scan)
+    greedy = SamplingConfig(max(BUDGETS), greedy=True)
+    engine, params = Engine.for_model(model, num_slots=4, steps_per_call=4)
+    requests = _requests(greedy, samples=2)
+    with jax.default_matmul_precision("highest"):
+        ours = _run_with_late_arrivals(
+            engine, params, requests[:2], requests[2:], jax.random.key(0)
+        )
+        static = Sampler.for_model(model)[0].generate(params, PROMPTS, greedy, jax.random.key(0))
+    assert engine.stats.prefill_calls >= 2  # the late requests were prefilled mid-run
+    ref_tokens, scores = _hf_greedy(torch_model, PROMPTS, max(BUDGETS))
+    compared = 0
+    for i, budget in enumerate(BUDGETS):
+        group = ours[i]
+        assert group.tokens_gn.shape == (2, budget)
+        # Both samples of a greedy group are the same completion.
+        np.testing.assert_array_equal(group.tokens_gn[0], group.tokens_gn[1])
+        n = int(group.lengths_g[0])
+        # The static sampler (same stops, longer budget) agrees token for token over our rows.
+        np.testing.assert_array_equal(group.tokens_gn[0, :n], static.tokens_bn[i, :n])
+        np.testing.assert_allclose(group.logprobs_gn[0, :n], static.logprobs_bn[i, :n], atol=1e-5)
+        ref = list(ref_tokens[i])
+        ref_len = min(budget, ref.index(2) + 1 if 2 in ref[:budget] else budget)
+        assert n == ref_len, (i, n, ref_len)
+        for t in range(n):
+            if group.tokens_gn[0, t] != ref[t]:  # allowed only at a float near-tie
+                top2 = torch.topk(scores[t][i], 2).values.numpy()
+                assert float(top2[0] - top2[1]) < 1e-5, (i, t)
+                break
+            compared += 1
+    assert compared > 40  # the comparison covered real tokens
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(32, temperature=1.0),
+        SamplingConfig(32, temperature=0.7, top_k=5),
+        SamplingConfig(32, temperature=1.3, top_p=0.8),
+    ],
+    ids=["t1", "t0.7-topk5", "t1.3-topp0.8"],
+)
+def test_logprobs_equal_teacher_forced_forward_while_slots_refill(tiny_model, sampling):
+    engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
+                                      steps_per_call=3)  # fmt: skip
+    requests = _requests(sampling, samples=2) + _requests(
+        sampling, [p[::-1] for p in PROMPTS], BUDGETS[::-1], samples=2, first_id=10
+    )
+    with jax.default_matmul_precision("highest"):
+        results = engine.generate(params, requests, jax.random.key(3))
+        assert engine.stats.prefill_calls >= 4  # 8 groups of 2 through 4 slots: refills
+        rows = [
+            (list(g.prompt), g.tokens_gn[s], g.logprobs_gn[s], g.mask_gn[s])
+            for g in results
+            for s in range(2)
+        ]
+        # One unpadded row per forward: XLA:CPU's fp32 rounding changes with the batch shape
+        # (a padded [16, 38] batch differs from the same rows alone by up to 2e-5 on this
+        # large-logit model).
+        forward = jax.jit(lambda tokens: processed_logprobs(tiny_model(tokens), sampling))
+        forced = [np.asarray(forward(jnp.asarray([p + list(t)])))[0] for p, t, _, _ in rows]
+    worst, kept = 0.0, 0
+    for row, (p, t, lp, m) in enumerate(rows):
+        ref = forced[row][np.arange(len(p) - 1, len(p) - 1 + len(t)), t]
+        worst = max(worst, float(np.abs(np.where(m, ref - lp, 0.0)).max()))
+        kept += int(m.sum())
+    assert worst <= 1e-5, worst
+    assert kept == sum(BUDGETS) * 4  # no EOS: every row used its whole budget
+
+
+def test_same_tokens_with_4_or_32_slots_in_either_arrival_order(tiny_model):
+    sampling = SamplingConfig(32, temperature=1.0, top_k=20)
+    prompts = PROMPTS + [[1, 3, 4], [1, 50, 51, 52, 53], [1, 7]]
+    budgets = BUDGETS + [5, 31, 12]
+    requests = _requests(sampling, prompts, budgets, samples=3)
+    runs = {}
+    for slots in (4, 32):
+        for name, order in (("fifo", requests), ("reversed", requests[::-1])):
+            engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=slots,
+                                              steps_per_call=5, span_buckets=(64,))  # fmt: skip
+            out = engine.generate(params, order, jax.random.key(11))
+            runs[slots, name] = {g.request_id: g for g in out}
+    first = runs[4, "fifo"]
+    for (slots, _), other in runs.items():
+        for rid, g in first.items():
+            np.testing.assert_array_equal(other[rid].tokens_gn, g.tokens_gn)
+            np.testing.assert_array_equal(other[rid].mask_gn, g.mask_gn)
+            if slots == 4:  # same shapes, another arrival order and other slots: bitwise
+                np.testing.assert_array_equal(other[rid].logprobs_gn, g.logprobs_gn)
+            else:
+                # Another slot count changes the matmul shapes, and XLA:CPU's fp32 rounding with
+                # them (4.5e-6 at most here, on logits of magnitude ~10).
+                np.testing.assert_allclose(other[rid].logprobs_gn, g.logprobs_gn, atol=1e-5)
+    for rid, g in runs[32, "fifo"].items():
+        np.testing.assert_array_equal(runs[32, "reversed"][rid].logprobs_gn, g.logprobs_gn)
+    # Negative control: another seed changes the tokens (the comparison can fail).
+    engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
+                                      steps_per_call=5, span_buckets=(64,))  # fmt: skip
+    other_seed = {g.request_id: g for g in engine.generate(params, requests, jax.random.key(12))}
+    assert any((other_seed[r].tokens_gn != g.tokens_gn).any() for r, g in first.items())
+    # The G samples of one request differ from each other (noise is keyed by the sample index).
+    assert all((g.tokens_gn[0] != g.tokens_gn[1]).any() for g in first.values())
+
+
+def test_a_group_costs_one_prompt_prefill(tiny_model):
+    sampling = SamplingConfig(4, temperature=1.0)
+    counts = {}
+    for samples in (1, 4):
+        engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=8)
+        engine.generate(params, _requests(sampling, budgets=[4] * 4, samples=samples),
+                        jax.random.key(0))  # fmt: skip
+        counts[samples] = engine.stats.prefill_tokens
+        assert engine.stats.kept_tokens == 4 * 4 * samples
+    assert counts[1] == counts[4] == sum(map(len, PROMPTS)), counts
+    # The static sampler, given the same group as G rows, prefills the prompt G times.
+    assert 4 * counts[1] > counts[4]
+
+
+def test_compiled_programs_are_bounded_by_the_buckets(tiny_model):
+    engine, params = Engine.for_model(
+        tiny_model, pad_id=0, eos_ids=(), num_slots=4, prompt_buckets=(8, 16), span_buckets=(64,)
+    )
+    rng = np.random.default_rng(0)
+    requests = [
+        Request(i, list(rng.integers(1, 60, size=int(rng.integers(1, 17)))), 1,
+                SamplingConfig(8, greedy=True), max_new_tokens=int(rng.integers(1, 9)))
+        for i in range(24)
+    ]  # fmt: skip
+    engine.generate(params, requests, jax.random.key(0))
+    # prefill: (batch bucket 1, 2, 4) x (prompt bucket 8, 16) at most; decode: one span.
+    assert engine.stats.num_traces <= 3 * 2 + 1, engine.stats.num_traces
+
+
+def test_bad_input_is_refused_and_cancelled_requests_free_their_slots(tiny_model):
+    engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
+                                      max_total_len=40)  # fmt: skip
+    sampling = SamplingConfig(6, temperature=1.0)
+    with pytest.raises(ValueError, match="request 0: the prompt is empty"):
+        engine.submit(Request(0, [], 1, sampling))
+    with pytest.raises(ValueError, match="prompt of 38 tokens.*context of 40.*truncate"):
+        engine.submit(Request(1, [3] * 38, 1, sampling))
+    with pytest.raises(ValueError, match="num_samples=5 but the engine has 4 decode slots"):
+        engine.submit(Request(2, [1, 2], 5, sampling))
+    engine.submit(Request(3, [1, 2], 1, sampling))
+    with pytest.raises(ValueError, match="request id 3 is already queued"):
+        engine.submit(Request(3, [1, 4], 1, sampling))
+    engine.cancel(3)  # a queued request: dropped before it runs
+    assert engine.generate(params, [], jax.random.key(0)) == []
+
+    # A running request cancelled mid-decode: its slots go to the next request, whose result is
+    # what it would have been alone.
+    long_a, long_b = Request(10, [1, 5, 6], 2, sampling, 30), Request(11, [1, 7], 4, sampling, 30)
+    short, last = Request(12, [1, 8, 9], 2, sampling, 3), Request(13, [1, 9], 2, sampling, 5)
+    alone, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
+                                     max_total_len=40)  # fmt: skip
+    expected = {g.request_id: g for g in alone.generate(params, [long_b, last], jax.random.key(1))}
+    for r in (long_a, short, long_b, last):
+        engine.submit(r)
+    results = {}
+    for group in engine.run(params, jax.random.key(1)):
+        results[group.request_id] = group
+        if group.request_id == 12:  # long_a is mid-decode in the other two slots
+            engine.cancel(10)
+    assert sorted(results) == [11, 12, 13]
+    for rid in (11, 13):
+        np.testing.assert_array_equal(results[rid].tokens_gn, expected[rid].tokens_gn)
+    assert engine.stats.kept_tokens < 2 * 30 + 2 * 3 + 4 * 30 + 2 * 5  # long_a stopped early
