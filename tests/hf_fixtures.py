@@ -96,3 +96,24 @@ def reference_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
             position_ids=torch.tensor(positions),
         )
     return out.logits.float().numpy()
+
+
+def hf_greedy(torch_model, prompts, new_tokens):
+    """`transformers.generate` greedy on left-padded `prompts` (eos 2, pad 0): the new tokens
+    `[B, <= new_tokens]` and the per-step scores."""
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    attention = np.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :], attention[row, width - len(p) :] = p, 1
+    out = torch_model.generate(
+        torch.tensor(ids),
+        attention_mask=torch.tensor(attention),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=2,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[:, width:].numpy(), out.scores

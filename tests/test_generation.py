@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_fixtures import save_tiny_checkpoint
+from hf_fixtures import hf_greedy, save_tiny_checkpoint
 
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig, mask_logits, processed_logprobs
@@ -32,22 +32,7 @@ def test_greedy_matches_transformers_generate(kind, tmp_path):
             params, PROMPTS, SamplingConfig(NEW_TOKENS, greedy=True), jax.random.key(0)
         )
 
-    width = max(map(len, PROMPTS))
-    ids = np.zeros((len(PROMPTS), width), np.int64)
-    attention = np.zeros_like(ids)
-    for row, p in enumerate(PROMPTS):
-        ids[row, width - len(p) :], attention[row, width - len(p) :] = p, 1
-    ref = torch_model.generate(
-        torch.tensor(ids),
-        attention_mask=torch.tensor(attention),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=2,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    ref_tokens = ref.sequences[:, width:].numpy()
+    ref_tokens, ref_scores = hf_greedy(torch_model, PROMPTS, NEW_TOKENS)
     gaps = []  # the reference's top-2 logit gap at each compared step
     for row in range(len(PROMPTS)):
         for t in range(NEW_TOKENS):
@@ -56,7 +41,7 @@ def test_greedy_matches_transformers_generate(kind, tmp_path):
             assert ours_done == theirs_done, (kind, row, t)
             if ours_done:
                 break
-            top2 = torch.topk(ref.scores[t][row], 2).values.numpy()
+            top2 = torch.topk(ref_scores[t][row], 2).values.numpy()
             gaps.append(float(top2[0] - top2[1]))
             assert out.tokens_bn[row, t] == ref_tokens[row, t], (kind, row, t, gaps[-1])
     # Token-identical, exactly. Float rounding could legitimately pick the other token only at

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_fixtures import save_tiny_checkpoint
+from hf_fixtures import hf_greedy, save_tiny_checkpoint
 
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampler import Sampler
@@ -51,25 +51,6 @@ def _run_with_late_arrivals(engine, params, early, late, key):
     return results
 
 
-def _hf_greedy(torch_model, prompts, new_tokens):
-    width = max(map(len, prompts))
-    ids = np.zeros((len(prompts), width), np.int64)
-    attention = np.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :], attention[row, width - len(p) :] = p, 1
-    out = torch_model.generate(
-        torch.tensor(ids),
-        attention_mask=torch.tensor(attention),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=2,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    return out.sequences[:, width:].numpy(), out.scores
-
-
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_greedy_matches_transformers_and_sampler_with_groups_and_late_arrivals(scan, tmp_path):
     torch_model = save_tiny_checkpoint(tmp_path, "llama3")
@@ -83,7 +64,7 @@ def test_greedy_matches_transformers_and_sampler_with_groups_and_late_arrivals(s
         )
         static = Sampler.for_model(model)[0].generate(params, PROMPTS, greedy, jax.random.key(0))
     assert engine.stats.prefill_calls >= 2  # the late requests were prefilled mid-run
-    ref_tokens, scores = _hf_greedy(torch_model, PROMPTS, max(BUDGETS))
+    ref_tokens, scores = hf_greedy(torch_model, PROMPTS, max(BUDGETS))
     compared = 0
     for i, budget in enumerate(BUDGETS):
         group = ours[i]

@@ -551,6 +551,24 @@ def keep_torch_out() -> None:
         sys.modules["torch"] = None  # the import system's "not importable" marker
 
 
+def import_user_callable(name: str, what: str) -> Callable:
+    """The callable `"package.module:attribute"` names (a user's reward, task factory, ...),
+    with an error naming `what` it was for and the fix when it cannot be imported."""
+    import importlib
+
+    module_name, _, attribute = name.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise KeyError(
+            f"{what} {name!r}: cannot import {attribute!r} from {module_name!r} ({e}"
+            f"{torch_hint(e)}); is the module's directory on PYTHONPATH?"
+        ) from None
+    if not callable(found):
+        raise TypeError(f"{what} {name!r} is not callable")
+    return found
+
+
 def torch_hint(error: BaseException) -> str:
     """A note for an ImportError caused by `keep_torch_out` (empty for any other error)."""
     if (

@@ -27,7 +27,6 @@ Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`) a
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -103,19 +102,9 @@ def get_reward(name: str) -> RewardFunction:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
-        module_name, _, attribute = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as e:
-            from jaxrl.infra.config import torch_hint
+        from jaxrl.infra.config import import_user_callable
 
-            raise KeyError(
-                f"reward {name!r}: cannot import {attribute!r} from {module_name!r} ({e}"
-                f"{torch_hint(e)})"
-            ) from None
-        if not callable(fn):
-            raise TypeError(f"reward {name!r} is not callable")
-        return fn
+        return import_user_callable(name, "reward")
     raise KeyError(
         f"unknown reward {name!r}; registered: {list_rewards()} (or name a function as "
         "'package.module:function')"

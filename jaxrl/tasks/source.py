@@ -25,7 +25,6 @@ Built-ins: "arithmetic" (`ArithmeticSource`) and "math_jsonl" (`JsonlMathSource`
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -121,20 +120,9 @@ def get_task(name: str) -> TaskFactory:
     if name in _TASKS:
         return _TASKS[name]
     if ":" in name:
-        module_name, _, attribute = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as e:
-            from jaxrl.infra.config import torch_hint
+        from jaxrl.infra.config import import_user_callable
 
-            raise KeyError(
-                f"task {name!r}: cannot import {attribute!r} from {module_name!r} ({e}"
-                f"{torch_hint(e)}); is the "
-                "module's directory on PYTHONPATH?"
-            ) from None
-        if not callable(factory):
-            raise TypeError(f"task {name!r} is not callable")
-        return factory
+        return import_user_callable(name, "task")
     raise KeyError(
         f"unknown task {name!r}; registered: {list_tasks()}. Register yours with "
         "`@register_task(name)` in a module the gin file imports (`import my_module`), or name "
