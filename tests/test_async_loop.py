@@ -53,14 +53,16 @@ def xla_cache(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "async_xla_cache")
 
 
-def _flags(workdir, params):
-    flags = ["--gin_file", CONFIG, "--workdir", str(workdir)]
+def _flags(workdir, params, config=CONFIG):
+    flags = ["--gin_file", config, "--workdir", str(workdir)]
     for p in params:
         flags += ["--gin_param", p]
     return flags
 
 
-def _start(workdir, cache, params=(), fault=None, entry=("-m", "launch.rl"), mark=None):
+def _start(
+    workdir, cache, params=(), fault=None, entry=("-m", "launch.rl"), mark=None, config=CONFIG
+):
     env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
     env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
     env["JAX_COMPILATION_CACHE_DIR"] = cache
@@ -70,7 +72,7 @@ def _start(workdir, cache, params=(), fault=None, entry=("-m", "launch.rl"), mar
     if mark:
         env[MARK_ENV] = str(mark)
     return subprocess.Popen(
-        [sys.executable, *entry, *_flags(workdir, TINY + list(params))],
+        [sys.executable, *entry, *_flags(workdir, TINY + list(params), config)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

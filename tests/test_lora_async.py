@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from test_async_loop import TINY, _last_records
+from test_async_loop import _finish, _last_records, _start
 
 from jaxrl import lora as lora_lib
 from jaxrl.models import hf
@@ -28,24 +26,8 @@ LORA_CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny_lora.gin")
 
 def _run(workdir, cache, base, fault=None):
     """`launch.rl` on the LoRA config with the async tests' six-step schedule, from `base`."""
-    params = [*TINY, f"PolicySpec.init_from = '{base}'", "OptimizerConfig.learning_rate = 3e-2"]
-    flags = ["--gin_file", LORA_CONFIG, "--workdir", str(workdir)]
-    for p in params:
-        flags += ["--gin_param", p]
-    env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
-    env["JAX_COMPILATION_CACHE_DIR"] = cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    if fault:
-        env["JAXRL_FAULT"] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "launch.rl", *flags],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    params = [f"PolicySpec.init_from = '{base}'", "OptimizerConfig.learning_rate = 3e-2"]
+    return _finish(_start(workdir, cache, params, fault, config=LORA_CONFIG))
 
 
 def _adapters(workdir, step=None):
