@@ -91,6 +91,11 @@ class RLConfig:
         staler batches are dropped and counted. Fixed lag needs max_staleness >= lag.
       queue_size: scored batches the queue holds (fixed lag needs >= lag).
       stall_timeout_s: the trainer gives up (TimeoutError) after waiting this long for rollouts.
+
+    pack_length: > 0 trains on padding-free batches: each rollout's prompt and completion packed
+      into rows of this many tokens (`jaxrl.rl.packing`; at least the longest prompt plus
+      `max_new_tokens`); 0 trains on padded `[prompts x (prompt bucket + max_new_tokens)]`
+      rectangles.
     """
 
     mode: str = "sync"
@@ -113,6 +118,7 @@ class RLConfig:
     max_staleness: int = 1
     queue_size: int = 2
     stall_timeout_s: float = 900.0
+    pack_length: int = 0
 
     def validate(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -147,6 +153,10 @@ class RLConfig:
                 raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 1")
         if not self.temperature > 0:
             raise ValueError(f"RLConfig.temperature={self.temperature} must be > 0")
+        if self.pack_length < 0:
+            raise ValueError(
+                f"RLConfig.pack_length={self.pack_length}: use 0 (padded) or a row length"
+            )
 
     @property
     def batch_size(self) -> int:

@@ -39,7 +39,9 @@ class SFTConfig:
     (padded to `seq_len` tokens), evaluated greedily on `eval_size` held-out problems.
     `num_demonstrations` > 0 limits the demonstrations to a pool of that many worked problems,
     cycled (a scarce-data warm start); 0 draws fresh ones from the task's unlimited stream.
-    Without a terminal, a progress line every `log_every_steps` steps."""
+    Without a terminal, a progress line every `log_every_steps` steps. `pack_length` > 0 packs
+    each batch's demonstrations (up to their last answer token) into rows of that many tokens
+    (`jaxrl.rl.packing`; at most `seq_len` is needed)."""
 
     steps: int = 300
     batch_size: int = 64
@@ -56,6 +58,7 @@ class SFTConfig:
     seed: int = 0
     num_demonstrations: int = 0
     log_every_steps: int = 50
+    pack_length: int = 0
 
     def validate(self) -> None:
         if self.num_demonstrations < 0:
@@ -108,6 +111,7 @@ def run_sft(
         TRAINER_RULES,
         optimizer,
         grad_accum_steps=config.optimizer.grad_accum_steps,
+        pack_length=config.pack_length,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
     io = RunIO(

@@ -29,6 +29,12 @@ from jaxrl.rl import (
     make_loss,
 )
 from jaxrl.rl.logprobs import token_logprobs, token_logprobs_and_entropy
+from jaxrl.rl.packing import (
+    PackedRolloutBatch,
+    pack_rollout_batch,
+    pack_sft_batch,
+    segment_mask,
+)
 
 Params = dict  # nested dict of arrays, as nnx.to_pure_dict returns
 
@@ -232,13 +238,17 @@ def _apply(state: TrainState, grads, optimizer) -> tuple[TrainState, dict]:
 def sft_loss(graphdef, params: Params, batch: dict, vocab_chunk_size: int | None):
     """Mean next-token cross-entropy over `loss_mask_bs` (targets at s, predicted from s-1).
 
-    batch: `tokens_bs` int32, `loss_mask_bs` bool (True on tokens the model must emit).
+    batch: `tokens_bs` int32, `loss_mask_bs` bool (True on tokens the model must emit); packed
+    (`jaxrl.rl.packing.pack_sft_batch`) it also holds `segment_bs` and `positions_bs`.
     """
     model: Transformer = nnx.merge(graphdef, params)
     tokens, loss_mask = batch["tokens_bs"], batch["loss_mask_bs"]
-    valid = tokens != -1  # every column is attended: right padding follows the targets
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    hidden, _ = model.hidden_states(tokens, positions, sequence_mask(valid))
+    if "segment_bs" in batch:
+        mask_bss, positions = segment_mask(batch["segment_bs"]), batch["positions_bs"]
+    else:  # every column is attended: right padding follows the targets
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        mask_bss = sequence_mask(tokens != -1)
+    hidden, _ = model.hidden_states(tokens, positions, mask_bss)
     logprobs = token_logprobs(
         hidden[:, :-1], model.unembedding(), tokens[:, 1:], vocab_chunk_size=vocab_chunk_size
     )
@@ -278,12 +288,22 @@ def sft_step(
 
 
 def completion_logprobs(
-    model: Transformer, batch: RolloutBatch, loss: LossConfig, with_entropy: bool
+    model: Transformer,
+    batch: RolloutBatch | PackedRolloutBatch,
+    loss: LossConfig,
+    with_entropy: bool,
+    pack_groups: int = 1,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`."""
-    tokens, mask, positions = batch.sequence()
-    hidden, _ = model.hidden_states(tokens, positions, sequence_mask(mask))
-    hidden_btd = batch.completion_hidden(hidden)
+    """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`; a packed
+    batch is gathered from its `pack_groups` groups (`jaxrl.rl.packing`)."""
+    if isinstance(batch, PackedRolloutBatch):
+        mask_rll = segment_mask(batch.segment_rl)
+        hidden, _ = model.hidden_states(batch.tokens_rl, batch.positions_rl, mask_rll)
+        hidden_btd = batch.completion_hidden(hidden, pack_groups)
+    else:
+        tokens, mask, positions = batch.sequence()
+        hidden, _ = model.hidden_states(tokens, positions, sequence_mask(mask))
+        hidden_btd = batch.completion_hidden(hidden)
     chunk = loss.vocab_chunk_size or None
     if with_entropy:
         return token_logprobs_and_entropy(
@@ -303,13 +323,17 @@ def completion_logprobs(
     return logprobs, None
 
 
-def rl_loss(graphdef, params: Params, micro: dict, loss: LossConfig):
-    """The configured policy loss on one micro-batch; `micro` holds the RolloutBatch fields plus
+def rl_loss(
+    graphdef, params: Params, micro: dict, loss: LossConfig, batch_type=RolloutBatch, groups=1
+):
+    """The configured policy loss on one micro-batch; `micro` holds the fields of `batch_type`
+    (`RolloutBatch` or `PackedRolloutBatch`, packed in `groups` groups per micro-batch) plus
     `advantages_b` (computed on the whole batch, since groups span micro-batches) and, with a KL
     term, `ref_logprobs_bt`."""
     model: Transformer = nnx.merge(graphdef, params)
-    batch = RolloutBatch(**{k: v for k, v in micro.items() if k in _BATCH_FIELDS})
-    logprobs, entropy = completion_logprobs(model, batch, loss, loss.entropy_coef > 0)
+    names = {f.name for f in dataclasses.fields(batch_type)}
+    batch = batch_type(**{k: v for k, v in micro.items() if k in names})
+    logprobs, entropy = completion_logprobs(model, batch, loss, loss.entropy_coef > 0, groups)
     inputs = PolicyLossInputs(
         logprobs_bt=logprobs,
         behaviour_logprobs_bt=batch.behaviour_logprobs_bt,
@@ -321,12 +345,9 @@ def rl_loss(graphdef, params: Params, micro: dict, loss: LossConfig):
     return loss.make_loss()(inputs)
 
 
-_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
-
-
 def rl_step(
     state: TrainState,
-    batch: RolloutBatch,
+    batch: RolloutBatch | PackedRolloutBatch,
     ref_params: Params | None,
     base: Params | None = None,
     *,
@@ -334,8 +355,12 @@ def rl_step(
     optimizer,
     loss: LossConfig,
     grad_accum_steps: int,
+    pack_shards: int = 1,
 ):
     """One optimizer update on a batch of scored rollouts.
+
+    A `PackedRolloutBatch` must be packed in `grad_accum_steps x pack_shards` groups (each
+    micro-batch's rollouts with their own rows, split over `pack_shards` data-parallel devices).
 
     The frozen reference policy (KL term) lives on the trainer mesh with the params' sharding:
     one extra forward pass per step and one more copy of the params in memory. With LoRA
@@ -351,7 +376,9 @@ def rl_step(
         ref_params = _with_base(base, lora_lib.zero_adapters(state.params))
     if ref_params is not None and loss.kl_coef > 0:
         ref_model = nnx.merge(graphdef, ref_params)
-        ref_logprobs, _ = completion_logprobs(ref_model, batch, loss, with_entropy=False)
+        ref_logprobs, _ = completion_logprobs(
+            ref_model, batch, loss, False, grad_accum_steps * pack_shards
+        )
         micro_all["ref_logprobs_bt"] = jax.lax.stop_gradient(ref_logprobs)
     micro = _split_micro(micro_all, grad_accum_steps)
     # Micro-batch m's share of the normaliser: its tokens ("tokens") or its non-empty rows
@@ -363,7 +390,7 @@ def rl_step(
         counts_m = jnp.sum(_split_micro(rows_b, grad_accum_steps), axis=1)
     counts_m = counts_m.astype(jnp.float32)
     weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
-    loss_fn = lambda p, m: rl_loss(graphdef, _with_base(base, p), m, loss)
+    loss_fn = lambda p, m: rl_loss(graphdef, _with_base(base, p), m, loss, type(batch), pack_shards)
     grads, metrics = _accumulate(loss_fn, state.params, micro, weights_m)
     state, opt_metrics = _apply(state, grads, optimizer)
     metrics = metrics | opt_metrics
@@ -382,6 +409,11 @@ class Trainer:
     `state_shardings` lay params and optimizer state out as `rules` say (FSDP x TP by default);
     batches are split along the batch axis; metrics come back replicated.
 
+    Packing (`pack_length` > 0): each batch is packed on the host into rows of `pack_length`
+    tokens with segment ids before it is placed (`jaxrl.rl.packing`: no FLOPs on padding, the
+    loss unchanged), one packing group per micro-batch and data-parallel device; a sequence
+    longer than `pack_length` is an error.
+
     LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
     optimizer state and checkpoints cover the adapters; the frozen base lives in
     `self.base_params` (laid out as a full model's params, set by `init` or `set_base`) and
@@ -399,8 +431,13 @@ class Trainer:
         loss: LossConfig | None = None,
         vocab_chunk_size: int | None = None,
         lora: lora_lib.LoraConfig | None = None,
+        pack_length: int = 0,
     ):
+        if pack_length < 0:
+            raise ValueError(f"pack_length={pack_length}: use 0 (padded batches) or a row length")
         self.model_config, self.mesh, self.rules = model_config, mesh, rules
+        self.pack_length, self.grad_accum_steps = pack_length, grad_accum_steps
+        self.pack_shards = ax.batch_split(mesh, rules)
         self.optimizer = optimizer
         self.loss = loss or LossConfig()
         self.lora = lora
@@ -431,7 +468,9 @@ class Trainer:
             donate_argnums=0,
         )
         self._rl = jax.jit(
-            lambda s, b, r, base: rl_step(s, b, r, base, loss=self.loss, **common),
+            lambda s, b, r, base: rl_step(
+                s, b, r, base, loss=self.loss, pack_shards=self.pack_shards, **common
+            ),
             in_shardings=(self.state_shardings, None, None, None),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=0,
@@ -544,12 +583,21 @@ class Trainer:
     def _context(self):
         return ax.sharding_context(self.mesh, self.rules)
 
+    def _pack_groups(self) -> int:
+        return self.grad_accum_steps * self.pack_shards
+
     def sft_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        if self.pack_length:
+            batch = pack_sft_batch(batch, self.pack_length, self._pack_groups())
         with self._context():
             return self._sft(state, self.place_batch(batch), self._base())
 
     def rl_step(
         self, state: TrainState, batch: RolloutBatch, ref_params: Params | None = None
     ) -> tuple[TrainState, dict]:
+        """One update on `batch` (host arrays, as `collate_rollouts` makes them; packed here
+        when the trainer packs)."""
+        if self.pack_length and isinstance(batch, RolloutBatch):
+            batch = pack_rollout_batch(batch, self.pack_length, self._pack_groups())
         with self._context():
             return self._rl(state, self.place_batch(batch), ref_params, self._base())

@@ -181,6 +181,7 @@ def rl_main(
         grad_accum_steps=optimizer.grad_accum_steps,
         loss=loss,
         lora=lora,
+        pack_length=rl.pack_length,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
     if lora is not None:

@@ -29,3 +29,16 @@ def test_bench_trainer_scale_smoke(capsys):
     assert compiled[0]["hlo_instructions"] == compiled[1]["hlo_instructions"]  # one layer body
     memory = {r["policy"]: r["temp_mb"] for r in rows if r["bench"] == "trainer_memory"}
     assert memory["full"] < memory["none"]
+
+
+def test_bench_packing_smoke(capsys):
+    """Packed and padded layouts of the same long-tailed rollouts: the same loss, fewer tokens
+    and XLA FLOPs through the model."""
+    from bench import packing
+
+    rows = {r["layout"][:6]: r for r in packing.main(["--smoke"])}
+    padded, packed = rows["padded"], rows["packed"]
+    assert padded["step_s"] > 0 and packed["step_s"] > 0
+    assert abs(packed["loss"] - padded["loss"]) <= 1e-5 * abs(padded["loss"]) + 1e-6
+    assert packed["model_tokens"] < padded["model_tokens"] / 2
+    assert packed["gflop"] < padded["gflop"] / 2

@@ -302,6 +302,15 @@ def place_host(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(one, tree, shardings)
 
 
+def batch_split(mesh: Mesh, rules: LogicalRules) -> int:
+    """How many ways the `act_batch` rule splits a batch's leading axis on `mesh`."""
+    batch_axes = dict(rules)[ACT_BATCH]
+    names = (
+        () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    )
+    return math.prod(mesh.shape[a] for a in names)
+
+
 def batch_shardings(abstract_batch: Any, mesh: Mesh, rules: LogicalRules) -> Any:
     """Shardings that split every leaf's leading (batch) axis as the `act_batch` rule says.
 
@@ -309,11 +318,8 @@ def batch_shardings(abstract_batch: Any, mesh: Mesh, rules: LogicalRules) -> Any
     (checked here, with the leaf named, rather than failing inside XLA).
     """
     check_rules_fit_mesh(rules, mesh)
-    batch_axes = dict(rules)[ACT_BATCH]
-    names = (
-        () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-    )
-    split = math.prod(mesh.shape[a] for a in names)
+    split = batch_split(mesh, rules)
+    names = dict(rules)[ACT_BATCH]
 
     def one(path, leaf):
         if not leaf.shape:
