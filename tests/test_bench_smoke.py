@@ -42,3 +42,15 @@ def test_bench_packing_smoke(capsys):
     assert abs(packed["loss"] - padded["loss"]) <= 1e-5 * abs(padded["loss"]) + 1e-6
     assert packed["model_tokens"] < padded["model_tokens"] / 2
     assert packed["gflop"] < padded["gflop"] / 2
+
+
+def test_bench_rl_step_smoke():
+    """The one-core sync step runs from this tree in a pinned subprocess, and XLA's FLOPs for its
+    train step agree with the hand count of forward + backward for the same tokens (within 25%:
+    the count leaves out norms, softmax, the optimizer)."""
+    from bench import rl_step
+
+    (row,) = rl_step.main(["--smoke"])
+    assert row["step_s"] > 0 and row["train_s"] > 0 and row["generate_s"] > 0
+    assert 0.75 <= row["xla_gflop"] / row["minimal_gflop"] <= 1.25, row
+    assert row["matmul_peak_gflops"] > row["achieved_gflops"] > 0
