@@ -33,11 +33,7 @@ def _fault() -> tuple[str, int] | None:
         return None
     fault, _, process = spec.partition("@")
     kind, _, step = fault.partition("=")
-    if (
-        kind not in KINDS
-        or not step.isdigit()
-        or (process and not process.isdigit())
-    ):
+    if kind not in KINDS or not step.isdigit() or (process and not process.isdigit()):
         raise ValueError(
             f"{ENV_VAR}={spec!r}; expected one of {', '.join(k + '=N' for k in KINDS)}, "
             "optionally followed by @P (only process P)"
