@@ -175,6 +175,8 @@ def rl_main(
     split = roles is not None and jax.process_count() > 1
     if roles is not None and generator_mesh is None:
         raise SystemExit("rl_main.roles needs async mode and rl_main.generator_mesh")
+    if roles is not None and not set(roles) <= {"trainer", "generator"}:
+        raise SystemExit(f"rl_main.roles={tuple(roles)}: each role is 'trainer' or 'generator'")
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
     trainer_mesh = make_mesh(mesh)
     # Placement is checked before any work (the SFT stage used to run first, then this failed).
