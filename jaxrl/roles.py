@@ -233,12 +233,13 @@ class RoleController(Controller):
         first_index = queue.next_index
         if self.lead_trainer:
             self.channel.put_json("start", {"step": step, "first_index": first_index})
+        # The first push before the step-0 evaluation: the generator samples meanwhile.
+        self._publish(state.params, step, first_index)
         if step == 0:
             self.io.log(0, self.evaluate(state.params), {})
         fetcher = _Fetcher(self, queue, first_index)
         fetcher.start()
         self.io.start(step)
-        sync_metrics = self._publish(state.params, step, first_index)
         save_wait, last = 0.0, time.perf_counter()
         try:
             while step < c.total_steps:
@@ -255,8 +256,7 @@ class RoleController(Controller):
                 if self.lead_trainer:
                     self.channel.forget(batch.batch_index)
                 metrics = dict(batch.metrics) | train_metrics
-                sync_metrics = self._publish(state.params, step, first_index)
-                metrics |= sync_metrics
+                metrics |= self._publish(state.params, step, first_index)
                 if step % c.eval_every_steps == 0 or step == c.total_steps:
                     metrics |= self.evaluate(state.params)
                 now = time.perf_counter()
