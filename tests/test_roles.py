@@ -43,30 +43,45 @@ STOP_WITHIN_S = 10.0
 SLOW = "TaskSpec.reward = 'rewards_for_tests:even_length_slow_generator'"
 
 
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """JAX's disk cache for every launch of this module: later launches load the programs the
+    first compiled (the same machine code: results unchanged), the cost is mostly compiling."""
+    return str(tmp_path_factory.getbasetemp() / "roles_xla_cache")
+
+
+def _cached(env: dict, cache: str) -> dict:
+    return env | {
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
 def _command(workdir, extra: tuple[str, ...] = ()) -> list[str]:
     command = [sys.executable, "-m", "launch.rl", f"--gin_file=configs/rl/{CONFIG}"]
     command += [f"--workdir={workdir}"] + [f"--gin_param={p}" for p in PARAMS]
     return command + [f"--gin_param={p}" for p in extra]
 
 
-def _cluster(workdir, fault: str = "", extra: tuple[str, ...] = ()):
+def _cluster(workdir, cache: str, fault: str = "", extra: tuple[str, ...] = ()):
     """The roles config as a job of 2 processes x 4 devices; returns (result, unix time at which
     the launcher had exited)."""
     launcher = [
         sys.executable, "-m", "launch.local_cluster", "--num_processes", "2",
         "--devices_per_process", "4", "--timeout_s", "150", "--heartbeat_timeout_s", "5", "--",
     ]  # fmt: skip
-    env = _env(fault)
+    env = _cached(_env(fault), cache)
     env.pop("XLA_FLAGS", None)  # local_cluster sets the device count per process
     result = _run(launcher + _command(workdir, extra), env, timeout_s=180)
     return result, time.time()
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, xla_cache):
     """The same config on one process with 8 devices (roles are ignored there)."""
     workdir = tmp_path_factory.mktemp("roles") / "one_process"
-    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = _cached(_env(), xla_cache)
+    env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     result = _run(_command(workdir), env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run = {"metrics": _metrics(workdir), "params": _saved_params(workdir)}
@@ -94,9 +109,11 @@ def _stopped_within(result, ended: float) -> float:
     return ended - float(match.group(1))
 
 
-def test_role_split_run_equals_one_process_and_waits_for_a_slow_generator(one_process, tmp_path):
+def test_role_split_run_equals_one_process_and_waits_for_a_slow_generator(
+    one_process, tmp_path, xla_cache
+):
     workdir = tmp_path / "roles"
-    result, _ = _cluster(workdir, extra=(SLOW,))
+    result, _ = _cluster(workdir, xla_cache, extra=(SLOW,))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert f"[0] [rl] step {STEPS}/{STEPS}" in output and "[1] [rl]" not in output
@@ -119,11 +136,13 @@ def test_role_split_run_equals_one_process_and_waits_for_a_slow_generator(one_pr
     assert idle > 0.5, idle
 
 
-def test_generator_then_trainer_killed_and_relaunched_equals_one_process(one_process, tmp_path):
+def test_generator_then_trainer_killed_and_relaunched_equals_one_process(
+    one_process, tmp_path, xla_cache
+):
     workdir = tmp_path / "roles"
     checkpoints = workdir / "checkpoints"
     # 1. The generator process dies after sending batch 3.
-    killed, ended = _cluster(workdir, fault="kill_at_batch=3@1")
+    killed, ended = _cluster(workdir, xla_cache, fault="kill_at_batch=3@1")
     output = killed.stdout + killed.stderr
     assert killed.returncode != 0, output[-4000:]
     assert "[local_cluster] process 1 exited with status 137;" in output, output[-4000:]
@@ -134,7 +153,7 @@ def test_generator_then_trainer_killed_and_relaunched_equals_one_process(one_pro
     assert first in ([], ["2"]), first  # step 2's save may or may not have committed
 
     # 2. Relaunched, it resumes; the trainer process dies after step 4 (its save committed).
-    killed, ended = _cluster(workdir, fault="kill_at_step=4@0")
+    killed, ended = _cluster(workdir, xla_cache, fault="kill_at_step=4@0")
     output = killed.stdout + killed.stderr
     assert killed.returncode != 0, output[-4000:]
     if first:
@@ -147,7 +166,7 @@ def test_generator_then_trainer_killed_and_relaunched_equals_one_process(one_pro
 
     # 3. Relaunched, it resumes from step 4, whose checkpoint holds batches 4 and 5 (sampled by
     # versions 2 and 3, which the restored trainer cannot regenerate), and finishes.
-    resumed, _ = _cluster(workdir)
+    resumed, _ = _cluster(workdir, xla_cache)
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-6000:]
     assert f"[0] [rl] resuming {workdir} from step 4" in output, output[-4000:]
