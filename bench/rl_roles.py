@@ -20,9 +20,11 @@ phases (generate + reward on the generator, train, weight push), the trainer's i
 the trainer spent outside its train step (idle + push + logging), and the speed-up over sync
 next to the bound (Tg + Tt) / max(Tg, Tt) from sync's own phase times. The machine is
 shared: the load average before and after each run is recorded, and a loaded machine (load
-above the core count) makes the figures unreliable; the table says so.
+above the core count) makes the figures unreliable; the table says so. `--repeats N` runs N
+sync / roles pairs in turn (the load drifts alike for both) and judges the median speed-up.
 
     python -m bench.rl_roles                 # 40 steps each, ~3 minutes on an idle 2-core CPU
+    python -m bench.rl_roles --steps 30 --repeats 3    # 3 pairs in turn; the median speed-up
     python -m bench.rl_roles --steps 12 --warmup 4
 """
 
@@ -105,6 +107,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--oversample", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="sync / roles pairs, in turn")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--no_results", action="store_true", help="do not write bench/results")
     args = parser.parse_args(argv)
@@ -116,43 +119,52 @@ def main(argv=None) -> dict:
     env = dict(os.environ, JAXRL_FAULT="", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH", "")]))
 
-    sync_dir = os.path.join(workdir, "sync")
-    sync_env = env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    wall, *loads = _launch(
-        ["taskset", "-c", "0", *_rl(sync_dir, steps + ONE_DEVICE + SYNC)], sync_env, log
-    )
-    sync = _summary("sync, 1 process on 1 core", sync_dir, args.warmup, wall, loads)
-    print(json.dumps(sync), flush=True)
+    rows, pairs = [], []
+    for repeat in range(args.repeats):  # sync, roles, sync, roles, ...: the load drifts alike
+        sync_dir = os.path.join(workdir, f"sync{repeat}")
+        sync_env = env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+        wall, *loads = _launch(
+            ["taskset", "-c", "0", *_rl(sync_dir, steps + ONE_DEVICE + SYNC)], sync_env, log
+        )
+        sync = _summary("sync, 1 process on 1 core", sync_dir, args.warmup, wall, loads)
+        print(json.dumps(sync), flush=True)
 
-    roles_dir = os.path.join(workdir, "roles")
-    roles_env = dict(env)
-    roles_env.pop("XLA_FLAGS", None)  # local_cluster sets each process's device count
-    pinned = shlex.join(_rl(roles_dir, steps + ONE_DEVICE))
-    cluster = [sys.executable, "-m", "launch.local_cluster", "--num_processes", "2"]
-    cluster += ["--devices_per_process", "1", "--"]
-    command = cluster + ["sh", "-c", f'exec taskset -c "$JAXRL_PROCESS_ID" {pinned}']
-    wall, *loads = _launch(command, roles_env, log)
-    roles = _summary("roles, 2 processes on 1 core each", roles_dir, args.warmup, wall, loads)
-    print(json.dumps(roles), flush=True)
+        roles_dir = os.path.join(workdir, f"roles{repeat}")
+        roles_env = dict(env)
+        roles_env.pop("XLA_FLAGS", None)  # local_cluster sets each process's device count
+        pinned = shlex.join(_rl(roles_dir, steps + ONE_DEVICE))
+        cluster = [sys.executable, "-m", "launch.local_cluster", "--num_processes", "2"]
+        cluster += ["--devices_per_process", "1", "--"]
+        command = cluster + ["sh", "-c", f'exec taskset -c "$JAXRL_PROCESS_ID" {pinned}']
+        wall, *loads = _launch(command, roles_env, log)
+        roles = _summary("roles, 2 processes on 1 core each", roles_dir, args.warmup, wall, loads)
+        print(json.dumps(roles), flush=True)
+        tg, tt = sync["generate_s"], sync["train_s"]
+        sync["bound"] = (tg + tt) / max(tg, tt)
+        roles["speedup"] = sync["s_per_step"] / roles["s_per_step"]
+        sync["pair"] = roles["pair"] = repeat
+        rows += [sync, roles]
+        pairs.append((sync, roles))
 
-    tg, tt = sync["generate_s"], sync["train_s"]
-    sync["bound"] = (tg + tt) / max(tg, tt)
-    roles["speedup"] = sync["s_per_step"] / roles["s_per_step"]
     cores = os.cpu_count() or 1
-    loaded = max(sync["load_before"], sync["load_after"], roles["load_before"]) > cores
+    loaded = max(max(r["load_before"], r["load_after"]) for r in rows) > cores
+    speedup = statistics.median(roles["speedup"] for _, roles in pairs)
+    idle = statistics.median(roles["trainer_idle"] for _, roles in pairs)
     verdict = {
-        "speedup": round(roles["speedup"], 3),
-        "bound": round(sync["bound"], 3),
-        "trainer_idle": round(roles["trainer_idle"], 3),
-        "speedup_ge_1.3": roles["speedup"] >= 1.3,
-        "idle_le_10pct": roles["trainer_idle"] <= 0.10,
+        "speedup_median": round(speedup, 3),
+        "speedups": [round(roles["speedup"], 3) for _, roles in pairs],
+        "bound_median": round(statistics.median(sync["bound"] for sync, _ in pairs), 3),
+        "trainer_idle_median": round(idle, 4),
+        "speedup_ge_1.3": speedup >= 1.3,
+        "idle_le_10pct": idle <= 0.10,
         "machine_loaded": loaded,
     }
     print(json.dumps({"verdict": verdict}), flush=True)
     if not args.no_results:
         columns = [
-            ("run", "run"), ("s_per_step", "s/step"), ("speedup", "speed-up"),
-            ("bound", "bound"), ("generate_s", "generate+reward s"), ("train_s", "train s"),
+            ("pair", "pair"), ("run", "run"), ("s_per_step", "s/step"),
+            ("speedup", "speed-up"), ("bound", "bound"),
+            ("generate_s", "generate+reward s"), ("train_s", "train s"),
             ("sync_s", "push s"), ("trainer_idle", "trainer idle"),
             ("not_training", "trainer not training"),
             ("staleness", "staleness"), ("load_before", "load before"),
@@ -160,14 +172,14 @@ def main(argv=None) -> dict:
         ]  # fmt: skip
         note = (
             f"`python -m bench.rl_roles --steps {args.steps} --warmup {args.warmup} "
-            f"--oversample {args.oversample}`, "
+            f"--oversample {args.oversample} --repeats {args.repeats}`, "
             f"{cores} cpus; verdict {verdict}"
             + ("; LOADED machine: not a clean measurement" if loaded else "")
         )
         name = "rl_roles" if args.oversample == 2 else f"rl_roles_oversample{args.oversample}"
-        print(write_results(name, [sync, roles], columns, note))
+        print(write_results(name, rows, columns, note))
     print(f"runs: {workdir} (log: {log})")
-    return {"rows": [sync, roles], "verdict": verdict}
+    return {"rows": rows, "verdict": verdict}
 
 
 if __name__ == "__main__":
