@@ -417,16 +417,21 @@ class Controller:
             return max(batch_index - self.config.lag, 0)
         return None
 
+    def push_needed(self, version: int, first_index: int) -> bool:
+        """Whether a batch still to generate (from `first_index` on) is sampled with `version`,
+        so the trainer pushes it. Under fixed lag the generator knows the same, which a
+        role-split job needs: both sides issue each cross-process push (`jaxrl.roles`)."""
+        c = self.config
+        if c.schedule == "fixed_lag":
+            lowest = max(first_index - c.lag, 0)
+            return lowest <= version <= max(c.total_steps - 1 - c.lag, 0)
+        return version < c.total_steps
+
     def _publish(self, params: Params, version: int, first_index: int) -> dict:
         """Pushes `params` to the generator as `version` if some batch still to generate (from
         `first_index` on) will be sampled with it."""
         c = self.config
-        if c.schedule == "fixed_lag":
-            lowest = max(first_index - c.lag, 0)
-            needed = lowest <= version <= max(c.total_steps - 1 - c.lag, 0)
-        else:
-            needed = version < c.total_steps
-        if not needed:
+        if not self.push_needed(version, first_index):
             return {"time/sync_s": 0.0}
         sync, waited = _unwrap(self.weights.publish, params, version, c.stall_timeout_s)
         return {

@@ -222,6 +222,17 @@ class RolloutQueue:
 
     # --- producer side ---------------------------------------------------------------------
 
+    def wait_for_room(self, timeout: float | None = None) -> None:
+        """Waits until `put` would not wait for room (a producer that must ask for its next
+        batch before it has it: the trainer's side of a role-split job, `jaxrl.roles`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_closed()
+                if len(self._items) < self.capacity:
+                    return
+                self._wait(deadline, "room in the rollout queue")
+
     def put(self, batch: ScoredBatch, timeout: float | None = None) -> bool:
         """Admits `batch` (True) or drops it as too stale (False); waits while the queue is full.
 

@@ -118,6 +118,7 @@ def rl_main(
     sft: SFTConfig | None = None,
     generator_dtype: str = "auto",
     lora: LoraConfig | None = None,
+    roles: tuple[str, ...] | None = None,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -129,7 +130,11 @@ def rl_main(
     `lora` (`@LoraConfig()`): train LoRA adapters on the frozen initial policy (`jaxrl.lora`):
     checkpoints and weight pushes hold the adapters only, the KL reference is the base with the
     adapters off, and the generator keeps one copy of the base and applies each pushed version's
-    adapters unmerged."""
+    adapters unmerged.
+    `roles` (async, fixed lag): one role per process of the job, "trainer" or "generator"
+    (`jaxrl.roles`; process 0 a trainer): each process runs only its role's programs on its
+    role's devices. In a one-process job it is ignored (both roles in one process, as without
+    it), so the same config runs on one process for comparison."""
     if generator_dtype not in GENERATOR_DTYPES:
         raise SystemExit(
             f"rl_main.generator_dtype={generator_dtype!r}; expected one of {GENERATOR_DTYPES}"
@@ -167,12 +172,30 @@ def rl_main(
             "samples a batch, which batches are dropped) follow each process's own timing; "
             "use RLConfig.schedule = 'fixed_lag'"
         )
+    split = roles is not None and jax.process_count() > 1
+    if roles is not None and generator_mesh is None:
+        raise SystemExit("rl_main.roles needs async mode and rl_main.generator_mesh")
+    if roles is not None and not set(roles) <= {"trainer", "generator"}:
+        raise SystemExit(f"rl_main.roles={tuple(roles)}: each role is 'trainer' or 'generator'")
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
     trainer_mesh = make_mesh(mesh)
     # Placement is checked before any work (the SFT stage used to run first, then this failed).
     gen_mesh = make_mesh(generator_mesh) if generator_mesh is not None else None
     if gen_mesh is not None:
         check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
+    layout = None
+    if split:
+        from jaxrl.roles import RoleLayoutError, check_roles
+
+        try:
+            layout = check_roles(roles, trainer_mesh, gen_mesh)
+        except RoleLayoutError as err:
+            raise SystemExit(str(err)) from None
+        if rl.schedule != "fixed_lag" or lora is not None:
+            raise SystemExit(
+                "rl_main.roles across processes needs RLConfig.schedule = 'fixed_lag' (both "
+                "roles must know every pushed version in advance) and no rl_main.lora"
+            )
     trainer = Trainer(
         model_config,
         trainer_mesh,
@@ -184,6 +207,11 @@ def rl_main(
         pack_length=rl.pack_length,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
+    if layout is not None:
+        return _run_roles(
+            workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
+            policy, task, sft, mesh, loss, optimizer, model_config,
+        )  # fmt: skip
     if lora is not None:
         if initial_source(workdir, policy, sft) is None:
             raise SystemExit(
@@ -266,6 +294,88 @@ def rl_main(
 
     if jax.process_index() != 0:  # process 0 wrote the metrics and reports
         return {"workdir": workdir, "plot": None, "final_step": int(state.step)}
+    plot = write_plot(workdir)
+    print(f"metrics:     {os.path.abspath(os.path.join(workdir, 'metrics.jsonl'))}")
+    print(f"plot:        {plot}")
+    print(f"checkpoints: {os.path.abspath(run_dir.checkpoint_dir(workdir))}")
+    return {"workdir": workdir, "plot": plot, "final_step": int(state.step)}
+
+
+def _run_roles(
+    workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
+    policy, task, sft, mesh, loss, optimizer, model_config,
+) -> dict:  # fmt: skip
+    """`rl_main` on one process of a role-split job (`jaxrl.roles`): a trainer process restores
+    or initialises the train state (checkpoints over the trainer processes only), a generator
+    process builds the sampler on its devices; both build the same cross-process push."""
+    import jax
+
+    from jaxrl.infra import checkpoint
+    from jaxrl.roles import RoleController
+
+    role = layout.role_of(jax.process_index())
+    gen_dtype = resolve_generator_dtype(generator_dtype, gen_mesh)
+    sync = make_weight_sync(
+        trainer.param_shardings,
+        generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
+        generator_dtype=gen_dtype,
+    )
+    if role == "generator":
+        sampler = mesh_sampler(trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype)
+    else:
+        sampler = colocated_sampler(trainer, tokenizer)  # evaluations, on the trainer's devices
+    generator = GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed)
+    rewarder = RewardExecutor(
+        reward, tokenizer, shuffle_seed=rl.seed if rl.shuffle_rewards else None
+    )
+    io = state = extra = ref_params = None
+    if role == "trainer":
+        checkpoint.restrict_to_processes(layout.trainer_processes)
+        io = RunIO(
+            workdir,
+            total_steps=rl.total_steps,
+            save_every_steps=rl.save_every_steps,
+            keep_last_n=rl.keep_last_n,
+            desc="rl",
+            log_every_steps=rl.log_every_steps,
+        )
+    try:
+        if role == "trainer":
+            restored = io.restore(trainer.abstract_state())
+            if restored is not None:
+                state, extra = restored
+            else:
+                state = trainer.init(
+                    initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
+                )
+            if loss.kl_coef > 0:
+                ref_params = initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
+        controller = RoleController(
+            rl,
+            trainer,
+            generator,
+            rewarder,
+            source,
+            tokenizer,
+            io,
+            reward=reward,
+            ref_params=ref_params,
+            weights=sync,
+            layout=layout,
+            learning_rate=optimizer.schedule_fn(rl.total_steps),
+        )
+        try:
+            state = controller.run(state, extra)
+        except Exception as error:
+            _keep_cause_visible(error)
+            raise
+    finally:
+        if io is not None:
+            io.close()
+    if jax.process_index() != 0:
+        return {"workdir": workdir, "plot": None, "final_step": rl.total_steps}
+    from launch.plot import write_plot
+
     plot = write_plot(workdir)
     print(f"metrics:     {os.path.abspath(os.path.join(workdir, 'metrics.jsonl'))}")
     print(f"plot:        {plot}")

@@ -14,6 +14,13 @@ wrapper requires the commit file in every case: a step directory without it (a c
 non-atomic filesystem) is ignored, and removed by a writer. If the newest finished step still
 fails to restore (a corrupt or missing data file), `restore()` logs a warning and falls back to
 the previous step.
+
+Role-split jobs (`restrict_to_processes`): only the trainer processes hold the train state and
+touch checkpoints, so Orbax runs over that subset (its `active_processes`, barriers among them
+only). Orbax 0.12.8 assumes that in a job of several processes an array held by one process
+alone came from `pmap` and refuses to save it, and its finalisation checks that array metadata
+came from every process of the job; a one-process trainer role holds exactly such arrays, so
+for a subset both checks are relaxed to the subset (`_allow_subset_saves`).
 """
 
 from __future__ import annotations
@@ -190,16 +197,96 @@ def uncommitted_step_dirs(directory: Path) -> list[Path]:
     )
 
 
+_ACTIVE: tuple[int, ...] | None = None  # restrict_to_processes
+
+
+def restrict_to_processes(processes: tuple[int, ...] | None) -> None:
+    """Checkpointers made from now on run over these processes only (None: every process).
+
+    A role-split RL job (`jaxrl.roles`) calls it on its trainer processes: they alone hold the
+    train state, and the generator processes never take part in a save or restore. The lowest
+    process of the subset writes the JSON state and cleans up."""
+    global _ACTIVE
+    _ACTIVE = None if processes is None else tuple(sorted(set(processes)))
+
+
+def _subset() -> tuple[int, ...] | None:
+    """The active processes when they are a proper subset of a multi-process job, else None."""
+    if _ACTIVE is None or jax.process_count() == 1 or len(_ACTIVE) == jax.process_count():
+        return None
+    if jax.process_index() not in _ACTIVE:
+        raise RuntimeError(
+            f"process {jax.process_index()} made a Checkpointer but checkpoints are restricted "
+            f"to processes {list(_ACTIVE)} (restrict_to_processes)"
+        )
+    return _ACTIVE
+
+
+def _primary() -> int:
+    subset = _subset()
+    return 0 if subset is None else subset[0]
+
+
+class _SubsetJax:
+    """What Orbax's array handler module sees as `jax` once a subset checkpointer exists: the
+    real module, except that `process_count()` counts the subset (`_allow_subset_saves`)."""
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    @staticmethod
+    def process_count() -> int:
+        subset = _subset()
+        return jax.process_count() if subset is None else len(subset)
+
+
+def _allow_subset_saves():
+    """Relaxes Orbax's two whole-job checks for a checkpointer over a subset of processes (module
+    docstring); returns the array metadata validator to give the PyTree handler."""
+    from orbax.checkpoint._src.metadata import array_metadata_store
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    # Its only use of jax.process_count() is the "host local array" refusal.
+    jax_array_handlers.jax = _SubsetJax()
+
+    class _SubsetValidator(array_metadata_store.Validator):
+        def _validate_process_count(self, *, ref_process_index: int) -> None:
+            pass  # every array of the trainer role may live on one of the job's processes
+
+    return _SubsetValidator()
+
+
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     # Registered up front so that a fresh manager (a reader, a resumed run) can read metadata.
     # The PyTree handler (what StandardCheckpointHandler wraps) also restores a subtree
     # (`partial_restore`), e.g. only the params of a run for export.
-    return {"state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
+    if _subset() is not None:
+        validator = _allow_subset_saves()
+        state = ocp.PyTreeCheckpointHandler(
+            array_metadata_validator=validator,
+            multiprocessing_options=_multiprocessing_options(),
+        )
+    else:
+        state = ocp.PyTreeCheckpointHandler()
+    return {"state": state, "extra": ocp.JsonCheckpointHandler()}
+
+
+def _multiprocessing_options() -> ocp.options.MultiprocessingOptions:
+    subset = _subset()
+    if subset is None:
+        return ocp.options.MultiprocessingOptions()
+    return ocp.options.MultiprocessingOptions(primary_host=subset[0], active_processes=set(subset))
 
 
 def _manager_options(config: CheckpointConfig, read_only: bool) -> ocp.CheckpointManagerOptions:
+    multiprocessing = _multiprocessing_options()
     if read_only:
-        return ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+        return ocp.CheckpointManagerOptions(
+            read_only=True,
+            create=False,
+            save_interval_steps=0,
+            multiprocessing_options=multiprocessing,
+        )
     # Orbax's default policy also saves the first step of a run (InitialSavePolicy); a plain
     # interval (plus preemption saves) keeps "which steps are saved" a function of the step alone.
     policies = ocp.checkpoint_managers
@@ -214,6 +301,8 @@ def _manager_options(config: CheckpointConfig, read_only: bool) -> ocp.Checkpoin
         max_to_keep=config.keep_last_n,
         enable_async_checkpointing=config.async_save,
         cleanup_tmp_directories=True,
+        multiprocessing_options=multiprocessing,
+        create=_subset() is None,  # a subset: Orbax refuses to create it; Checkpointer does
     )
 
 
@@ -239,7 +328,7 @@ def _barrier(what: str) -> None:
     different order on different processes and hang the job."""
     from jaxrl.infra.distributed import barrier
 
-    barrier(f"jaxrl_checkpointer/{what}/{next(_BARRIERS)}")
+    barrier(f"jaxrl_checkpointer/{what}/{next(_BARRIERS)}", processes=_subset())
 
 
 def use_coordination_barriers() -> None:
@@ -278,8 +367,10 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.config = config
         self.read_only = read_only
-        if not read_only and jax.process_index() == 0:
+        if not read_only and jax.process_index() == _primary():
             _remove_uncommitted(self.directory)
+            if _subset() is not None:
+                self.directory.mkdir(parents=True, exist_ok=True)
         if jax.process_count() > 1:
             use_coordination_barriers()
             if not read_only:
@@ -421,7 +512,7 @@ class Checkpointer:
     def _quarantine(self, steps: list[int], restored_step: int) -> None:
         """Moves the unreadable `steps` aside (`N.corrupt`), so that the resumed run saves those
         steps afresh instead of Orbax treating them as already saved."""
-        if jax.process_index() == 0:
+        if jax.process_index() == _primary():
             for step in steps:
                 aside = self.directory / f"{step}.corrupt"
                 if aside.exists():

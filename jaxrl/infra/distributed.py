@@ -451,18 +451,22 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str, timeout_s: float = 300.0) -> None:
-    """Waits until every process reaches `barrier(name)`: a coordination-service barrier, no
-    device work, so it cannot deadlock with device transfers still in flight (a device
-    collective such as `multihost_utils.sync_global_devices` can). Names must be unique."""
+def barrier(name: str, timeout_s: float = 300.0, processes: Sequence[int] | None = None) -> None:
+    """Waits until every process (or every one of `processes`) reaches `barrier(name)`: a
+    coordination-service barrier, no device work, so it cannot deadlock with device transfers
+    still in flight (a device collective such as `multihost_utils.sync_global_devices` can).
+    Names must be unique."""
     import jax
 
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or (processes is not None and len(set(processes)) == 1):
         return
     from jax._src import distributed as jax_distributed
 
+    ids = None if processes is None else sorted(set(processes))
     try:
-        jax_distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+        jax_distributed.global_state.client.wait_at_barrier(
+            name, int(timeout_s * 1000), process_ids=ids
+        )
     except jax.errors.JaxRuntimeError as err:
         raise DistributedError(
             f"process {jax.process_index()}: not every process reached barrier {name!r} within "

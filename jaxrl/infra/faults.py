@@ -6,7 +6,11 @@ Set `JAXRL_FAULT` to one of
                      exists and before it is committed;
   `sigterm_at_step=N` SIGTERM to itself right after step N (the graceful stop of
                      `jaxrl.infra.preemption`: the run saves a later step and exits 0);
-  `sigint_at_step=N` SIGINT (Ctrl-C) to itself right after step N (the same graceful stop).
+  `sigint_at_step=N` SIGINT (Ctrl-C) to itself right after step N (the same graceful stop);
+  `kill_at_batch=N`  SIGKILL right after a generator process of a role-split job
+                     (`jaxrl.roles`) sent batch N to the trainer.
+A SIGKILL is announced first on stdout (`jaxrl.faults: SIGKILL ... at unix time T`), so a test
+can time how long the rest of the job takes to stop.
 A suffix `@P` limits the fault to process P of a multi-process job (`JAXRL_PROCESS_ID`, as set
 by `launch.local_cluster`), e.g. `kill_at_step=3@1`: one process of the job dies, the others
 are then stopped by the job's failure handling. Unset (the default), every hook is a no-op.
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 ENV_VAR = "JAXRL_FAULT"
+KINDS = ("kill_at_step", "kill_in_save", "sigterm_at_step", "sigint_at_step", "kill_at_batch")
 
 
 def _fault() -> tuple[str, int] | None:
@@ -28,14 +33,9 @@ def _fault() -> tuple[str, int] | None:
         return None
     fault, _, process = spec.partition("@")
     kind, _, step = fault.partition("=")
-    if (
-        kind not in ("kill_at_step", "kill_in_save", "sigterm_at_step", "sigint_at_step")
-        or not step.isdigit()
-        or (process and not process.isdigit())
-    ):
+    if kind not in KINDS or not step.isdigit() or (process and not process.isdigit()):
         raise ValueError(
-            f"{ENV_VAR}={spec!r}; expected kill_at_step=N, kill_in_save=N, sigterm_at_step=N or "
-            "sigint_at_step=N, "
+            f"{ENV_VAR}={spec!r}; expected one of {', '.join(k + '=N' for k in KINDS)}, "
             "optionally followed by @P (only process P)"
         )
     if process and int(process) != int(os.environ.get("JAXRL_PROCESS_ID", "0")):
@@ -44,7 +44,15 @@ def _fault() -> tuple[str, int] | None:
 
 
 def _kill() -> None:
+    process = os.environ.get("JAXRL_PROCESS_ID", "0")
+    print(f"jaxrl.faults: SIGKILL to process {process} at unix time {time.time():.3f}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_batch(batch_index: int) -> None:
+    """Called by a role-split job's generator after it sent batch `batch_index`."""
+    if _fault() == ("kill_at_batch", batch_index):
+        _kill()
 
 
 def after_step(step: int, wait_for_saves=None) -> None:
