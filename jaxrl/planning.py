@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +84,7 @@ class ProgramReport:
     flops: float
     bytes_accessed: float
     parts: dict[str, int]
+    error: str | None = None  # the compiler's out-of-memory message when it refused
 
     @property
     def total_bytes(self) -> int:
@@ -103,7 +105,12 @@ class ProgramReport:
 def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramReport, Any]:
     """Compiles `lowered` and reads its memory and cost analyses; returns (report, compiled)."""
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return _out_of_memory(name, str(err), parts, time.perf_counter() - start), None
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -122,6 +129,31 @@ def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramRe
         parts=dict(parts),
     )
     return report, compiled
+
+
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_TEMPORARIES = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _out_of_memory(name: str, message: str, parts: dict[str, int], seconds: float):
+    """A report for a program the TPU compiler refused for lack of HBM: the arguments as counted
+    by hand, the temporaries as the compiler's message states them (0 if it names none)."""
+    match = _TEMPORARIES.search(message)
+    temp = int(float(match.group(1)) * _UNITS[match.group(2)]) if match else 0
+    first = next((line for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), "")
+    return ProgramReport(
+        name=name,
+        compile_seconds=seconds,
+        argument_bytes=sum(parts.values()),
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=temp,
+        code_bytes=0,
+        flops=float("nan"),
+        bytes_accessed=float("nan"),
+        parts=dict(parts),
+        error=first.strip(),
+    )
 
 
 # --- the trainer --------------------------------------------------------------------------------
@@ -271,50 +303,69 @@ def fmt_gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def trainer_fix(report: ProgramReport, mesh, hbm: int) -> str:
-    """The mesh change that makes the train step fit `hbm` bytes per device (estimated)."""
+def trainer_fix(report: ProgramReport, mesh, hbm: int, rows: int, micro_batches: int) -> str:
+    """The mesh change (and, if activations still do not fit, the micro-batching) that makes the
+    train step fit `hbm` bytes per device; estimates from the report's parts.
+
+    Model: params + optimizer + gradients (in temp) shard over fsdp x tp; the rest of temp
+    (activations) scales with the rows of one micro-batch on one device; everything is planned
+    within 90% of HBM.
+    """
     sizes = dict(mesh.shape)
     n, tp = mesh.size, sizes.get("tp", 1)
     shard_now = sizes.get("fsdp", 1) * tp
-    # Gradients (in temp) shard like the params; the rest of temp (activations) follows the
-    # batch split, which FSDP keeps (the batch moves from dp to fsdp).
+    batch_now = sizes.get("fsdp", 1) * sizes.get("dp", 1)
     state = report.parts["params"] + report.parts["optimizer"]
     grads = report.parts["params"]
-    rest = report.total_bytes - state - grads
-    for fsdp in [d for d in range(1, n // tp + 1) if (n // tp) % d == 0]:
-        if fsdp * tp <= shard_now:
+    state_total = (state + grads) * shard_now
+    act = max(report.total_bytes - state - grads, 0)
+    act_row = act * batch_now * micro_batches / rows  # per (row / device / micro-batch)
+    budget = 0.9 * hbm
+    devices = n
+    while state_total / devices > budget / 2 and devices < 2**16:
+        devices *= 2
+    where = (
+        f"shard with fsdp={devices // tp}: mesh axes ('fsdp', 'tp') = ({devices // tp}, {tp})"
+        if devices == n
+        else f"use at least {devices} devices with fsdp={devices // tp} (a larger slice: the "
+        f"sharded weights, gradients and Adam state take {fmt_gib(state_total)} in all)"
+    )
+    state_dev = state_total / devices
+    split = devices // tp  # the batch is split over fsdp
+    for m in [k for k in range(micro_batches, rows + 1) if rows % k == 0]:
+        if (rows // m) % split:
             continue
-        estimate = (state + grads) * shard_now / (fsdp * tp) + max(rest, 0)
-        if estimate <= hbm:
-            return (
-                f"shard with fsdp={fsdp}: mesh axes ('fsdp', 'tp') = ({fsdp}, {tp}) "
-                f"(about {fmt_gib(estimate)} per device)"
-            )
-    if rest > hbm / 2:
-        return (
-            "activations dominate: raise OptimizerConfig.grad_accum_steps (smaller micro-batches), "
-            "use remat_policy='full', or attention_impl='pallas'"
-        )
-    chips = math.ceil((state + grads) * shard_now / max(hbm - rest, 1))
-    return f"use a larger slice: the sharded state needs at least {chips} devices"
+        act_dev = act_row * (rows // m // split)
+        if state_dev + act_dev <= budget:
+            accum = "" if m == micro_batches else f", and grad_accum_steps={m}"
+            return f"{where}{accum} (about {fmt_gib(state_dev + act_dev)} per device)"
+    return (
+        f"{where}; activations still do not fit: use attention_impl='pallas' (no [S, S] score "
+        "matrices) or shorter sequences"
+    )
 
 
 def generator_fix(decode: ProgramReport, num_slots: int, hbm: int, mesh) -> str:
     """The change that makes the generator fit: more tp for the weights, fewer slots for the KV
-    cache."""
-    params, cache = decode.parts["params"], decode.parts["kv_cache"]
-    rest = decode.total_bytes - params - cache
-    if params + rest > 0.9 * hbm:
-        tp = dict(mesh.shape).get("tp", 1)
+    cache (the cache and the decode temporaries, which hold a working copy of it, scale with the
+    slots)."""
+    params = decode.parts["params"]
+    per_slot = (decode.parts["kv_cache"] + decode.temp_bytes) / num_slots
+    fixed = decode.total_bytes - params - per_slot * num_slots
+    budget = 0.9 * hbm
+    tp = dict(mesh.shape).get("tp", 1)
+    if params + fixed > budget / 2:
         return (
             f"the weights take {fmt_gib(params)} per device: raise tp above {tp} "
             "(mesh ('dp', 'tp')) or use a larger slice"
         )
-    per_slot = cache / num_slots
-    fit = int((hbm - params - rest) // per_slot)
-    slots = 2 ** int(math.log2(fit)) if fit >= 1 else 0
     dp = dict(mesh.shape).get("dp", 1)
+    fit = int((budget - params - fixed) // per_slot)
+    slots = 2 ** int(math.log2(fit)) if fit >= 1 else 0
     slots = (slots // dp) * dp
     if slots < 1:
-        return "the KV cache of one slot per dp replica does not fit: raise tp"
-    return f"lower num_slots to {slots} (KV cache {fmt_gib(per_slot)} per slot per device)"
+        return f"one slot per dp replica does not fit: raise tp above {tp}"
+    return (
+        f"lower num_slots to {slots} ({fmt_gib(per_slot)} of KV cache and decode temporaries "
+        "per slot per device)"
+    )

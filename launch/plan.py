@@ -200,11 +200,13 @@ def _trainer(config: PlanConfig, problems: list[str]) -> None:
         f"micro-batches, remat {config.remat_policy}"
     )
     print_table(title, [_row(report, spec.hbm_bytes, step_cost)])
+    if report.error:
+        print(f"  the TPU compiler refused: {report.error}")
     if report.total_bytes > spec.hbm_bytes:
         problems.append(
             f"trainer: the RL step needs {report.total_bytes / GiB:.2f} GiB per device, "
             f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
-            f"fix: {trainer_fix(report, mesh, spec.hbm_bytes)}"
+            f"fix: {trainer_fix(report, mesh, spec.hbm_bytes, rows, config.grad_accum_steps)}"
         )
 
 
@@ -247,6 +249,9 @@ def _generator(config: PlanConfig, problems: list[str]) -> None:
     )
     rows = [_row(r, spec.hbm_bytes, costs[r.name]) for r in (prefill, decode)]
     print_table(title, rows)
+    for r in (prefill, decode):
+        if r.error:
+            print(f"  the TPU compiler refused {r.name}: {r.error}")
     worst = max((prefill, decode), key=lambda r: r.total_bytes)
     if worst.total_bytes > spec.hbm_bytes:
         problems.append(
