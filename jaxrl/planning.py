@@ -262,7 +262,7 @@ def plan_generator(
         rules=rules,
         compile_only=True,
     )
-    cache_bytes = sharded_bytes(engine._abstract_cache())
+    cache_bytes = sharded_bytes(engine.abstract_cache())
     common = {"params": sharded_bytes(params), "kv_cache": cache_bytes}
     prompts = max(num_slots // samples, 1)
     prefill, _ = compile_report(

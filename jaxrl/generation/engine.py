@@ -505,7 +505,7 @@ class Engine:
     def lower_prefill(self, abstract_params, prompts: int, width: int):
         """The prefill program lowered for abstract inputs (nothing allocated): `prompts`
         right-padded prompts of `width` tokens copied into the slots. For `launch.plan`."""
-        cache = self._abstract_cache()
+        cache = self.abstract_cache()
         rep = self._replicated()
         s = jax.ShapeDtypeStruct
         args = (
@@ -533,7 +533,7 @@ class Engine:
         return self._call(
             self._decode.lower,
             abstract_params,
-            self._abstract_cache(),
+            self.abstract_cache(),
             state,
             key,
             sampling=self._static_sampling(sampling),
@@ -544,7 +544,8 @@ class Engine:
     def _replicated(self):
         return None if self.mesh is None else ax.replicated(self.mesh)
 
-    def _abstract_cache(self):
+    def abstract_cache(self):
+        """ShapeDtypeStructs of the KV cache, with its shardings on a mesh."""
         abstract = jax.eval_shape(
             lambda: init_cache(self.model_config, self.num_slots, self.capacity)
         )
