@@ -66,8 +66,8 @@ def test_model_logits_and_grads_match_xla_on_a_sharded_mesh():
     config = rlbench_tiny(num_layers=1, hidden_size=128, intermediate_size=256, num_heads=4,
                           num_kv_heads=2, head_dim=32, vocab_size=256)  # fmt: skip
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 2)))
-    _, _, _, valid = _inputs(1)
-    tokens = np.random.default_rng(2).integers(3, 256, (B, T)).astype(np.int32)
+    valid = _inputs(1)[3][1:3]  # two rows (one per fsdp shard): 5 and 60 padding tokens
+    tokens = np.random.default_rng(2).integers(3, 256, valid.shape).astype(np.int32)
 
     def loss_and_grads(impl):
         model = Transformer(config.replace(attention_impl=impl), rngs=nnx.Rngs(0))
