@@ -4,6 +4,8 @@ Needs the libtpu wheel (test extra): libtpu describes the TPU slice, the TPU com
 for it; no TPU is attached and nothing is allocated.
 """
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -13,7 +15,7 @@ from jaxrl.infra import sharding as ax  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.infra.tpu import TopologyError, device_spec, parse_topology, topology_devices  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
-from jaxrl.planning import ProgramReport, sharded_bytes, trainer_fix  # noqa: E402
+from jaxrl.planning import ProgramReport, generator_fix, sharded_bytes, trainer_fix  # noqa: E402
 from jaxrl.trainer import OptimizerConfig, Trainer, _apply  # noqa: E402
 
 # Shards of every weight are whole TPU tiles (8 x 128 float32) on a 2 x 2 mesh.
@@ -121,3 +123,26 @@ def test_pallas_attention_compiles_for_tpu(v5e_mesh):
     assert "tpu_custom_call" in text  # Mosaic kernels, not the interpret-mode loops
     compiled = lowered.compile()
     assert compiled.cost_analysis()["flops"] > 0
+
+
+def test_fix_for_a_generator_that_does_not_fit():
+    """8B on v5e:2x2 with all 512 rollouts as decode slots: the KV cache and its working copy
+    (the figures `launch.plan` printed for 64 slots, times 8) do not fit; fewer slots do."""
+    gib = 1024**3
+    mesh = jax.sharding.AbstractMesh((1, 4), ("dp", "tp"))
+    decode = ProgramReport(
+        name="decode_step", compile_seconds=0.0, argument_bytes=int((3.74 + 32) * gib),
+        output_bytes=0, alias_bytes=0, temp_bytes=32 * gib, code_bytes=0, flops=0.0,
+        bytes_accessed=0.0, parts={"params": int(3.74 * gib), "kv_cache": 32 * gib},
+    )  # fmt: skip
+    assert generator_fix(decode, 512, 16 * gib, mesh).startswith("lower num_slots to 64 ")
+    parts = {"params": 12 * gib, "kv_cache": 32 * gib}  # weights over half the chip
+    heavy = dataclasses.replace(decode, argument_bytes=44 * gib, parts=parts)
+    assert "raise tp above 4" in generator_fix(heavy, 512, 16 * gib, mesh)
+
+
+def test_launcher_refuses_a_partial_host_before_compiling(capsys):
+    from launch.plan import main
+
+    assert main(['--gin_param=PlanConfig.generator_topology="v5e:1x1"']) == 2
+    assert "not a whole number of TPU hosts" in capsys.readouterr().err
