@@ -197,8 +197,6 @@ def _summary_writer():
     finally:
         del sys.modules["torch"]
     return SummaryWriter
-
-
 def _replace_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
