@@ -1,5 +1,6 @@
-"""A speed-up model for sync vs async RL, from compiled costs and chip peaks; validated on this
-machine's `bench.rl` CPU proxy rows.
+"""A speed-up model for sync vs async RL, from compiled costs and chip peaks; checked against
+this machine's `bench.rl` CPU proxy rows (on a quiet machine it predicts about half the measured
+times: a lower bound, see bench/results/scale.md).
 
 Model. Each program's time is its roofline, `t = max(FLOPs / peak FLOP/s, bytes / bandwidth)`
 (per device, from `compiled.cost_analysis()`). One RL step:
@@ -147,8 +148,8 @@ def _validate_child(cores: list[int], out) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     costs = bench_rl_costs()
-    # The workload's own matmul shape (32 rows x 48 tokens against the 256 x 768 MLP): small
-    # CPU matmuls run far below the large-matmul peak, so that is the peak this model uses.
+    # The workload's own matmul shape (32 rows x 48 tokens against the 256 x 768 MLP), the peak
+    # the model uses, and a 1024^3 matmul for comparison (equal on a quiet machine).
     out.send((costs, measure_peaks(shape=(1536, 256, 768)), measure_peaks()))
 
 
