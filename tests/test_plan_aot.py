@@ -142,7 +142,12 @@ def test_fix_for_a_generator_that_does_not_fit():
 
 
 def test_launcher_refuses_a_partial_host_before_compiling(capsys):
+    import gin
+
     from launch.plan import main
 
-    assert main(['--gin_param=PlanConfig.generator_topology="v5e:1x1"']) == 2
+    try:
+        assert main(['--gin_param=PlanConfig.generator_topology="v5e:1x1"']) == 2
+    finally:
+        gin.clear_config()  # parsing locked gin; later tests register configurables
     assert "not a whole number of TPU hosts" in capsys.readouterr().err
