@@ -481,6 +481,17 @@ class Trainer:
         abstract = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.abstract_params)
         return ax.attach_shardings(abstract, self.state_shardings)
 
+    def lower_rl_step(self, abstract_batch: RolloutBatch):
+        """The RL step lowered for an abstract batch (ShapeDtypeStructs; shardings are added
+        here) and the abstract state: nothing is allocated. `.compile()` gives the compiler's
+        `memory_analysis()` / `cost_analysis()` per device (`launch.plan`). No reference policy
+        (kl_coef = 0) and no LoRA base."""
+        batch = ax.attach_shardings(
+            abstract_batch, ax.batch_shardings(abstract_batch, self.mesh, self.rules)
+        )
+        with self._context():
+            return self._rl.lower(self.abstract_state(), batch, None, None)
+
     @classmethod
     def from_hf(
         cls,

@@ -25,6 +25,10 @@ def _launch_fn(path: str):
         from launch.sft import sft_main
 
         return sft_main
+    if kind == "plan":
+        from launch.plan import plan_main
+
+        return plan_main
     if kind == "msd":
         from launch.msd import msd_main
 

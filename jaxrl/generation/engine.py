@@ -183,6 +183,9 @@ class Engine:
       span_buckets: allowed attended prefixes for decode (default: powers of two from 32, and C).
       mesh, rules: the generation mesh and its rules table (slots split over the data-parallel
         axis); None for one device. Meshes spanning several processes are refused.
+      compile_only: the engine only lowers its programs (`lower_prefill` / `lower_decode`, as
+        `launch.plan` does for a TPU topology); the single-process check, which concerns the host
+        loop, is skipped.
 
     Use: `submit` requests, then iterate `run(params, key)` for `GroupResult`s as groups finish;
     `cancel(request_id)` frees a request's slots at the next refill. `generate` does all three.
@@ -202,10 +205,12 @@ class Engine:
         span_buckets: Sequence[int] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: ax.LogicalRules | None = None,
+        compile_only: bool = False,
     ):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules, or neither")
-        if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+        multi_process = mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+        if multi_process and not compile_only:
             raise ValueError(
                 "the engine runs on a single-process mesh; use the static Sampler for a generator "
                 "mesh that spans processes"
@@ -481,6 +486,73 @@ class Engine:
             return jnp.asarray(array)
         spec = ax.logical_to_pspec((ax.ACT_BATCH,), self.rules)
         return ax.place_host(array, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def cache_shardings(self):
+        """NamedShardings of the KV cache on the engine's mesh (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        abstract = jax.eval_shape(
+            lambda: init_cache(self.model_config, self.num_slots, self.capacity)
+        )
+        axes = (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)
+        return jax.tree.map(
+            lambda c: jax.sharding.NamedSharding(
+                self.mesh, ax.logical_to_pspec((None,) * (c.ndim - 4) + axes, self.rules)
+            ),
+            abstract,
+        )
+
+    def lower_prefill(self, abstract_params, prompts: int, width: int):
+        """The prefill program lowered for abstract inputs (nothing allocated): `prompts`
+        right-padded prompts of `width` tokens copied into the slots. For `launch.plan`."""
+        cache = self.abstract_cache()
+        rep = self._replicated()
+        s = jax.ShapeDtypeStruct
+        args = (
+            abstract_params,
+            cache,
+            s((prompts, width), jnp.int32, sharding=rep),
+            s((prompts, width), bool, sharding=rep),
+            s((self.num_slots,), jnp.int32, sharding=rep),
+            s((self.num_slots,), jnp.int32, sharding=rep),
+        )
+        return self._call(self._prefill.lower, *args)
+
+    def lower_decode(self, abstract_params, sampling: SamplingConfig, span: int | None = None):
+        """The decode program (`steps_per_call` steps of every slot over the cache prefix `span`,
+        default the capacity) lowered for abstract inputs. For `launch.plan`."""
+        span = self.capacity if span is None else span
+        n = self.num_slots
+        spec = ax.logical_to_pspec((ax.ACT_BATCH,), self.rules) if self.mesh is not None else None
+        rows = None if spec is None else jax.sharding.NamedSharding(self.mesh, spec)
+        s = jax.ShapeDtypeStruct
+        state = tuple(
+            s((n,), dtype, sharding=rows) for dtype in (jnp.int32,) * 4 + (bool,) + (jnp.int32,) * 2
+        )
+        key = s((2,), jnp.uint32, sharding=self._replicated())
+        return self._call(
+            self._decode.lower,
+            abstract_params,
+            self.abstract_cache(),
+            state,
+            key,
+            sampling=self._static_sampling(sampling),
+            span=span,
+            active=n,
+        )
+
+    def _replicated(self):
+        return None if self.mesh is None else ax.replicated(self.mesh)
+
+    def abstract_cache(self):
+        """ShapeDtypeStructs of the KV cache, with its shardings on a mesh."""
+        abstract = jax.eval_shape(
+            lambda: init_cache(self.model_config, self.num_slots, self.capacity)
+        )
+        shardings = self.cache_shardings()
+        if shardings is None:
+            return abstract
+        return ax.attach_shardings(abstract, shardings)
 
     def _init_cache(self):
         return jax.jit(

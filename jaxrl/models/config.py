@@ -84,7 +84,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
-    # "xla" works everywhere; "cudnn" selects the fused kernel on NVIDIA GPUs; None lets JAX pick.
+    # "xla" works everywhere; "cudnn" selects the fused kernel on NVIDIA GPUs; "pallas" the TPU
+    # splash-attention kernel for whole-sequence self-attention (`jaxrl.models.pallas_attention`;
+    # interpret mode off TPU; decode stays on XLA); None lets JAX pick.
     attention_impl: str | None = "xla"
     # Layers stacked on a leading `layers` axis and run by `nnx.scan` (one traced layer: compile
     # time and program size flat in depth) instead of a Python loop over `layers.0`, `layers.1`...
@@ -106,8 +108,10 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
-        if self.attention_impl not in ("xla", "cudnn", None):
-            raise ValueError(f"attention_impl={self.attention_impl!r}; use 'xla', 'cudnn' or None")
+        if self.attention_impl not in ("xla", "cudnn", "pallas", None):
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r}; use 'xla', 'cudnn', 'pallas' or None"
+            )
         from jaxrl.models.remat import REMAT_POLICIES
 
         if self.remat_policy not in REMAT_POLICIES:

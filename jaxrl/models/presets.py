@@ -51,3 +51,107 @@ def llama_100m(**overrides) -> ModelConfig:
     )
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+# --- Real architectures, from their Hugging Face config.json (no download) ----------------------
+# Shapes only: these presets let `launch.plan` compile for a TPU topology with abstract weights.
+# Loading the released checkpoints goes through `jaxrl.models.hf.load_config`, which reads the same
+# numbers from the checkpoint's own config.json.
+
+_LLAMA31_ROPE = RopeConfig(
+    theta=500000.0,
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+
+
+def _llama31(hidden: int, intermediate: int, layers: int, heads: int, **overrides) -> ModelConfig:
+    """Llama 3.1 (meta-llama/Llama-3.1-*B): vocab 128256, 8 KV heads, head_dim 128."""
+    kwargs = dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope=_LLAMA31_ROPE,
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=(128001, 128008, 128009),
+        pad_token_id=128004,  # <|finetune_right_pad_id|>
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def llama3_8b(**overrides) -> ModelConfig:
+    """Llama 3.1 8B: hidden 4096, intermediate 14336, 32 layers, 32 / 8 heads (8.03B params)."""
+    return _llama31(4096, 14336, 32, 32, **overrides)
+
+
+def llama3_70b(**overrides) -> ModelConfig:
+    """Llama 3.1 70B: hidden 8192, intermediate 28672, 80 layers, 64 / 8 heads (70.6B params)."""
+    return _llama31(8192, 28672, 80, 64, **overrides)
+
+
+def llama3_405b(**overrides) -> ModelConfig:
+    """Llama 3.1 405B: hidden 16384, intermediate 53248, 126 layers, 128 / 8 heads (406B)."""
+    return _llama31(16384, 53248, 126, 128, **overrides)
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, **overrides) -> ModelConfig:
+    """Qwen3 dense (Qwen/Qwen3-*B): vocab 151936, 8 KV heads, head_dim 128, q/k RMSNorm."""
+    kwargs = dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1000000.0),
+        max_position_embeddings=40960,
+        qk_norm=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def qwen3_8b(**overrides) -> ModelConfig:
+    """Qwen3 8B: hidden 4096, intermediate 12288, 36 layers, 32 / 8 heads (8.19B params)."""
+    return _qwen3(4096, 12288, 36, 32, **overrides)
+
+
+def qwen3_32b(**overrides) -> ModelConfig:
+    """Qwen3 32B: hidden 5120, intermediate 25600, 64 layers, 64 / 8 heads (32.8B params)."""
+    return _qwen3(5120, 25600, 64, 64, **overrides)
+
+
+# Presets by name, for configs (`PlanConfig.model`).
+PRESETS = {
+    "rlbench_tiny": rlbench_tiny,
+    "llama_100m": llama_100m,
+    "llama3_8b": llama3_8b,
+    "llama3_70b": llama3_70b,
+    "llama3_405b": llama3_405b,
+    "qwen3_8b": qwen3_8b,
+    "qwen3_32b": qwen3_32b,
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The preset `name` (see `PRESETS`) with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name](**overrides)

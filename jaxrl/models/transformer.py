@@ -24,6 +24,7 @@ from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models import remat
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.pallas_attention import splash_self_attention
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 # One layer's cache: (keys_bskd, values_bskd), S = the preallocated cache length. The model's
@@ -105,13 +106,20 @@ class Attention(nnx.Module):
             k = _write_cache(cache[0], k, cache_index)
             v = _write_cache(cache[1], v, cache_index)
             cache = (k, v)
-        out = jax.nn.dot_product_attention(
-            q,
-            k.astype(q.dtype),
-            v.astype(q.dtype),
-            mask=mask_bts[:, None, :, :],
-            implementation=c.attention_impl,
-        )
+        if c.attention_impl == "pallas" and q.shape[1] == k.shape[1] and q.shape[1] > 1:
+            # Whole-sequence self-attention (training, the engine's prefill). The mask is
+            # `causal & valid key` (`causal_mask`, `sequence_mask`): the last query row holds
+            # every key's validity.
+            out = splash_self_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts[:, -1, :])
+        else:  # decode steps and cached prefill: the XLA kernel (pallas is TPU self-attention)
+            impl = "xla" if c.attention_impl == "pallas" else c.attention_impl
+            out = jax.nn.dot_product_attention(
+                q,
+                k.astype(q.dtype),
+                v.astype(q.dtype),
+                mask=mask_bts[:, None, :, :],
+                implementation=impl,
+            )
         out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         out = checkpoint_name(out, remat.ATTN_OUT)
         y = _matmul(out, self.o_kernel[...].astype(c.jnp_dtype), contract=2)

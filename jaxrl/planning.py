@@ -1,0 +1,371 @@
+"""Ahead-of-time plans: compile the trainer's RL step and the generator's prefill / decode for a
+device mesh (typically a TPU topology described without TPUs, `jaxrl.infra.tpu`) from abstract
+inputs, and read per-device memory and cost from the compiler.
+
+Nothing is allocated: parameters, optimizer state, batches and KV caches are
+`jax.ShapeDtypeStruct`s carrying the role's `NamedSharding`s, so an 8B-405B model plans on a
+laptop. What a program needs on one device, from `compiled.memory_analysis()`:
+
+    total = arguments + outputs - aliased (donated) + temporaries + generated code
+
+Arguments are split into parts counted by hand from the shardings (`sharded_bytes`: each leaf's
+`sharding.shard_shape(shape)` x itemsize): parameters, optimizer state, batch, KV cache; they sum
+to the compiler's argument bytes (checked by the tests). `temp` holds activations, gradients and
+the compiler's scratch.
+
+FLOPs and bytes accessed are `compiled.cost_analysis()` per device. XLA counts the body of a
+loop once (scanned layers, micro-batches, decode steps), so the raw figures are "one layer,
+one micro-batch"; `PerStepCost` scales them to a whole step from two extra probe compiles with
+1 and 2 unrolled layers (see `probe_per_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.generation.engine import Engine
+from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra import sharding as ax
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.rl import RolloutBatch
+from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
+
+GiB = 1024**3
+
+
+# The TPU allocator's smallest buffer: a scalar or a tiny array takes 512 bytes of HBM.
+TPU_MIN_BUFFER = 512
+
+
+def sharded_bytes(tree: Any, min_buffer: int = TPU_MIN_BUFFER) -> int:
+    """Bytes one device holds of `tree` (ShapeDtypeStructs or arrays with NamedShardings).
+
+    Each leaf contributes `max(prod(sharding.shard_shape(shape)) * itemsize, min_buffer)`;
+    shardings here split evenly (`param_shardings` checks it). Exact when each shard's two minor
+    dimensions are multiples of the TPU tile (8 x 128 for 32-bit types), as real models' are;
+    smaller odd shapes are padded by the compiler's layout and count more in `memory_analysis`.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = sharding.shard_shape(shape)
+        total += max(math.prod(shape) * np.dtype(leaf.dtype).itemsize, min_buffer)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """One compiled program on one device: memory (bytes), cost, compile time.
+
+    parts: hand-counted argument bytes by name (params, optimizer, batch, kv_cache, ...).
+    flops / bytes_accessed: the compiler's cost analysis (loop bodies counted once).
+    """
+
+    name: str
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+    parts: dict[str, int]
+    error: str | None = None  # the compiler's out-of-memory message when it refused
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+            + self.code_bytes
+        )
+
+    @property
+    def other_argument_bytes(self) -> int:
+        """Argument bytes the parts do not name (small index arrays, keys)."""
+        return self.argument_bytes - sum(self.parts.values())
+
+
+def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramReport, Any]:
+    """Compiles `lowered` and reads its memory and cost analyses; returns (report, compiled)."""
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return _out_of_memory(name, str(err), parts, time.perf_counter() - start), None
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    report = ProgramReport(
+        name=name,
+        compile_seconds=seconds,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        parts=dict(parts),
+    )
+    return report, compiled
+
+
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_TEMPORARIES = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _out_of_memory(name: str, message: str, parts: dict[str, int], seconds: float):
+    """A report for a program the TPU compiler refused for lack of HBM: the arguments as counted
+    by hand, the temporaries as the compiler's message states them (0 if it names none)."""
+    match = _TEMPORARIES.search(message)
+    temp = int(float(match.group(1)) * _UNITS[match.group(2)]) if match else 0
+    first = next((line for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), "")
+    return ProgramReport(
+        name=name,
+        compile_seconds=seconds,
+        argument_bytes=sum(parts.values()),
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=temp,
+        code_bytes=0,
+        flops=float("nan"),
+        bytes_accessed=float("nan"),
+        parts=dict(parts),
+        error=first.strip(),
+    )
+
+
+# --- the trainer --------------------------------------------------------------------------------
+
+
+def abstract_rollout_batch(rows: int, prompt_len: int, completion_len: int) -> RolloutBatch:
+    """ShapeDtypeStructs of a `RolloutBatch` of `rows` rollouts."""
+    s = jax.ShapeDtypeStruct
+    b, p, t = rows, prompt_len, completion_len
+    return RolloutBatch(
+        prompt_ids_bp=s((b, p), jnp.int32),
+        prompt_mask_bp=s((b, p), bool),
+        completion_ids_bt=s((b, t), jnp.int32),
+        completion_mask_bt=s((b, t), bool),
+        behaviour_logprobs_bt=s((b, t), jnp.float32),
+        policy_version_b=s((b,), jnp.int32),
+        reward_b=s((b,), jnp.float32),
+        group_id_b=s((b,), jnp.int32),
+        valid_b=s((b,), bool),
+    )
+
+
+def trainer_rules(mesh: jax.sharding.Mesh) -> ax.LogicalRules:
+    """`TRAINER_RULES`, with the batch also split over a "dp" axis when the mesh has one
+    (a mesh ("dp", "fsdp", "tp") replicates the weights over dp: plain data parallelism)."""
+    if "dp" not in mesh.axis_names:
+        return ax.TRAINER_RULES
+    return tuple(
+        (name, ("dp", "fsdp") if name == ax.ACT_BATCH else target)
+        for name, target in ax.TRAINER_RULES
+    )
+
+
+def plan_trainer(
+    model_config: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    rows: int,
+    prompt_len: int,
+    completion_len: int,
+    optimizer: OptimizerConfig,
+    loss: LossConfig,
+    rules: ax.LogicalRules | None = None,
+) -> tuple[ProgramReport, Any]:
+    """Compiles `Trainer.rl_step` for `rows` rollouts of `prompt_len + completion_len` tokens.
+
+    Returns (report, compiled); report.parts: params, optimizer (incl. the step counter), batch.
+    """
+    rules = trainer_rules(mesh) if rules is None else rules
+    trainer = Trainer(
+        model_config,
+        mesh,
+        rules,
+        optimizer.make(1000),
+        grad_accum_steps=optimizer.grad_accum_steps,
+        loss=loss,
+    )
+    batch = abstract_rollout_batch(rows, prompt_len, completion_len)
+    state = trainer.abstract_state()
+    batch_sharded = ax.attach_shardings(batch, ax.batch_shardings(batch, mesh, rules))
+    parts = {
+        "params": sharded_bytes(state.params),
+        "optimizer": sharded_bytes(state.opt_state) + sharded_bytes(state.step),
+        "batch": sharded_bytes(batch_sharded),
+    }
+    return compile_report("train_step", trainer.lower_rl_step(batch), parts)
+
+
+# --- the generator ------------------------------------------------------------------------------
+
+
+def abstract_params(model_config: ModelConfig, mesh, rules) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, pure-dict params of ShapeDtypeStructs laid out by `rules` on `mesh`)."""
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+    )
+    shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
+    return graphdef, ax.attach_shardings(nnx.to_pure_dict(abstract), shardings)
+
+
+def plan_generator(
+    model_config: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    num_slots: int,
+    samples: int,
+    prompt_len: int,
+    completion_len: int,
+    rules: ax.LogicalRules = ax.GENERATOR_RULES,
+) -> tuple[ProgramReport, ProgramReport]:
+    """Compiles the engine's prefill (`num_slots // samples` prompts, each copied into `samples`
+    slots) and one decode step of all `num_slots` slots over the full cache
+    (`prompt_len + completion_len`); parts: params, kv_cache (and the prompts for prefill)."""
+    graphdef, params = abstract_params(model_config, mesh, rules)
+    engine = Engine(
+        graphdef,
+        model_config,
+        num_slots=num_slots,
+        pad_id=model_config.pad_token_id or 0,
+        eos_ids=model_config.eos_token_ids,
+        max_total_len=prompt_len + completion_len,
+        steps_per_call=1,
+        prompt_buckets=(prompt_len,),
+        span_buckets=(prompt_len + completion_len,),
+        mesh=mesh,
+        rules=rules,
+        compile_only=True,
+    )
+    cache_bytes = sharded_bytes(engine.abstract_cache())
+    common = {"params": sharded_bytes(params), "kv_cache": cache_bytes}
+    prompts = max(num_slots // samples, 1)
+    prefill, _ = compile_report(
+        "prefill",
+        engine.lower_prefill(params, prompts, prompt_len),
+        common,
+    )
+    sampling = SamplingConfig(max_new_tokens=completion_len, ignore_eos=True)
+    decode, _ = compile_report("decode_step", engine.lower_decode(params, sampling), common)
+    return prefill, decode
+
+
+# --- per-step cost from probes -------------------------------------------------------------------
+
+
+def extrapolate_layers(cost_1: float, cost_2: float, num_layers: int) -> float:
+    """Cost of `num_layers` layers from programs with 1 and 2 (unrolled) layers:
+    `c(L) = c(1) + (L - 1) (c(2) - c(1))`."""
+    return cost_1 + (num_layers - 1) * (cost_2 - cost_1)
+
+
+def probe_per_step(
+    plan_fn: Callable[[ModelConfig], tuple[float, float]], model_config: ModelConfig
+) -> tuple[float, float]:
+    """(FLOPs, bytes) per device of a whole program, from `plan_fn(config)` -> (flops, bytes) on
+    the model cut to 1 and 2 unrolled layers (no loop over layers, so nothing is counted once)."""
+    one = plan_fn(model_config.replace(num_layers=1, scan_layers=False))
+    two = plan_fn(model_config.replace(num_layers=2, scan_layers=False))
+    return tuple(
+        extrapolate_layers(a, b, model_config.num_layers) for a, b in zip(one, two, strict=True)
+    )
+
+
+# --- fit verdicts and fixes ----------------------------------------------------------------------
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def trainer_fix(report: ProgramReport, mesh, hbm: int, rows: int, micro_batches: int) -> str:
+    """The mesh change (and, if activations still do not fit, the micro-batching) that makes the
+    train step fit `hbm` bytes per device; estimates from the report's parts.
+
+    Model: params + optimizer + gradients (in temp) shard over fsdp x tp; the rest of temp
+    (activations) scales with the rows of one micro-batch on one device; everything is planned
+    within 90% of HBM.
+    """
+    sizes = dict(mesh.shape)
+    n, tp = mesh.size, sizes.get("tp", 1)
+    shard_now = sizes.get("fsdp", 1) * tp
+    batch_now = sizes.get("fsdp", 1) * sizes.get("dp", 1)
+    state = report.parts["params"] + report.parts["optimizer"]
+    grads = report.parts["params"]
+    state_total = (state + grads) * shard_now
+    act = max(report.total_bytes - state - grads, 0)
+    act_row = act * batch_now * micro_batches / rows  # per (row / device / micro-batch)
+    budget = 0.9 * hbm
+    devices = n
+    while state_total / devices > budget / 2 and devices < 2**16:
+        devices *= 2
+    where = (
+        f"shard with fsdp={devices // tp}: mesh axes ('fsdp', 'tp') = ({devices // tp}, {tp})"
+        if devices == n
+        else f"use at least {devices} devices with fsdp={devices // tp} (a larger slice: the "
+        f"sharded weights, gradients and Adam state take {fmt_gib(state_total)} in all)"
+    )
+    state_dev = state_total / devices
+    split = devices // tp  # the batch is split over fsdp
+    for m in [k for k in range(micro_batches, rows + 1) if rows % k == 0]:
+        if (rows // m) % split:
+            continue
+        act_dev = act_row * (rows // m // split)
+        if state_dev + act_dev <= budget:
+            accum = "" if m == micro_batches else f", and grad_accum_steps={m}"
+            return f"{where}{accum} (about {fmt_gib(state_dev + act_dev)} per device)"
+    return (
+        f"{where}; activations still do not fit: use attention_impl='pallas' (no [S, S] score "
+        "matrices) or shorter sequences"
+    )
+
+
+def generator_fix(decode: ProgramReport, num_slots: int, hbm: int, mesh) -> str:
+    """The change that makes the generator fit: more tp for the weights, fewer slots for the KV
+    cache (the cache and the decode temporaries, which hold a working copy of it, scale with the
+    slots)."""
+    params = decode.parts["params"]
+    per_slot = (decode.parts["kv_cache"] + decode.temp_bytes) / num_slots
+    fixed = decode.total_bytes - params - per_slot * num_slots
+    budget = 0.9 * hbm
+    tp = dict(mesh.shape).get("tp", 1)
+    if params + fixed > budget / 2:
+        return (
+            f"the weights take {fmt_gib(params)} per device: raise tp above {tp} "
+            "(mesh ('dp', 'tp')) or use a larger slice"
+        )
+    dp = dict(mesh.shape).get("dp", 1)
+    fit = int((budget - params - fixed) // per_slot)
+    slots = 2 ** int(math.log2(fit)) if fit >= 1 else 0
+    slots = (slots // dp) * dp
+    if slots < 1:
+        return f"one slot per dp replica does not fit: raise tp above {tp}"
+    return (
+        f"lower num_slots to {slots} ({fmt_gib(per_slot)} of KV cache and decode temporaries "
+        "per slot per device)"
+    )

@@ -1,0 +1,298 @@
+"""Plan an RL run for TPU slices without the hardware: compile the trainer's RL step and the
+generator's prefill / decode for the target topologies and print what one device needs.
+
+    python -m launch.plan --gin_file=configs/plan/llama3_8b_grpo.gin
+    python -m launch.plan --gin_param='PlanConfig.model="llama3_70b"' \
+        --gin_param='PlanConfig.trainer_topology="v5p:4x4x4"'
+
+Everything is abstract (`jax.ShapeDtypeStruct`s with shardings): nothing is allocated, no
+checkpoint is read. Needs the libtpu wheel (`pip install libtpu==0.0.42.1`, in the `test`
+extra); runs with JAX_PLATFORMS=cpu. Exits 1 when a program does not fit its device's HBM,
+with the mesh change that would make it fit; 2 on a config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import gin
+
+from jaxrl.infra.config import (
+    ConfigError,
+    build_config,
+    parse_gin,
+    register_config,
+    resolve_bindings,
+)
+from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.tpu import TopologyError, device_spec, parse_topology, topology_devices
+from jaxrl.models.presets import PRESETS, preset
+from jaxrl.planning import (
+    GiB,
+    ProgramReport,
+    generator_fix,
+    plan_generator,
+    plan_trainer,
+    probe_per_step,
+    trainer_fix,
+)
+from jaxrl.trainer import LossConfig, OptimizerConfig
+
+
+@register_config
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """One RL step's shapes and where each role runs.
+
+    model: a preset of `jaxrl.models.presets.PRESETS` (real Llama 3.1 / Qwen3 shapes).
+    trainer_param_dtype: the trainer's master weights and Adam moments; generator_param_dtype:
+      the weights the generator decodes with (the weight push casts); dtype: compute dtype.
+    *_topology: a TPU slice, '<chip>:<X>x<Y>[x<Z>]' (whole hosts: 2x2 chips each).
+    *_axes / *_axis_sizes: the role's mesh over the slice (one size may be -1: the rest).
+      Trainer axes from ("dp", "fsdp", "tp") (dp replicates the weights), generator ("dp", "tp").
+    prompts x samples rollouts of prompt_len + completion_len tokens per step.
+    num_slots: generator decode rows held at once (0: prompts x samples, all at once).
+    grad_accum_steps: trainer micro-batches per step.
+    per_step_cost: also compile 1- and 2-layer probes to scale FLOPs / bytes to a whole step
+      (XLA counts a loop body once).
+    roles: which roles to plan.
+    """
+
+    model: str = "llama3_8b"
+    trainer_param_dtype: str = "float32"
+    generator_param_dtype: str = "bfloat16"
+    dtype: str = "bfloat16"
+    remat_policy: str = "full"
+    scan_layers: bool = True
+    attention_impl: str = "xla"
+    trainer_topology: str = "v5p:2x2x2"
+    trainer_axes: tuple[str, ...] = ("fsdp", "tp")
+    trainer_axis_sizes: tuple[int, ...] = (-1, 1)
+    generator_topology: str = "v5e:2x2"
+    generator_axes: tuple[str, ...] = ("dp", "tp")
+    generator_axis_sizes: tuple[int, ...] = (1, -1)
+    prompts: int = 64
+    samples: int = 8
+    prompt_len: int = 1024
+    completion_len: int = 1024
+    num_slots: int = 0
+    grad_accum_steps: int = 1
+    loss: str = "grpo"
+    per_step_cost: bool = False
+    roles: tuple[str, ...] = ("trainer", "generator")
+
+    def validate(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"model={self.model!r}; choose one of {sorted(PRESETS)}")
+        for name in ("trainer_topology", "generator_topology"):
+            parse_topology(getattr(self, name))
+        unknown = set(self.roles) - {"trainer", "generator"}
+        if unknown or not self.roles:
+            raise ValueError(f"roles={self.roles}; use 'trainer' and/or 'generator'")
+        for name in ("prompts", "samples", "prompt_len", "completion_len", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if (self.prompts * self.samples) % self.grad_accum_steps:
+            raise ValueError(
+                f"{self.prompts} x {self.samples} rollouts do not split into "
+                f"grad_accum_steps={self.grad_accum_steps} micro-batches"
+            )
+        self.model_config("trainer")  # dtype / remat / attention names
+
+    @property
+    def slots(self) -> int:
+        return self.num_slots or self.prompts * self.samples
+
+    def model_config(self, role: str):
+        param_dtype = self.trainer_param_dtype if role == "trainer" else self.generator_param_dtype
+        return preset(
+            self.model,
+            param_dtype=param_dtype,
+            dtype=self.dtype,
+            remat_policy=self.remat_policy,
+            scan_layers=self.scan_layers,
+            attention_impl=self.attention_impl,
+        )
+
+
+def _mesh(topology: str, axes, sizes):
+    devices = topology_devices(topology)
+    return make_mesh(MeshConfig(tuple(axes), tuple(sizes)), devices), devices
+
+
+def _row(report: ProgramReport, hbm: int, step_cost: tuple[float, float] | None) -> list[str]:
+    p = report.parts
+    state = p.get("optimizer", 0)
+    # The compiler's arguments beyond params / optimizer / cache: the batch, less any input
+    # the program never reads (jit drops it: prefill computes no logits, so no lm_head).
+    data = report.argument_bytes - p["params"] - state - p.get("kv_cache", 0)
+    flops, bytes_ = step_cost or (report.flops, report.bytes_accessed)
+    return [
+        report.name,
+        f"{p['params'] / GiB:.2f}",
+        f"{state / GiB:.2f}",
+        f"{p.get('kv_cache', 0) / GiB:.2f}",
+        f"{data / GiB:.2f}",
+        f"{report.temp_bytes / GiB:.2f}",
+        f"{report.total_bytes / GiB:.2f}",
+        f"{hbm / GiB:.0f}",
+        "yes" if report.total_bytes <= hbm else "NO",
+        f"{flops:.3g}",
+        f"{bytes_:.3g}",
+        f"{report.compile_seconds:.0f}",
+    ]
+
+
+HEADER = [
+    "program",
+    "params",
+    "optimizer",
+    "kv cache",
+    "batch/other",
+    "temp",
+    "total",
+    "HBM",
+    "fits",
+    "FLOPs",
+    "bytes",
+    "compile s",
+]
+
+
+def print_table(title: str, rows: list[list[str]]) -> None:
+    print(f"\n{title}  (per device; GiB unless named)")
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    for r in [HEADER, *rows]:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
+
+
+def _trainer(config: PlanConfig, problems: list[str]) -> None:
+    mesh, devices = _mesh(config.trainer_topology, config.trainer_axes, config.trainer_axis_sizes)
+    spec = device_spec(devices)
+    optimizer = OptimizerConfig(learning_rate=1e-6, grad_accum_steps=config.grad_accum_steps)
+    rows = config.prompts * config.samples
+    kwargs = dict(
+        rows=rows,
+        prompt_len=config.prompt_len,
+        completion_len=config.completion_len,
+        optimizer=optimizer,
+        loss=LossConfig(name=config.loss),
+    )
+    model_config = config.model_config("trainer")
+    report, _ = plan_trainer(model_config, mesh, **kwargs)
+    step_cost = None
+    if config.per_step_cost:  # one micro-batch x 1 / 2 layers, times the micro-batches
+        micro = dict(kwargs, rows=rows // config.grad_accum_steps)
+        micro["optimizer"] = dataclasses.replace(optimizer, grad_accum_steps=1)
+
+        def probe(c):
+            r, _ = plan_trainer(c, mesh, **micro)
+            return r.flops, r.bytes_accessed
+
+        flops, bytes_ = probe_per_step(probe, model_config)
+        step_cost = (flops * config.grad_accum_steps, bytes_ * config.grad_accum_steps)
+    title = (
+        f"trainer: {config.model} on {config.trainer_topology} ({spec.name}, {len(devices)} "
+        f"devices), mesh {dict(mesh.shape)}, {rows} rollouts x "
+        f"{config.prompt_len}+{config.completion_len} tokens, {config.grad_accum_steps} "
+        f"micro-batches, remat {config.remat_policy}"
+    )
+    print_table(title, [_row(report, spec.hbm_bytes, step_cost)])
+    if report.error:
+        print(f"  the TPU compiler refused: {report.error}")
+    if report.total_bytes > spec.hbm_bytes:
+        problems.append(
+            f"trainer: the RL step needs {report.total_bytes / GiB:.2f} GiB per device, "
+            f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
+            f"fix: {trainer_fix(report, mesh, spec.hbm_bytes, rows, config.grad_accum_steps)}"
+        )
+
+
+def _generator(config: PlanConfig, problems: list[str]) -> None:
+    mesh, devices = _mesh(
+        config.generator_topology, config.generator_axes, config.generator_axis_sizes
+    )
+    spec = device_spec(devices)
+    model_config = config.model_config("generator")
+    kwargs = dict(
+        num_slots=config.slots,
+        samples=config.samples,
+        prompt_len=config.prompt_len,
+        completion_len=config.completion_len,
+    )
+    prefill, decode = plan_generator(model_config, mesh, **kwargs)
+    costs: dict[str, tuple[float, float] | None] = {"prefill": None, "decode_step": None}
+    if config.per_step_cost:
+        probes = {}
+
+        def probe(c):
+            p, d = plan_generator(c, mesh, **kwargs)
+            probes.setdefault(c.num_layers, (p, d))
+            return p.flops, p.bytes_accessed
+
+        costs["prefill"] = probe_per_step(probe, model_config)
+        costs["decode_step"] = tuple(
+            a + (model_config.num_layers - 1) * (b - a)
+            for a, b in zip(
+                (probes[1][1].flops, probes[1][1].bytes_accessed),
+                (probes[2][1].flops, probes[2][1].bytes_accessed),
+                strict=True,
+            )
+        )
+    title = (
+        f"generator: {config.model} on {config.generator_topology} ({spec.name}, "
+        f"{len(devices)} devices), mesh {dict(mesh.shape)}, {config.slots} slots x "
+        f"{config.prompt_len + config.completion_len} tokens, prefill "
+        f"{max(config.slots // config.samples, 1)} prompts"
+    )
+    rows = [_row(r, spec.hbm_bytes, costs[r.name]) for r in (prefill, decode)]
+    print_table(title, rows)
+    for r in (prefill, decode):
+        if r.error:
+            print(f"  the TPU compiler refused {r.name}: {r.error}")
+    worst = max((prefill, decode), key=lambda r: r.total_bytes)
+    if worst.total_bytes > spec.hbm_bytes:
+        problems.append(
+            f"generator: {worst.name} needs {worst.total_bytes / GiB:.2f} GiB per device, "
+            f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
+            f"fix: {generator_fix(decode, config.slots, spec.hbm_bytes, mesh)}"
+        )
+
+
+@gin.configurable
+def plan_main(config: PlanConfig = PlanConfig()) -> int:
+    """Compiles and prints each role's programs; returns the exit status (1: does not fit)."""
+    problems: list[str] = []
+    if "trainer" in config.roles:
+        _trainer(config, problems)
+    if "generator" in config.roles:
+        _generator(config, problems)
+    print()
+    if problems:
+        for line in problems:
+            print(f"DOES NOT FIT: {line}")
+        return 1
+    print("verdict: fits")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gin_file", action="append", default=[])
+    parser.add_argument("--gin_param", action="append", default=[])
+    args = parser.parse_args(argv)
+    try:
+        parse_gin(args.gin_file, args.gin_param)
+        kwargs = resolve_bindings(plan_main, skip=())
+        if "config" not in kwargs:  # `PlanConfig.x = ...` bindings without `plan_main.config`
+            kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
+        return plan_main(**kwargs)
+    except (ConfigError, TopologyError) as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
