@@ -29,6 +29,7 @@ from jaxrl.executors import (
     generator_param_shardings,
     mesh_sampler,
 )
+from jaxrl.generation.engine_sampler import GENERATORS
 from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, make_mesh
@@ -118,6 +119,9 @@ def rl_main(
     sft: SFTConfig | None = None,
     generator_dtype: str = "auto",
     lora: LoraConfig | None = None,
+    generator: str = "engine",
+    engine_slots: int = 0,
+    engine_steps_per_call: int = 8,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -129,7 +133,21 @@ def rl_main(
     `lora` (`@LoraConfig()`): train LoRA adapters on the frozen initial policy (`jaxrl.lora`):
     checkpoints and weight pushes hold the adapters only, the KL reference is the base with the
     adapters off, and the generator keeps one copy of the base and applies each pushed version's
-    adapters unmerged."""
+    adapters unmerged.
+    `generator`: "engine" (the continuous-batching engine, `jaxrl.generation.engine`: each
+    prompt's G samples share one prefill, finished rows free their slots at once) or "static"
+    (the left-padded `Sampler`); meshes spanning several processes always use the static one.
+    `engine_slots`: the engine's decode slots (0: the rows of one generate call,
+    num_prompts x oversample x samples_per_prompt). `engine_steps_per_call`: decode steps per
+    device call (capped at max_new_tokens)."""
+    if generator not in GENERATORS:
+        raise SystemExit(f"rl_main.generator={generator!r}; expected one of {GENERATORS}")
+    if engine_slots < 0 or engine_steps_per_call < 1:
+        raise SystemExit(
+            f"rl_main.engine_slots={engine_slots}, rl_main.engine_steps_per_call="
+            f"{engine_steps_per_call}: need engine_slots >= 0 (0: automatic) and "
+            "engine_steps_per_call >= 1"
+        )
     if generator_dtype not in GENERATOR_DTYPES:
         raise SystemExit(
             f"rl_main.generator_dtype={generator_dtype!r}; expected one of {GENERATOR_DTYPES}"
@@ -220,12 +238,17 @@ def rl_main(
             ref_params = initial_params(workdir, policy, task, sft, mesh, trainer, model_config)
 
         weights = None
+        engine = {
+            "generator": generator,
+            "num_slots": engine_slots or rl.num_prompts * rl.oversample * rl.samples_per_prompt,
+            "steps_per_call": min(engine_steps_per_call, rl.max_new_tokens),
+        }
         if generator_mesh is None:
-            sampler = colocated_sampler(trainer, tokenizer)
+            sampler = colocated_sampler(trainer, tokenizer, **engine)
         else:
             gen_dtype = resolve_generator_dtype(generator_dtype, gen_mesh)
             sampler = mesh_sampler(
-                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype
+                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype, **engine
             )
             sync = make_weight_sync(
                 trainer.param_shardings,
@@ -250,7 +273,7 @@ def rl_main(
             reward=reward,
             ref_params=ref_params,
             weights=weights,
-            eval_sampler=colocated_sampler(trainer, tokenizer) if weights else None,
+            eval_sampler=colocated_sampler(trainer, tokenizer, **engine) if weights else None,
             learning_rate=optimizer.schedule_fn(rl.total_steps),
         )
         try:

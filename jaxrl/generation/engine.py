@@ -295,6 +295,12 @@ class Engine:
         if request_id in self._ids:
             self._cancelled.add(request_id)
 
+    def reset(self) -> None:
+        """Forgets every queued request and cancellation (e.g. after an interrupted `run`)."""
+        self._queue.clear()
+        self._ids.clear()
+        self._cancelled.clear()
+
     def generate(
         self, params: nnx.State, requests: Iterable[Request], key: jax.Array
     ) -> list[GroupResult]:
