@@ -234,13 +234,13 @@ def test_engine_sampler_serves_the_sampler_interface_prompt_major(tiny_model):
     sampling = SamplingConfig(6, temperature=1.0)
     out = sampler.generate(params, PROMPTS, sampling, jax.random.key(5), num_samples=3)
     assert out.tokens_bn.shape == (12, 6) and out.mask_bn.all()
-    # The same prompts as engine requests 0..3 of 3 samples, with another slot count.
-    engine, _ = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=16,
-                                 max_total_len=40)  # fmt: skip
-    groups = engine.generate(params, _requests(sampling, budgets=[6] * 4, samples=3),
-                             jax.random.key(5))  # fmt: skip
+    # The same prompts as engine requests 0..3 of 3 samples (the sampler's own engine: no
+    # new compile; the slot-count independence is test_same_tokens_with_4_or_32_slots_...).
+    groups = sampler.engine.generate(
+        params, _requests(sampling, budgets=[6] * 4, samples=3), jax.random.key(5)
+    )
     np.testing.assert_array_equal(out.tokens_bn, np.concatenate([g.tokens_gn for g in groups]))
-    assert sampler.stats.prefill_tokens == sum(map(len, PROMPTS))  # one prefill per prompt
+    assert sampler.stats.prefill_tokens == 2 * sum(map(len, PROMPTS))  # one prefill per prompt
     static = Sampler.for_model(tiny_model, pad_id=0, eos_ids=(), max_total_len=40)[0]
     greedy = SamplingConfig(6, greedy=True)
     long = [[3] * 38, [1, 2]]
