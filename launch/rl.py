@@ -122,6 +122,7 @@ def rl_main(
     generator: str = "engine",
     engine_slots: int = 0,
     engine_steps_per_call: int = 8,
+    engine_max_len: int = 0,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -139,14 +140,18 @@ def rl_main(
     (the left-padded `Sampler`); meshes spanning several processes always use the static one.
     `engine_slots`: the engine's decode slots (0: the rows of one generate call,
     num_prompts x oversample x samples_per_prompt). `engine_steps_per_call`: decode steps per
-    device call (capped at max_new_tokens)."""
+    device call (capped at max_new_tokens). `engine_max_len`: the engine's cache length, the
+    longest prompt + max_new_tokens it takes (0: the model's context). The engine holds one
+    cache of slots x engine_max_len x layers x 2 x kv_heads x head_dim values for the run, so
+    bound both on a large model (e.g. 256 slots x 4096 on Llama 3 8B in bf16: 128 GiB)."""
     if generator not in GENERATORS:
         raise SystemExit(f"rl_main.generator={generator!r}; expected one of {GENERATORS}")
-    if engine_slots < 0 or engine_steps_per_call < 1:
+    if engine_slots < 0 or engine_steps_per_call < 1 or engine_max_len < 0:
         raise SystemExit(
             f"rl_main.engine_slots={engine_slots}, rl_main.engine_steps_per_call="
-            f"{engine_steps_per_call}: need engine_slots >= 0 (0: automatic) and "
-            "engine_steps_per_call >= 1"
+            f"{engine_steps_per_call}, rl_main.engine_max_len={engine_max_len}: need "
+            "engine_slots >= 0 (0: automatic), engine_steps_per_call >= 1, engine_max_len >= 0 "
+            "(0: the model's context)"
         )
     if generator_dtype not in GENERATOR_DTYPES:
         raise SystemExit(
@@ -242,6 +247,7 @@ def rl_main(
             "generator": generator,
             "num_slots": engine_slots or rl.num_prompts * rl.oversample * rl.samples_per_prompt,
             "steps_per_call": min(engine_steps_per_call, rl.max_new_tokens),
+            "max_total_len": engine_max_len or None,
         }
         if generator_mesh is None:
             sampler = colocated_sampler(trainer, tokenizer, **engine)
