@@ -58,6 +58,7 @@ import jax
 
 from jaxrl.evaluation import evaluate
 from jaxrl.executors import GeneratorExecutor, GeneratorWeights, RewardExecutor
+from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.rl import collate_rollouts, select_groups
@@ -219,7 +220,7 @@ class Controller:
         reward,
         ref_params: Params | None = None,
         weights: GeneratorWeights | None = None,
-        eval_sampler: Sampler | None = None,
+        eval_sampler: EngineSampler | Sampler | None = None,
         learning_rate: Callable[[int], float] | None = None,
     ):
         """`weights` (async mode): the generator's weight store, fed by the trainer's pushes.

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.tasks.rewards import compute_rewards, decode_completions
@@ -38,7 +39,7 @@ def accuracy_key(temperature: float) -> str:
 
 
 def evaluate(
-    sampler: Sampler,
+    sampler: EngineSampler | Sampler,
     params,
     tokenizer,
     reward,

@@ -1,9 +1,13 @@
 """The generator and reward executors the controller drives.
 
 GeneratorExecutor: samples `samples_per_prompt` completions of each prompt with the weights of
-one policy version, on its mesh, and returns host-side rollouts stamped with that version. Its
-sampling key is a function of (seed, policy version, batch index) only, so a resumed or re-run
-job draws exactly the same samples.
+one policy version, on its mesh, and returns host-side rollouts stamped with that version. The
+generator is the continuous-batching engine (`EngineSampler`: each prompt one request of
+`samples_per_prompt` samples, prefilled once) or, with `generator="static"` and on meshes that
+span processes, the static `Sampler`. Its sampling key is a function of (seed, policy version,
+batch index) only and the engine's request id is the prompt's index in the batch, so a sample's
+noise depends on (seed, version, batch index, prompt index, sample index, token index) only and a
+resumed or re-run job draws exactly the same samples.
 
 RewardExecutor: decodes completions (without special tokens: the `<eos>` that ended a completion
 is not part of its text) and scores them with a registered (or given) reward function; a reward
@@ -25,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import lora as lora_lib
+from jaxrl.generation.engine_sampler import EngineSampler, make_sampler
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.sharding import param_shardings
@@ -85,7 +90,11 @@ class GeneratorExecutor:
         n = self.samples_per_prompt
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         out = self.sampler.generate(
-            params, rows, self.sampling, sampling_key(self.seed, policy_version, batch_index)
+            params,
+            [list(p) for p in prompt_ids],
+            self.sampling,
+            sampling_key(self.seed, policy_version, batch_index),
+            num_samples=n,
         )
         lengths = out.lengths_b
         return GeneratedBatch(
@@ -156,7 +165,7 @@ class RewardExecutor:
 RL_PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-class AdapterSampler(Sampler):
+class _Adapters:
     """A sampler of a LoRA policy that holds the frozen base once (`base_params`, on its mesh)
     and takes the adapters as the params of each `generate` call: applied unmerged, so a weight
     push moves the adapters only and the base is never rewritten or copied."""
@@ -165,8 +174,18 @@ class AdapterSampler(Sampler):
 
     def generate(self, params, *args, **kwargs):
         if self.base_params is None:
-            raise ValueError("AdapterSampler.base_params is unset: place the frozen base first")
+            raise ValueError(
+                f"{type(self).__name__}.base_params is unset: place the frozen base first"
+            )
         return super().generate(lora_lib.combine(self.base_params, params), *args, **kwargs)
+
+
+class AdapterSampler(_Adapters, Sampler):
+    """The static sampler of a LoRA policy (see `_Adapters`)."""
+
+
+class AdapterEngineSampler(_Adapters, EngineSampler):
+    """The engine of a LoRA policy (see `_Adapters`)."""
 
 
 def mesh_sampler(
@@ -177,18 +196,28 @@ def mesh_sampler(
     max_total_len: int | None = None,
     prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
     base_dtype: str | None = None,
-) -> Sampler:
+    generator: str = "engine",
+    num_slots: int = 256,
+    steps_per_call: int = 8,
+) -> Sampler | EngineSampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
     `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
-    the same bucket).
+    the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
+    `steps_per_call` decode steps per device call) or "static" (`Sampler`); see `make_sampler`.
 
-    A LoRA trainer gets an `AdapterSampler` holding the trainer's base (set before this call)
-    placed on `mesh` (and cast to `base_dtype`): one copy, shared by every pushed version."""
-    cls = Sampler if trainer.lora is None else AdapterSampler
-    sampler = cls(
+    A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
+    (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
+    pushed version."""
+    lora = trainer.lora is not None
+    sampler = make_sampler(
+        generator,
         trainer.graphdef,
         trainer.model_config,
+        num_slots=num_slots,
+        steps_per_call=steps_per_call,
+        cls_static=AdapterSampler if lora else Sampler,
+        cls_engine=AdapterEngineSampler if lora else EngineSampler,
         pad_id=tokenizer.pad_token_id,
         eos_ids=trainer.model_config.eos_token_ids,
         max_total_len=max_total_len,
@@ -215,13 +244,16 @@ def colocated_sampler(
     tokenizer,
     max_total_len: int | None = None,
     prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
-) -> Sampler:
+    **generator,
+) -> Sampler | EngineSampler:
     """A sampler on the trainer's own mesh and rules (colocated generation: sync mode, evals):
     `sampler.generate(state.params, prompt_ids, SamplingConfig(...), key)` samples from the
-    trainer's current params with no copy."""
+    trainer's current params with no copy. `generator`: `mesh_sampler`'s generator, num_slots,
+    steps_per_call."""
     return mesh_sampler(
-        trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len, prompt_buckets
-    )
+        trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len, prompt_buckets,
+        **generator,
+    )  # fmt: skip
 
 
 def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules, base: bool = False):

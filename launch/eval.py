@@ -17,7 +17,7 @@ import sys
 
 from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
-from jaxrl.generation.sampler import Sampler
+from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.models import hf
 from jaxrl.specs import TaskSpec, build_source, reward_name
 from jaxrl.tasks.source import encode_prompts
@@ -125,7 +125,9 @@ def main(argv=None) -> int:
     if not items:
         raise SystemExit("no evaluation problems: pass --eval_path for a math_jsonl task")
     ids = encode_prompts(tokenizer, items, getattr(source, "chat_formatted", False))
-    sampler, params = Sampler.for_model(model, pad_id=tokenizer.pad_token_id)
+    # The engine, as in the run: its noise does not depend on the slot count, so the sampled
+    # metrics are the run's own.
+    sampler, params = EngineSampler.for_model(model, pad_id=tokenizer.pad_token_id)
     metrics = evaluate(
         sampler, params, tokenizer, reward_name(task, source), items, ids,
         max_new_tokens=settings["max_new_tokens"], samples=settings["samples"],

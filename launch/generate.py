@@ -19,7 +19,7 @@ import time
 
 import jax
 
-from jaxrl.generation.sampler import Sampler
+from jaxrl.generation.engine_sampler import GENERATORS, make_sampler
 from jaxrl.generation.sampling import SamplingConfig
 
 
@@ -129,7 +129,7 @@ def sampling_help() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        description="Sample completions with the KV-cache sampler.",
+        description="Sample completions with the continuous-batching engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=sampling_help(),
     )
@@ -151,6 +151,15 @@ def main(argv=None) -> int:
         "leaves less room in the model's context)",
     )
     p.add_argument("--batch_size", type=int, default=32, help="prompts per generate call")
+    p.add_argument(
+        "--generator",
+        choices=GENERATORS,
+        default="engine",
+        help="the continuous-batching engine, or the static left-padded sampler",
+    )
+    p.add_argument(
+        "--num_slots", type=int, default=0, help="engine decode slots (0: --batch_size)"
+    )
     p.add_argument("--chat_template", action="store_true", help="wrap prompts as a user turn")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of long prompts")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
@@ -159,9 +168,16 @@ def main(argv=None) -> int:
 
     prompts = read_prompts(args.prompts)
     model, tokenizer, mesh, rules = load(args)
-    sampler, params = Sampler.for_model(
-        model,
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    sampler = make_sampler(
+        args.generator,
+        graphdef,
+        model.config,
+        num_slots=args.num_slots or args.batch_size,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        eos_ids=model.config.eos_token_ids,
         mesh=mesh,
         rules=rules,
     )

@@ -29,6 +29,7 @@ from jaxrl.executors import (
     generator_param_shardings,
     mesh_sampler,
 )
+from jaxrl.generation.engine_sampler import GENERATORS
 from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, make_mesh
@@ -119,6 +120,10 @@ def rl_main(
     generator_dtype: str = "auto",
     lora: LoraConfig | None = None,
     roles: tuple[str, ...] | None = None,
+    generator: str = "engine",
+    engine_slots: int = 0,
+    engine_steps_per_call: int = 8,
+    engine_max_len: int = 0,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -134,7 +139,25 @@ def rl_main(
     `roles` (async, fixed lag): one role per process of the job, "trainer" or "generator"
     (`jaxrl.roles`; process 0 a trainer): each process runs only its role's programs on its
     role's devices. In a one-process job it is ignored (both roles in one process, as without
-    it), so the same config runs on one process for comparison."""
+    it), so the same config runs on one process for comparison.
+    `generator`: "engine" (the continuous-batching engine, `jaxrl.generation.engine`: each
+    prompt's G samples share one prefill, finished rows free their slots at once) or "static"
+    (the left-padded `Sampler`); meshes spanning several processes always use the static one.
+    `engine_slots`: the engine's decode slots (0: the rows of one generate call,
+    num_prompts x oversample x samples_per_prompt). `engine_steps_per_call`: decode steps per
+    device call (capped at max_new_tokens). `engine_max_len`: the engine's cache length, the
+    longest prompt + max_new_tokens it takes (0: the model's context). The engine holds one
+    cache of slots x engine_max_len x layers x 2 x kv_heads x head_dim values for the run, so
+    bound both on a large model (e.g. 256 slots x 4096 on Llama 3 8B in bf16: 128 GiB)."""
+    if generator not in GENERATORS:
+        raise SystemExit(f"rl_main.generator={generator!r}; expected one of {GENERATORS}")
+    if engine_slots < 0 or engine_steps_per_call < 1 or engine_max_len < 0:
+        raise SystemExit(
+            f"rl_main.engine_slots={engine_slots}, rl_main.engine_steps_per_call="
+            f"{engine_steps_per_call}, rl_main.engine_max_len={engine_max_len}: need "
+            "engine_slots >= 0 (0: automatic), engine_steps_per_call >= 1, engine_max_len >= 0 "
+            "(0: the model's context)"
+        )
     if generator_dtype not in GENERATOR_DTYPES:
         raise SystemExit(
             f"rl_main.generator_dtype={generator_dtype!r}; expected one of {GENERATOR_DTYPES}"
@@ -207,10 +230,16 @@ def rl_main(
         pack_length=rl.pack_length,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
+    engine = {
+        "generator": generator,
+        "num_slots": engine_slots or rl.num_prompts * rl.oversample * rl.samples_per_prompt,
+        "steps_per_call": min(engine_steps_per_call, rl.max_new_tokens),
+        "max_total_len": engine_max_len or None,
+    }
     if layout is not None:
         return _run_roles(
             workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
-            policy, task, sft, mesh, loss, optimizer, model_config,
+            policy, task, sft, mesh, loss, optimizer, model_config, engine,
         )  # fmt: skip
     if lora is not None:
         if initial_source(workdir, policy, sft) is None:
@@ -250,11 +279,11 @@ def rl_main(
 
         weights = None
         if generator_mesh is None:
-            sampler = colocated_sampler(trainer, tokenizer)
+            sampler = colocated_sampler(trainer, tokenizer, **engine)
         else:
             gen_dtype = resolve_generator_dtype(generator_dtype, gen_mesh)
             sampler = mesh_sampler(
-                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype
+                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype, **engine
             )
             sync = make_weight_sync(
                 trainer.param_shardings,
@@ -279,7 +308,7 @@ def rl_main(
             reward=reward,
             ref_params=ref_params,
             weights=weights,
-            eval_sampler=colocated_sampler(trainer, tokenizer) if weights else None,
+            eval_sampler=colocated_sampler(trainer, tokenizer, **engine) if weights else None,
             learning_rate=optimizer.schedule_fn(rl.total_steps),
         )
         try:
@@ -303,7 +332,7 @@ def rl_main(
 
 def _run_roles(
     workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
-    policy, task, sft, mesh, loss, optimizer, model_config,
+    policy, task, sft, mesh, loss, optimizer, model_config, engine,
 ) -> dict:  # fmt: skip
     """`rl_main` on one process of a role-split job (`jaxrl.roles`): a trainer process restores
     or initialises the train state (checkpoints over the trainer processes only), a generator
@@ -321,9 +350,11 @@ def _run_roles(
         generator_dtype=gen_dtype,
     )
     if role == "generator":
-        sampler = mesh_sampler(trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype)
-    else:
-        sampler = colocated_sampler(trainer, tokenizer)  # evaluations, on the trainer's devices
+        sampler = mesh_sampler(
+            trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype, **engine
+        )
+    else:  # evaluations, on the trainer's devices
+        sampler = colocated_sampler(trainer, tokenizer, **engine)
     generator = GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed)
     rewarder = RewardExecutor(
         reward, tokenizer, shuffle_seed=rl.seed if rl.shuffle_rewards else None

@@ -221,3 +221,70 @@ def test_bad_input_is_refused_and_cancelled_requests_free_their_slots(tiny_model
     for rid in (11, 13):
         np.testing.assert_array_equal(results[rid].tokens_gn, expected[rid].tokens_gn)
     assert engine.stats.kept_tokens < 2 * 30 + 2 * 3 + 4 * 30 + 2 * 5  # long_a stopped early
+
+
+def test_engine_sampler_serves_the_sampler_interface_prompt_major(tiny_model):
+    """`EngineSampler.generate` (what the RL generator, evaluations and `launch.generate` call):
+    rows prompt-major, each prompt one request of G samples keyed by its index in the call,
+    greedy equal to the static sampler, bad input refused with nothing left queued."""
+    from jaxrl.generation.engine_sampler import EngineSampler
+
+    sampler, params = EngineSampler.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
+                                              steps_per_call=4, max_total_len=40)  # fmt: skip
+    sampling = SamplingConfig(6, temperature=1.0)
+    out = sampler.generate(params, PROMPTS, sampling, jax.random.key(5), num_samples=3)
+    assert out.tokens_bn.shape == (12, 6) and out.mask_bn.all()
+    # The same prompts as engine requests 0..3 of 3 samples (the sampler's own engine: no
+    # new compile; the slot-count independence is test_same_tokens_with_4_or_32_slots_...).
+    groups = sampler.engine.generate(
+        params, _requests(sampling, budgets=[6] * 4, samples=3), jax.random.key(5)
+    )
+    np.testing.assert_array_equal(out.tokens_bn, np.concatenate([g.tokens_gn for g in groups]))
+    assert sampler.stats.prefill_tokens == 2 * sum(map(len, PROMPTS))  # one prefill per prompt
+    static = Sampler.for_model(tiny_model, pad_id=0, eos_ids=(), max_total_len=40)[0]
+    greedy = SamplingConfig(6, greedy=True)
+    long = [[3] * 38, [1, 2]]
+    ours = sampler.generate(params, long, greedy, jax.random.key(0), truncate=True, num_samples=2)
+    ref = static.generate(params, long, greedy, jax.random.key(0), truncate=True, num_samples=2)
+    np.testing.assert_array_equal(ours.tokens_bn, ref.tokens_bn)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        sampler.generate(params, [[1, 2], []], sampling, jax.random.key(0))
+    with pytest.raises(ValueError, match="num_samples=5 but the engine has 4 decode slots"):
+        sampler.generate(params, [[1, 2]], sampling, jax.random.key(0), num_samples=5)
+    again = sampler.generate(params, PROMPTS, sampling, jax.random.key(5), num_samples=3)
+    np.testing.assert_array_equal(again.tokens_bn, out.tokens_bn)  # nothing was left queued
+    np.testing.assert_array_equal(again.logprobs_bn, out.logprobs_bn)  # bitwise on a re-run
+
+
+def test_inverse_cdf_draw_matches_a_float64_reference_and_never_takes_masked_tokens():
+    """The engine's per-row draw: the first token whose float64 cumulative probability exceeds
+    u * total (numpy's searchsorted), masked tokens never taken, frequencies = probabilities."""
+    from jaxrl.generation.sampling import inverse_cdf_tokens
+
+    draw = jax.jit(inverse_cdf_tokens, static_argnames="block")
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 1000)) * 3
+    logits[:, rng.random(1000) < 0.3] = -np.inf  # top-k / top-p style holes
+    logits[:, 990:] = -np.inf  # a masked tail, inside the last (padded) block
+    logprobs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    u = rng.random(64).astype(np.float32)
+    u[:2] = 0.0, np.float32(1 - 2**-24)  # the ends of [0, 1)
+    tokens = np.asarray(draw(logprobs, jnp.asarray(u)))
+    p = np.exp(np.asarray(logprobs, np.float64))
+    ref = [np.searchsorted(np.cumsum(p[b]), u[b] * p[b].sum(), side="right") for b in range(64)]
+    np.testing.assert_array_equal(tokens, ref)
+    assert np.isfinite(np.asarray(logprobs)[np.arange(64), tokens]).all()
+    row = jax.nn.log_softmax(jnp.asarray([0.0, 1.0, 2.0, -np.inf, 0.5]))
+    u = jax.random.uniform(jax.random.key(0), (20_000,))
+    draws = np.asarray(draw(jnp.tile(row, (20_000, 1)), u, block=2))
+    np.testing.assert_allclose(np.bincount(draws, minlength=5) / 2e4, np.exp(row), atol=0.01)
+
+
+def test_rl_main_refuses_an_unknown_generator_or_engine_knobs(tmp_path):
+    from launch.rl import rl_main
+
+    with pytest.raises(SystemExit, match=r"rl_main.generator='vllm'; expected one of \('engine'"):
+        rl_main(str(tmp_path / "a"), None, None, None, None, generator="vllm")
+    with pytest.raises(SystemExit, match="engine_slots=-1.*need engine_slots >= 0"):
+        rl_main(str(tmp_path / "b"), None, None, None, None, engine_slots=-1)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

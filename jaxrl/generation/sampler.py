@@ -155,8 +155,12 @@ class Sampler:
         key: jax.Array,
         *,
         truncate: bool = False,
+        num_samples: int = 1,
     ) -> SampleOutput:
-        """Completes each prompt (a list of token ids); `key` seeds all the sampling noise."""
+        """Completes each prompt (a list of token ids) `num_samples` times (rows prompt-major:
+        row `i * num_samples + g`); `key` seeds all the sampling noise."""
+        if num_samples > 1:
+            prompts = [p for p in prompts for _ in range(num_samples)]
         limit = self.max_total_len
         if truncate:
             keep = limit - sampling.max_new_tokens
