@@ -251,14 +251,7 @@ def rl_main(
             raise SystemExit("LoRA runs are single-process for now; drop rl_main.lora")
         if is_main_process():
             lora_lib.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
-    io = RunIO(
-        workdir,
-        total_steps=rl.total_steps,
-        save_every_steps=rl.save_every_steps,
-        keep_last_n=rl.keep_last_n,
-        desc="rl",
-        log_every_steps=rl.log_every_steps,
-    )
+    io = _run_io(workdir, rl)
     try:
         restored = io.restore(trainer.abstract_state())
         extra = None
@@ -330,6 +323,18 @@ def rl_main(
     return {"workdir": workdir, "plot": plot, "final_step": int(state.step)}
 
 
+def _run_io(workdir: str, rl: RLConfig) -> RunIO:
+    """The run's metrics, checkpoints and progress line, on `rl`'s schedule."""
+    return RunIO(
+        workdir,
+        total_steps=rl.total_steps,
+        save_every_steps=rl.save_every_steps,
+        keep_last_n=rl.keep_last_n,
+        desc="rl",
+        log_every_steps=rl.log_every_steps,
+    )
+
+
 def _run_roles(
     workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
     policy, task, sft, mesh, loss, optimizer, model_config, engine,
@@ -362,14 +367,7 @@ def _run_roles(
     io = state = extra = ref_params = None
     if role == "trainer":
         checkpoint.restrict_to_processes(layout.trainer_processes)
-        io = RunIO(
-            workdir,
-            total_steps=rl.total_steps,
-            save_every_steps=rl.save_every_steps,
-            keep_last_n=rl.keep_last_n,
-            desc="rl",
-            log_every_steps=rl.log_every_steps,
-        )
+        io = _run_io(workdir, rl)
     try:
         if role == "trainer":
             restored = io.restore(trainer.abstract_state())
