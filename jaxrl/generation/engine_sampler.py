@@ -27,17 +27,19 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generation.engine import Engine, Request
-from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS, SampleOutput, Sampler
+from jaxrl.generation.sampler import (
+    DEFAULT_PROMPT_BUCKETS,
+    SampleOutput,
+    Sampler,
+    checked_prompts,
+    spans_processes,
+)
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 
 GENERATORS = ("engine", "static")
-
-
-def spans_processes(mesh: jax.sharding.Mesh | None) -> bool:
-    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
 
 
 class EngineSampler:
@@ -114,14 +116,8 @@ class EngineSampler:
         num_samples: int = 1,
     ) -> SampleOutput:
         """Completes each prompt `num_samples` times: rows `[B * G, N]`, prompt-major."""
-        limit = self.max_total_len
-        if truncate:
-            keep = limit - sampling.max_new_tokens
-            if keep < 1:
-                raise ValueError(f"max_new_tokens={sampling.max_new_tokens} leaves no room")
-            prompts = [list(p)[-keep:] for p in prompts]
         # Checked before anything is queued, with the static sampler's messages.
-        Sampler._check(self, prompts, sampling, limit)
+        prompts = checked_prompts(prompts, sampling, self.max_total_len, truncate)
         if not 1 <= num_samples <= self.engine.num_slots:
             raise ValueError(
                 f"num_samples={num_samples} but the engine has {self.engine.num_slots} decode "

@@ -65,6 +65,37 @@ def _bucket(n: int, buckets: Sequence[int], what: str) -> int:
     return buckets[i]
 
 
+def checked_prompts(
+    prompts: Sequence[Sequence[int]], sampling: SamplingConfig, limit: int, truncate: bool
+) -> Sequence[Sequence[int]]:
+    """`prompts` cut to their last `limit - max_new_tokens` tokens when `truncate`, then checked
+    (none empty, each fitting the context of `limit` tokens with its budget) with messages that
+    name the fix; every sampler's `generate` runs this before any work."""
+    if truncate:
+        keep = limit - sampling.max_new_tokens
+        if keep < 1:
+            raise ValueError(f"max_new_tokens={sampling.max_new_tokens} leaves no room")
+        prompts = [list(p)[-keep:] for p in prompts]
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty (0 tokens): there is nothing to condition on")
+        if len(p) + sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens="
+                f"{sampling.max_new_tokens} that exceeds the context of {limit} tokens. "
+                "Shorten the prompt, lower max_new_tokens, or truncate (truncate=True keeps "
+                "the prompt's last tokens)."
+            )
+    return prompts
+
+
+def spans_processes(mesh: jax.sharding.Mesh | None) -> bool:
+    """Whether `mesh` has devices of more than one JAX process."""
+    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
 class Sampler:
     """Samples from a `Transformer` whose parameters are passed per call (weights change every
     policy version; the compiled programs do not).
@@ -119,9 +150,7 @@ class Sampler:
         self.num_traces = 0  # programs traced so far (one per bucket pair and sampling config)
         # A mesh over several processes: outputs replicated (an all-gather over this mesh's own
         # devices), so that every process can read the tokens on its host and score them.
-        self.multi_process = (
-            mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
-        )
+        self.multi_process = spans_processes(mesh)
         out_shardings = (
             jax.sharding.NamedSharding(mesh, PartitionSpec()) if self.multi_process else None
         )
@@ -130,22 +159,6 @@ class Sampler:
         )
 
     # --- host side ----------------------------------------------------------------------------
-
-    def _check(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, limit: int):
-        if not prompts:
-            raise ValueError("no prompts to generate from")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(
-                    f"prompt {i} is empty (0 tokens): there is nothing to condition on"
-                )
-            if len(p) + sampling.max_new_tokens > limit:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens="
-                    f"{sampling.max_new_tokens} that exceeds the context of {limit} tokens. "
-                    "Shorten the prompt, lower max_new_tokens, or truncate (truncate=True keeps "
-                    "the prompt's last tokens)."
-                )
 
     def generate(
         self,
@@ -161,13 +174,7 @@ class Sampler:
         row `i * num_samples + g`); `key` seeds all the sampling noise."""
         if num_samples > 1:
             prompts = [p for p in prompts for _ in range(num_samples)]
-        limit = self.max_total_len
-        if truncate:
-            keep = limit - sampling.max_new_tokens
-            if keep < 1:
-                raise ValueError(f"max_new_tokens={sampling.max_new_tokens} leaves no room")
-            prompts = [list(p)[-keep:] for p in prompts]
-        self._check(prompts, sampling, limit)
+        prompts = checked_prompts(prompts, sampling, self.max_total_len, truncate)
         n = len(prompts)
         batch = _bucket(n, self.batch_buckets, "batch size")
         prompt_len = _bucket(max(len(p) for p in prompts), self.prompt_buckets, "prompt length")
