@@ -22,8 +22,21 @@ def test_jsonl_and_tensorboard(tmp_path):
     assert records[1]["queue/dropped"] == 3 and isinstance(records[1]["queue/dropped"], int)
     assert records[1]["ok"] is True
     assert all(isinstance(r["wall_time_s"], float) for r in records)
-    events = list((tmp_path / metrics_lib.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
+    (events,) = (tmp_path / metrics_lib.TENSORBOARD_DIR).glob("events.out.tfevents.*")
+    summaries = [metrics_lib.event_of(r) for r in metrics_lib.read_event_records(events)]
+    summaries = [e for e in summaries if e.HasField("summary")]
+    scalars = {
+        (e.step, v.tag): v.simple_value
+        for e in summaries
+        for v in e.summary.value
+        if v.tag != "staleness"
+    }
+    assert scalars == {
+        (1, "reward/mean"): 0.25, (1, "loss/aipo"): 1.5,
+        (2, "reward/mean"): 0.5, (2, "queue/dropped"): 3.0, (2, "ok"): 1.0,
+    }  # fmt: skip
+    (hist,) = [v.histo for e in summaries for v in e.summary.value if v.tag == "staleness"]
+    assert hist.num == 4 and hist.min == 0 and hist.max == 2
 
 
 def test_resumed_run_appends_and_reader_keeps_last(tmp_path):
