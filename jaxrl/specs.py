@@ -38,6 +38,10 @@ def arith_tiny(vocab_size: int, tokenizer) -> ModelConfig:
     )
 
 
+# `PolicySpec.scan_layers = None` scans models with more layers than this: deep enough that the
+# unrolled program's compile time matters, shallow test models stay unrolled.
+SCAN_LAYERS_ABOVE = 8
+
 PRESETS = {
     "arith_tiny": arith_tiny,
     "rlbench_tiny": lambda v, t: model_presets.rlbench_tiny(
@@ -58,7 +62,9 @@ class PolicySpec:
       vocabulary splits over tensor-parallel meshes (the extra ids are never produced by the
       tokenizer).
     scan_layers: stack the layers and run them under `nnx.scan` (compile time flat in depth);
-      checkpoints of either layout restore into either.
+      checkpoints of either layout restore into either. None (default): scanned for models
+      deeper than `SCAN_LAYERS_ABOVE` layers (a Llama 3 8B has 32), unrolled for shallower
+      ones and for LoRA runs (qwix cannot attach adapters inside `nnx.scan`).
     remat_policy: what the backward pass keeps of each layer (`jaxrl.models.remat`).
     """
 
@@ -67,7 +73,7 @@ class PolicySpec:
     param_dtype: str = "float32"
     dtype: str = "float32"
     vocab_multiple: int = 64
-    scan_layers: bool = False
+    scan_layers: bool | None = None
     remat_policy: str = "none"
 
     def validate(self) -> None:
@@ -147,21 +153,32 @@ def build_tokenizer(policy: PolicySpec, task: TaskSpec):
     return build_arithmetic_tokenizer()
 
 
-def build_model_config(policy: PolicySpec, tokenizer) -> ModelConfig:
+def resolve_scan_layers(scan_layers: bool | None, num_layers: int, lora: bool = False) -> bool:
+    """`PolicySpec.scan_layers`, with None resolved: scanned above `SCAN_LAYERS_ABOVE` layers,
+    except for LoRA (an explicit True with LoRA is refused by `jaxrl.lora`, naming the fix)."""
+    if scan_layers is not None:
+        return bool(scan_layers)
+    return num_layers > SCAN_LAYERS_ABOVE and not lora
+
+
+def build_model_config(policy: PolicySpec, tokenizer, *, lora: bool = False) -> ModelConfig:
+    """The policy's `ModelConfig`; `lora`: the run trains LoRA adapters (layers stay unrolled
+    unless `policy.scan_layers` says otherwise)."""
     overrides = dict(
-        param_dtype=policy.param_dtype,
-        dtype=policy.dtype,
-        scan_layers=policy.scan_layers,
-        remat_policy=policy.remat_policy,
+        param_dtype=policy.param_dtype, dtype=policy.dtype, remat_policy=policy.remat_policy
     )
     if policy.init_from:
         config_dir = policy.init_from
         if os.path.isdir(os.path.join(policy.init_from, "model")):
             config_dir = os.path.join(policy.init_from, "model")
-        return hf.load_config(config_dir, **overrides)
-    m = policy.vocab_multiple
-    vocab = -(-len(tokenizer) // m) * m
-    return PRESETS[policy.preset](vocab, tokenizer).replace(**overrides)
+        config = hf.load_config(config_dir, **overrides)
+    else:
+        m = policy.vocab_multiple
+        vocab = -(-len(tokenizer) // m) * m
+        config = PRESETS[policy.preset](vocab, tokenizer).replace(**overrides)
+    return config.replace(
+        scan_layers=resolve_scan_layers(policy.scan_layers, config.num_layers, lora)
+    )
 
 
 def build_source(task: TaskSpec, tokenizer, max_prompt_tokens: int | None = None) -> PromptSource:

@@ -163,7 +163,7 @@ def rl_main(
             f"rl_main.generator_dtype={generator_dtype!r}; expected one of {GENERATOR_DTYPES}"
         )
     tokenizer = build_tokenizer(policy, task)
-    model_config = build_model_config(policy, tokenizer)
+    model_config = build_model_config(policy, tokenizer, lora=lora is not None)
     source = build_source(
         task, tokenizer, max_prompt_tokens=model_config.max_position_embeddings - rl.max_new_tokens
     )

@@ -206,3 +206,25 @@ def test_trainer_steps_and_checkpoints_cross_layouts(tmp_path):
             ):  # fmt: skip
                 assert g.sharding.is_equivalent_to(s, g.ndim)
                 np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_scan_layers_default_follows_depth_and_lora(tmp_path):
+    """`PolicySpec.scan_layers = None`: deep models scan, shallow ones and LoRA runs unroll."""
+    import transformers
+
+    from jaxrl.specs import SCAN_LAYERS_ABOVE, PolicySpec, build_model_config, build_tokenizer
+
+    tokenizer = build_tokenizer(PolicySpec(), None)
+    shallow = build_model_config(PolicySpec(), tokenizer)  # the arithmetic preset
+    assert shallow.num_layers <= SCAN_LAYERS_ABOVE and not shallow.scan_layers
+    deep_dir = tmp_path / "deep"
+    transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=2,
+    ).save_pretrained(deep_dir)  # fmt: skip
+    deep = PolicySpec(init_from=str(deep_dir))
+    assert build_model_config(deep, tokenizer).scan_layers
+    assert not build_model_config(deep, tokenizer, lora=True).scan_layers
+    explicit = PolicySpec(init_from=str(deep_dir), scan_layers=False)
+    assert not build_model_config(explicit, tokenizer).scan_layers
+    assert build_model_config(PolicySpec(scan_layers=True), tokenizer).scan_layers
