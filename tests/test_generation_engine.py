@@ -149,6 +149,19 @@ def test_same_tokens_with_4_or_32_slots_in_either_arrival_order(tiny_model):
                 np.testing.assert_allclose(other[rid].logprobs_gn, g.logprobs_gn, atol=1e-5)
     for rid, g in runs[32, "fifo"].items():
         np.testing.assert_array_equal(runs[32, "reversed"][rid].logprobs_gn, g.logprobs_gn)
+    # XLA:CPU's rounding difference scales with the logits: with weights at std 0.1 instead of
+    # 0.3 (logits of magnitude ~3) 4 and 32 slots agree within 1e-6 (9.5e-7 measured).
+    milder = Transformer(tiny_model.config, rngs=nnx.Rngs(0), init_std=0.1)
+    mild = []
+    for slots in (4, 32):
+        engine, params = Engine.for_model(milder, pad_id=0, eos_ids=(), num_slots=slots,
+                                          steps_per_call=5, span_buckets=(64,))  # fmt: skip
+        mild.append(
+            {g.request_id: g for g in engine.generate(params, requests, jax.random.key(11))}
+        )
+    for rid, g in mild[0].items():
+        np.testing.assert_array_equal(mild[1][rid].tokens_gn, g.tokens_gn)
+        np.testing.assert_allclose(mild[1][rid].logprobs_gn, g.logprobs_gn, atol=1e-6, rtol=0)
     # Negative control: another seed changes the tokens (the comparison can fail).
     engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
                                       steps_per_call=5, span_buckets=(64,))  # fmt: skip
