@@ -123,6 +123,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no_torch", action="store_true", help="JAX side only")
     parser.add_argument("--long_tail", action="store_true", help="the long-tail workload")
+    parser.add_argument(
+        "--warm", action=argparse.BooleanOptionalAction, default=True,
+        help="long tail: time a second run on the compiled programs (steady state)",
+    )  # fmt: skip
     parser.add_argument("--prompts", type=int, default=256, help="long-tail prompts (x G=8)")
     parser.add_argument(
         "--prompts_100m", type=int, default=None, help="long-tail prompts for llama-100m"
