@@ -11,6 +11,11 @@ parameters, constants, tuples, bitcasts). Per kernel k:
     flops_k = sum over its dots of 2 * prod(output dims) * prod(contracted dims)
     bytes_k = bytes of its operands + bytes of its output
 
+except, as XLA's own cost analysis does, where a kernel touches only part of a buffer: an operand
+read only through slices counts the slices, a buffer updated in place (`dynamic-update-slice`,
+`scatter` into an operand) counts the update written, not the whole buffer (the decode loop's KV
+cache writes, the engine's cache prefix).
+
 (elementwise arithmetic is not counted as FLOPs: it is bound by its bytes). A conditional
 counts its most expensive branch.
 """
@@ -54,6 +59,8 @@ class _Instr:
     opcode: str
     operands: list[str]
     attrs: str
+    args: str = ""  # the text inside the opcode's parentheses (a parameter's index)
+    root: bool = False
 
 
 def _split(rhs: str) -> tuple[str, str, list[str], str]:
@@ -64,8 +71,8 @@ def _split(rhs: str) -> tuple[str, str, list[str], str]:
         depth += {"(": 1, ")": -1}.get(rhs[i], 0)
         if depth == 0:
             break
-    operands = re.findall(r"%([\w.\-]+)", rhs[match.end() : i])
-    return shape, opcode, operands, rhs[i + 1 :]
+    args = rhs[match.end() : i]
+    return shape, opcode, re.findall(r"%([\w.\-]+)", args), rhs[i + 1 :], args
 
 
 def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str]:
@@ -85,7 +92,9 @@ def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str]:
             continue
         instr = _INSTR.match(line)
         if instr and _OPCODE.search(instr.group(2)):
-            computations[current].append(_Instr(instr.group(1), *_split(instr.group(2))))
+            parsed = _Instr(instr.group(1), *_split(instr.group(2)))
+            parsed.root = line.lstrip().startswith("ROOT ")
+            computations[current].append(parsed)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
     return computations, entry
@@ -148,13 +157,65 @@ def kernels(text: str, default_trips: int = 1) -> list[Kernel]:
                     out.extend(max(costs, key=lambda c: c[0])[1])
             else:
                 calls = re.search(r"calls=%([\w.\-]+)", i.attrs)
-                body = computations.get(calls.group(1), []) if calls else [i]
-                flops = _dot_flops(body if calls else [i] + _operand_defs(i, shapes))
-                moved = sum(shape_bytes(shapes.get(o, "")) for o in i.operands)
-                out.append(Kernel(i.name, flops, moved + shape_bytes(i.shape), times))
+                if calls and calls.group(1) in computations:
+                    body = computations[calls.group(1)]
+                    flops, moved = _dot_flops(body), _fusion_bytes(i, body, shapes)
+                else:
+                    flops = _dot_flops([i] + _operand_defs(i, shapes))
+                    moved = _fusion_bytes(i, _as_body(i, shapes), shapes)
+                out.append(Kernel(i.name, flops, moved, times))
 
     walk(entry, 1)
     return out
+
+
+IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode: index of the update operand
+SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+def _fusion_bytes(instr: _Instr, body: list[_Instr], shapes: dict[str, str]) -> int:
+    """Bytes a kernel moves: its operands (as read) and its outputs (as written)."""
+    inner = {i.name: i for i in body}
+    users: dict[str, list[_Instr]] = {}
+    for i in body:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    params = {int(i.args): i for i in body if i.opcode == "parameter" and i.args.isdigit()}
+    total = 0
+    for index, name in enumerate(instr.operands):
+        param = params.get(index)
+        us = users.get(param.name, []) if param else []
+        if us and all(u.opcode in SLICES and u.operands[0] == param.name for u in us):
+            total += sum(shape_bytes(u.shape) for u in us)
+        elif us and all(u.opcode in IN_PLACE and u.operands[0] == param.name for u in us):
+            continue  # updated in place: the write is counted with the outputs
+        else:
+            total += shape_bytes(shapes.get(name, ""))
+    root = next((i for i in body if i.root), None)
+    outs = (
+        [inner[o] for o in root.operands if o in inner]
+        if root and root.opcode == "tuple"
+        else [root]
+    )
+    for out in outs:
+        if out is None:
+            continue
+        if out.opcode in IN_PLACE:
+            update = out.operands[IN_PLACE[out.opcode]]
+            total += shape_bytes(inner[update].shape if update in inner else "")
+        else:
+            total += shape_bytes(out.shape)
+    return total
+
+
+def _as_body(instr: _Instr, shapes: dict[str, str]) -> list[_Instr]:
+    """A lone instruction as a one-instruction fused computation (its operands as parameters)."""
+    params = [
+        _Instr(f"p{k}", shapes.get(o, ""), "parameter", [], "", str(k))
+        for k, o in enumerate(instr.operands)
+    ]
+    lone = dataclasses.replace(instr, operands=[f"p{k}" for k in range(len(params))], root=True)
+    return params + [lone]
 
 
 def _operand_defs(instr: _Instr, shapes: dict[str, str]) -> list[_Instr]:

@@ -4,7 +4,7 @@ side by side in one run.
 Each row runs in its own pinned process (as `bench.rl` runs it: `run_mode` / the proxy's trainer
 and generator loops, unchanged). In that process:
 
-* the machine's constants come from microbenchmarks that are not the workload (`calibrate`): a
+* the machine's constants come from microbenchmarks that are not the workload (`Calibration`): a
   1024^3 float32 matmul (peak FLOP/s), a donated 64 MiB elementwise pass (bandwidth: read +
   write), a chain of 1000 dependent 8 x 8 matmuls (one kernel launch), an empty jitted call
   fetched to the host (one program call), and a program that writes a fresh 64 MiB output (one
@@ -20,11 +20,17 @@ and generator loops, unchanged). In that process:
   not on timing); the static sampler's decode loop runs `max_new_tokens - 1` times (random
   weights over 512 tokens almost never stop early).
 
-Predicted per step: Tg = sum of the generator's calls' t(program), Tt = t(train step); measured:
-`bench.rl`'s medians (generate, train, step). The async row's weight push Ts is measured, not
-modelled. Host work outside the programs (prompt building, collation, reward) is not modelled.
+Two comparisons. Per phase, against `bench.rl`'s own medians (wall seconds): Tg = the
+generator's calls' t(program) per step, Tt = t(train step) (the async row's weight push Ts is
+measured, not modelled; host work outside the programs, such as prompt building, collation and
+the reward, is not modelled). Per program, each call timed around the program alone (the
+recorder blocks on its result; the workload fetches it next anyway): wall seconds against the
+model with wall constants, and the process's CPU seconds against the model with constants in CPU
+seconds. The machine is shared: wall times stretch by however much of the core other jobs take,
+and not in the same proportion for a 20 ms microbenchmark as for a 2 s step; CPU seconds count
+only this process's work (cache and memory-bus contention still slow it).
 
-    python -m bench.scale_validate            # ~5 minutes on 2 cores
+    python -m bench.scale_validate            # ~5 minutes on 2 quiet cores (15 at load 20)
     python -m bench.scale_validate --steps 8  # shorter
 """
 
@@ -77,34 +83,41 @@ class Calibration:
         self.rounds.clear()
 
     def round(self) -> None:
+        """One measurement of each constant, in wall seconds and in this process's CPU seconds
+        (all its threads: what the work costs, however much of the core others take)."""
         import numpy as np
 
         block = self.jax.block_until_ready
-        t = {}
-        start = time.perf_counter()
-        block(self.matmul(self.a, self.a))
-        t["peak_flops"] = 2 * 1024**3 / (time.perf_counter() - start)
-        start = time.perf_counter()
-        self.stream["x"] = block(self.scale(self.stream["x"]))
-        t["bandwidth"] = 2 * self.stream["x"].nbytes / (time.perf_counter() - start)
-        start = time.perf_counter()
-        block(self.chain(self.small, self.small))
-        t["launch_s"] = (time.perf_counter() - start) / self.chain_kernels
-        calls = []
-        for _ in range(20):
-            start = time.perf_counter()
-            np.asarray(self.empty(self.small))
-            calls.append(time.perf_counter() - start)
-        t["call_s"] = statistics.median(calls)
-        one = np.float32(1.0)
-        start = time.perf_counter()
-        out = block(self.fresh(one))
-        t["page_s"] = (time.perf_counter() - start) / (self.fresh_n * 4 // 4096)
-        del out
-        self.rounds.append(t)
+        wall, cpu = {}, {}
 
-    def machine(self) -> Machine:
-        return Machine(**{k: statistics.median(r[k] for r in self.rounds) for k in self.rounds[0]})
+        def timed(key, fn, scale):
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            wall[key] = scale(time.perf_counter() - w)
+            cpu[key] = scale(time.process_time() - c)
+
+        def stream():
+            self.stream["x"] = block(self.scale(self.stream["x"]))
+
+        def calls():
+            for _ in range(20):
+                np.asarray(self.empty(self.small))
+
+        nbytes = 2 * self.stream["x"].nbytes  # read + write
+        timed("peak_flops", lambda: block(self.matmul(self.a, self.a)), lambda t: 2 * 1024**3 / t)
+        timed("bandwidth", stream, lambda t: nbytes / t)
+        timed("launch_s", lambda: block(self.chain(self.small, self.small)),
+              lambda t: t / self.chain_kernels)  # fmt: skip
+        timed("call_s", calls, lambda t: t / 20)
+        one = np.float32(1.0)
+        timed("page_s", lambda: block(self.fresh(one)), lambda t: t / (self.fresh_n * 4 // 4096))
+        self.rounds.append((wall, cpu))
+
+    def machine(self, clock: str = "wall") -> Machine:
+        """Medians of the rounds; clock "wall" or "cpu"."""
+        i = {"wall": 0, "cpu": 1}[clock]
+        keys = self.rounds[0][i]
+        return Machine(**{k: statistics.median(r[i][k] for r in self.rounds) for k in keys})
 
 
 # --- recording the workload's program calls ---------------------------------------------------
@@ -116,6 +129,18 @@ class Recorder:
 
     def __init__(self):
         self.calls: dict = {}
+        self.phases: dict[str, list[tuple[float, float]]] = {"generate": [], "train": []}
+
+    def timed_phase(self, phase: str, fn):
+        """`fn` with each call's (wall, CPU) seconds kept under `phase` (the first: compiles)."""
+
+        def call(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = fn(*args, **kwargs)
+            self.phases[phase].append((time.perf_counter() - wall, time.process_time() - cpu))
+            return out
+
+        return call
 
     def wrap(self, name: str, fn, default_trips=lambda kwargs: 1):
         import jax
@@ -125,19 +150,29 @@ class Recorder:
             key = (name, str(tree), tuple(
                 (getattr(x, "shape", None), str(getattr(x, "dtype", repr(x)))) for x in leaves
             ))  # fmt: skip
-            if key not in self.calls:
-                self.calls[key] = [fn.lower(*args, **kwargs), 0, default_trips(kwargs)]
+            first = key not in self.calls
+            if first:
+                self.calls[key] = [fn.lower(*args, **kwargs), 0, default_trips(kwargs), []]
             self.calls[key][1] += 1
-            return fn(*args, **kwargs)
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = jax.block_until_ready(fn(*args, **kwargs))  # callers fetch the results next
+            if not first:  # the first call compiles
+                self.calls[key][3].append((time.perf_counter() - wall, time.process_time() - cpu))
+            return out
 
         call.lower = fn.lower
         return call
 
-    def costs(self) -> list[tuple[str, int, ProgramCost]]:
+    def phase_cpu(self) -> dict[str, float]:
+        """Median CPU seconds per call of each phase, after the first (compiling) call."""
+        return {k: statistics.median(c for _, c in v[1:]) for k, v in self.phases.items() if v[1:]}
+
+    def costs(self) -> list[tuple[str, int, ProgramCost, list]]:
+        """(name, calls, cost, [(wall s, CPU s) of each call after the first]) per program."""
         from bench.hlo_cost import kernels
 
         out = []
-        for (name, *_), (lowered, count, trips) in self.calls.items():
+        for (name, *_), (lowered, count, trips, times) in self.calls.items():
             compiled = lowered.compile()
             memory = compiled.memory_analysis()
             pages = fresh_pages(
@@ -146,13 +181,14 @@ class Recorder:
             )
             ks = kernels(compiled.as_text(), trips)
             cost = ProgramCost(tuple((k.flops, k.bytes, k.count) for k in ks), pages)
-            out.append((name, count, cost))
+            out.append((name, count, cost, times))
         return out
 
 
 @contextlib.contextmanager
 def recording(recorder: Recorder):
     """Wraps the jitted programs of every Trainer, Engine and Sampler built inside."""
+    from jaxrl.executors import GeneratorExecutor
     from jaxrl.generation.engine import Engine
     from jaxrl.generation.sampler import Sampler
     from jaxrl.trainer import Trainer
@@ -176,18 +212,24 @@ def recording(recorder: Recorder):
         patch(Engine, [("_prefill", "prefill"), ("_decode", "decode"), ("_move", "move")]),
         patch(Sampler, [("_generate", "sample")], sampler_trips),
     ]
+    methods = [(GeneratorExecutor, "generate"), (Trainer, "rl_step")]
+    originals = [getattr(cls, name) for cls, name in methods]
+    GeneratorExecutor.generate = recorder.timed_phase("generate", GeneratorExecutor.generate)
+    Trainer.rl_step = recorder.timed_phase("train", Trainer.rl_step)
     try:
         yield recorder
     finally:
         for cls, init in saved:
             cls.__init__ = init
+        for (cls, name), fn in zip(methods, originals, strict=True):
+            setattr(cls, name, fn)
 
 
 def predict(costs, steps: int, machine: Machine) -> dict:
     """Per-step seconds of the recorded calls, split into generate and train."""
     gen = train = 0.0
     detail = {}
-    for name, count, cost in costs:
+    for name, count, cost, _ in costs:
         seconds = program_seconds(cost, machine) * count / steps
         detail[name] = detail.get(name, 0.0) + seconds
         if name == "train":
@@ -212,9 +254,8 @@ def sync_row(mode, steps: int) -> dict:
             measured = rl.run_mode(mode, steps, False)
     finally:
         rl.MemoryIO.after_step = original
-    machine = calibration.machine()
-    costs = recorder.costs()
-    return {"measured": measured, "machine": machine, "costs": costs, "steps": steps}
+    return dict(measured=measured, wall=calibration.machine("wall"), cpu=calibration.machine("cpu"),
+                costs=recorder.costs(), phase_cpu=recorder.phase_cpu())  # fmt: skip
 
 
 def _calibrated(fn, *args):
@@ -226,7 +267,8 @@ def _calibrated(fn, *args):
         records = fn(*args)
     for _ in range(ROUNDS_ASYNC):
         calibration.round()
-    return records, calibration.machine(), recorder.costs()
+    return dict(records=records, wall=calibration.machine("wall"), cpu=calibration.machine("cpu"),
+                costs=recorder.costs(), phase_cpu=recorder.phase_cpu())  # fmt: skip
 
 
 def async_trainer(steps, weights_out, rollouts_in):
@@ -241,65 +283,86 @@ def async_generator(steps, weights_in, rollouts_out):
     return _calibrated(proxy_generator, steps, False, weights_in, rollouts_out)
 
 
-def run(steps: int) -> list[dict]:
+def program_rows(row: str, out: dict, steps: int) -> list[dict]:
+    """Per program: calls per step, the model's seconds per call (wall and CPU constants) and the
+    measured medians per call (wall, CPU), calls after each program's first."""
+    rows = []
+    for name, count, cost, times in out["costs"]:
+        if not times:
+            continue
+        wall = statistics.median(w for w, _ in times)
+        cpu = statistics.median(c for _, c in times)
+        pred_wall = program_seconds(cost, out["wall"])
+        pred_cpu = program_seconds(cost, out["cpu"])
+        rows.append(dict(
+            row=row, program=name, calls_per_step=count / steps, gflop=cost.flops / 1e9,
+            gbytes=cost.bytes / 1e9, launches=cost.launches, fresh_pages=cost.pages,
+            predicted_cpu_s=pred_cpu, measured_cpu_s=cpu, ratio_cpu=pred_cpu / cpu,
+            predicted_wall_s=pred_wall, measured_wall_s=wall, ratio_wall=pred_wall / wall,
+        ))  # fmt: skip
+    return rows
+
+
+def run(steps: int) -> tuple[list[dict], list[dict]]:
     import multiprocessing
 
     from bench.rl import PROXY_SYNC_1, PROXY_SYNC_2, Spawned, summarise_proxy_async
 
     cores = sorted(os.sched_getaffinity(0))[:2]
-    rows = []
+    phases, programs = [], []
     for mode, use in ((PROXY_SYNC_1, {cores[0]}), (PROXY_SYNC_2, set(cores))):
         out = Spawned(sync_row, mode, steps, cores=use).result()
-        pred = predict(out["costs"], steps, out["machine"])
-        rows.append(_row(mode.name, out["measured"], pred, out["machine"], out["costs"], steps))
+        pred = predict(out["costs"], steps, out["wall"])
+        phases.append(_phase_row(mode.name, out["measured"], pred, out["wall"]))
+        _add_cpu(phases[-1], predict(out["costs"], steps, out["cpu"]), out["phase_cpu"])
+        programs += program_rows(mode.name, out, steps)
     ctx = multiprocessing.get_context("spawn")
     weights_in, weights_out = ctx.Pipe(duplex=False)
     rollouts_in, rollouts_out = ctx.Pipe(duplex=False)
     trainer = Spawned(async_trainer, steps, weights_out, rollouts_in, cores={cores[0]})
     generator = Spawned(async_generator, steps, weights_in, rollouts_out, cores={cores[1]})
-    (t_records, t_machine, t_costs), (g_records, g_machine, g_costs) = (
-        trainer.result(),
-        generator.result(),
-    )
-    measured = summarise_proxy_async(t_records, g_records, warmup=2)
-    gen = predict(g_costs, steps, g_machine)
-    train = predict(t_costs, steps, t_machine)
-    pred = StepPrediction(gen["generate_s"], train["train_s"], measured["sync_s"])
-    row = _row(
-        measured["mode"],
-        measured,
-        {"generate_s": gen["generate_s"], "train_s": train["train_s"],
-         "programs": gen["programs"] | train["programs"]},
-        t_machine,
-        t_costs + g_costs,
-        steps,
-    )  # fmt: skip
-    row["predicted_step_s"] = pred.async_step_s
-    row["machine_generator"] = _machine_dict(g_machine)
-    rows.append(row)
-    return rows
-
-
-def _machine_dict(m: Machine) -> dict:
-    return {
-        "peak_GFLOPs": m.peak_flops / 1e9,
-        "bandwidth_GBs": m.bandwidth / 1e9,
-        "launch_us": m.launch_s * 1e6,
-        "call_us": m.call_s * 1e6,
-        "page_us": m.page_s * 1e6,
+    t_out, g_out = trainer.result(), generator.result()
+    measured = summarise_proxy_async(t_out["records"], g_out["records"], warmup=2)
+    gen = predict(g_out["costs"], steps, g_out["wall"])
+    train = predict(t_out["costs"], steps, t_out["wall"])
+    step = StepPrediction(gen["generate_s"], train["train_s"], measured["sync_s"])
+    pred = {"generate_s": gen["generate_s"], "train_s": train["train_s"]}
+    row = _phase_row(measured["mode"], measured, pred, t_out["wall"])
+    cpu_pred = {
+        "generate_s": predict(g_out["costs"], steps, g_out["cpu"])["generate_s"],
+        "train_s": predict(t_out["costs"], steps, t_out["cpu"])["train_s"],
     }
+    _add_cpu(row, cpu_pred, {"generate": g_out["phase_cpu"].get("generate", float("nan")),
+                             "train": t_out["phase_cpu"].get("train", float("nan"))})  # fmt: skip
+    row["predicted_step_s"] = step.async_step_s
+    row["ratio_step"] = row["predicted_step_s"] / row["measured_step_s"]
+    row["constants"] += " (trainer's; generator's: " + _constants(g_out["wall"]) + ")"
+    phases.append(row)
+    name = measured["mode"]
+    programs += program_rows(name + ": trainer", t_out, steps)
+    programs += program_rows(name + ": generator", g_out, steps)
+    return phases, programs
 
 
-def _row(mode, measured, pred, machine, costs, steps) -> dict:
-    per_step = {}
-    for name, count, cost in costs:
-        p = per_step.setdefault(name, [0, 0.0, 0.0, 0, 0])
-        p[0] += count / steps
-        p[1] += cost.flops * count / steps
-        p[2] += cost.bytes * count / steps
-        p[3] += cost.launches * count / steps
-        p[4] += cost.pages * count / steps
-    return {
+def _add_cpu(row: dict, pred: dict, measured: dict) -> None:
+    """The phases in CPU seconds: the model with CPU-second constants against the phase's own
+    CPU seconds (the programs and the host work around them: the engine's bookkeeping, the
+    sampler's padding, the trainer's batch placement)."""
+    for key in ("generate", "train"):
+        row[f"cpu_predicted_{key}_s"] = pred[f"{key}_s"]
+        row[f"cpu_measured_{key}_s"] = measured.get(key, float("nan"))
+        row[f"cpu_ratio_{key}"] = row[f"cpu_predicted_{key}_s"] / row[f"cpu_measured_{key}_s"]
+
+
+def _constants(m: Machine) -> str:
+    return (
+        f"{m.peak_flops / 1e9:.0f} GFLOP/s, {m.bandwidth / 1e9:.0f} GB/s, launch "
+        f"{m.launch_s * 1e6:.2f} us, call {m.call_s * 1e6:.0f} us, page {m.page_s * 1e6:.2f} us"
+    )
+
+
+def _phase_row(mode, measured, pred, machine) -> dict:
+    row = {
         "mode": mode,
         "predicted_generate_s": pred["generate_s"],
         "measured_generate_s": measured["generate_s"],
@@ -308,26 +371,58 @@ def _row(mode, measured, pred, machine, costs, steps) -> dict:
         "predicted_step_s": pred["generate_s"] + pred["train_s"],
         "measured_step_s": measured["step_s"],
         "measured_sync_s": measured.get("sync_s", 0.0),
-        "predicted_programs_s": pred["programs"],
-        "machine": _machine_dict(machine),
-        "per_step": {
-            k: dict(calls=v[0], flops=v[1], bytes=v[2], launches=v[3], pages=v[4])
-            for k, v in per_step.items()
-        },
+        "constants": _constants(machine),
     }
+    for key in ("generate", "train", "step"):
+        row[f"ratio_{key}"] = row[f"predicted_{key}_s"] / row[f"measured_{key}_s"]
+    return row
 
 
-def main(argv=None) -> list[dict]:
+PHASE_COLUMNS = [
+    ("mode", "CPU proxy row"),
+    ("predicted_generate_s", "generate predicted s"),
+    ("measured_generate_s", "generate measured s"),
+    ("ratio_generate", "ratio"),
+    ("predicted_train_s", "train predicted s"),
+    ("measured_train_s", "train measured s"),
+    ("ratio_train", "ratio"),
+    ("predicted_step_s", "step predicted s"),
+    ("measured_step_s", "step measured s"),
+    ("ratio_step", "ratio"),
+    ("cpu_predicted_generate_s", "generate CPU s predicted"),
+    ("cpu_measured_generate_s", "generate CPU s measured"),
+    ("cpu_ratio_generate", "ratio"),
+    ("cpu_predicted_train_s", "train CPU s predicted"),
+    ("cpu_measured_train_s", "train CPU s measured"),
+    ("cpu_ratio_train", "ratio"),
+    ("constants", "constants (wall medians, same process)"),
+]
+PROGRAM_COLUMNS = [
+    ("row", "row"),
+    ("program", "program"),
+    ("calls_per_step", "calls / step"),
+    ("gflop", "GFLOP (dots)"),
+    ("gbytes", "GB moved"),
+    ("launches", "kernels"),
+    ("fresh_pages", "fresh pages"),
+    ("predicted_cpu_s", "CPU s predicted"),
+    ("measured_cpu_s", "CPU s measured"),
+    ("ratio_cpu", "ratio"),
+    ("predicted_wall_s", "wall s predicted"),
+    ("measured_wall_s", "wall s measured"),
+    ("ratio_wall", "ratio"),
+]
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16, help="RL steps per row")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     start = time.strftime("%H:%M", time.gmtime())
-    rows = run(args.steps)
+    phases, programs = run(args.steps)
     load_after = os.getloadavg()
-    for row in rows:
-        for key in ("generate", "train", "step"):
-            row[f"ratio_{key}"] = row[f"predicted_{key}_s"] / row[f"measured_{key}_s"]
+    for row in phases + programs:
         print(json.dumps(row))
     from bench.common import write_results
 
@@ -335,35 +430,11 @@ def main(argv=None) -> list[dict]:
         f"`python -m bench.scale_validate --steps {args.steps}` {start}-"
         f"{time.strftime('%H:%M', time.gmtime())} UTC, load average (1/5/15 min) "
         f"{'/'.join(f'{x:.1f}' for x in load_before)} -> "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)}"
+        f"{'/'.join(f'{x:.1f}' for x in load_after)}, 2 CPU cores"
     )
-    flat = []
-    for row in rows:
-        m = row["machine"]
-        flat.append(
-            {
-                **{k: v for k, v in row.items() if not isinstance(v, dict)},
-                "constants": f"{m['peak_GFLOPs']:.0f} GFLOP/s, {m['bandwidth_GBs']:.0f} GB/s, "
-                f"launch {m['launch_us']:.2f} us, call {m['call_us']:.0f} us, "
-                f"page {m['page_us']:.2f} us",
-                "detail": row,
-            }
-        )
-    columns = [
-        ("mode", "CPU proxy row"),
-        ("predicted_generate_s", "generate predicted s"),
-        ("measured_generate_s", "generate measured s"),
-        ("ratio_generate", "ratio"),
-        ("predicted_train_s", "train predicted s"),
-        ("measured_train_s", "train measured s"),
-        ("ratio_train", "ratio"),
-        ("predicted_step_s", "step predicted s"),
-        ("measured_step_s", "step measured s"),
-        ("ratio_step", "ratio"),
-        ("constants", "constants (medians, same process)"),
-    ]
-    print(write_results("scale_validate", flat, columns, note))
-    return rows
+    print(write_results("scale_validate", phases, PHASE_COLUMNS, note))
+    print(write_results("scale_validate_programs", programs, PROGRAM_COLUMNS, note))
+    return phases, programs
 
 
 if __name__ == "__main__":

@@ -88,3 +88,15 @@ def test_llamarl_train_count_is_six_n_per_token_plus_attention():
     assert 8.0e9 < m["params"] < 8.1e9  # Llama 3.1 8B
     t = train_seconds(s, m, 64)
     assert dense < t < 1.2 * dense  # attention adds under 20% at 3072 tokens
+
+
+def test_hlo_walk_counts_slices_and_in_place_updates_as_xla_does():
+    buf, row = jnp.zeros((1024, 256)), jnp.ones((1, 256))  # a 1 MiB buffer, a 1 KiB row
+    update = jax.jit(
+        lambda b, r, i: jax.lax.dynamic_update_slice(b, r * 2.0, (i, 0)), donate_argnums=0
+    )
+    read = jax.jit(lambda b, i: jax.lax.dynamic_slice(b, (i, 0), (4, 256)) * 2.0)
+    for compiled in (update.lower(buf, row, 3).compile(), read.lower(buf, 3).compile()):
+        _, bytes_, _ = hlo_cost.totals(hlo_cost.kernels(compiled.as_text()))
+        assert bytes_ == pytest.approx(compiled.cost_analysis()["bytes accessed"], rel=0.01)
+        assert bytes_ < 16 * 1024  # the touched rows, not the whole buffer
