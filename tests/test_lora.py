@@ -172,7 +172,8 @@ def _llama3_8b() -> ModelConfig:
 
 def test_adapter_bytes_within_two_percent_of_the_model():
     """Bytes per push (the adapters) vs the full model: the arithmetic config (rank 4,
-    attention; and rank 1, all projections) and a Llama 3 8B shape (rank 16, all projections).
+    attention; and rank 1, all projections) and a Llama 3 8B shape (the config's rank 4 on
+    attention: 0.042%; rank 16, all projections: 0.52%).
     Adapters are counted on the abstract LoRA model (the 8B one with 2 of its 32 identical
     layers, to keep qwix's tracing short) and checked against r * (in + out) summed over the
     projections."""
@@ -183,6 +184,7 @@ def test_adapter_bytes_within_two_percent_of_the_model():
     for config, lora, mlp in (
         (arith, attention_only, False),  # configs/rl/arith_tiny_lora.gin
         (arith, lora_lib.LoraConfig(rank=1, alpha=2.0), True),
+        (_llama3_8b(), attention_only, False),
         (_llama3_8b(), lora_lib.LoraConfig(rank=16, alpha=32.0), True),
     ):
         e, f = config.hidden_size, config.intermediate_size
