@@ -21,7 +21,8 @@ completion, or a `RewardError` naming the reward. Built-in rewards only parse te
 `jaxrl.tasks.answers`); nothing in this package evaluates model output.
 
 Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`), "chain_sum_exact"
-(the last partial sum of a chain, `jaxrl.tasks.chain`) and "math_answer" (final answer of a GSM8K / MATH completion equals the reference after numeric normalisation).
+(the last partial sum of a chain, `jaxrl.tasks.chain`) and "math_answer" (final answer of a
+GSM8K / MATH completion equals the reference after numeric normalisation).
 """
 
 from __future__ import annotations
