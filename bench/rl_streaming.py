@@ -141,13 +141,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--settings", default="8dev,2dev")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workdir", default="")
+    parser.add_argument("--sft_dir", default="", help="an existing SFT run dir to start from")
+    parser.add_argument("--modes_2dev", default="sync,fixed_lag,streaming_keep")
     args = parser.parse_args(argv)
     root = args.workdir or tempfile.mkdtemp(prefix="rl_streaming_")
-    sft = make_sft(root, args.sft_steps)
+    sft = args.sft_dir or make_sft(root, args.sft_steps)
     rows = []
     for setting in args.settings.split(","):
         s = SETTINGS[setting]
-        for mode in args.modes.split(","):
+        for mode in (args.modes_2dev if setting == "2dev" else args.modes).split(","):
             workdir = os.path.join(root, f"{setting}_{mode}")
             params = COMMON + s["params"] + MODES[mode] + [
                 "rl_main.sft = None", f"PolicySpec.init_from = '{sft}'",
@@ -165,7 +167,9 @@ def main(argv=None) -> list[dict]:
     loaded = any(r["load_before"] > cores or r["load_after"] > cores for r in rows)
     note = (
         f"python -m bench.rl_streaming --steps {args.steps} --warmup {args.warmup} "
-        f"--sft_steps {args.sft_steps} --settings {args.settings}; {cores} cores"
+        f"--sft_steps {args.sft_steps} --settings {args.settings}"
+        + (f" --sft_dir {args.sft_dir}" if args.sft_dir else "")
+        + f"; {cores} cores"
         + ("; LOADED MACHINE (load average above the core count): seconds unreliable"
            if loaded else "")
     )  # fmt: skip
