@@ -194,6 +194,11 @@ class GroupQueue:
             self._cond.notify_all()
 
     @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    @property
     def closed(self) -> bool:
         return self._closed is not None
 
@@ -415,7 +420,7 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
                 / metrics["time/step_s"],
                 "data/prompts_seen": float(step * c.num_prompts),
                 "async/generator_version": float(producer.version or 0),
-                "async/queue_depth": float(len(queue._items)),
+                "async/queue_depth": float(queue.depth),
                 "stream/swaps": float(counters.swaps),
                 "stream/engine_utilisation": counters.kept_tokens / max(counters.slot_steps, 1),
                 "stream/recompute_tokens": float(counters.recompute_tokens),
