@@ -68,7 +68,7 @@ from jaxrl.tasks.source import PromptSource, encode_prompts
 from jaxrl.trainer import Params, Trainer, TrainState
 
 logger = logging.getLogger(__name__)
-SCHEDULES = ("fixed_lag", "free_running")
+SCHEDULES = ("fixed_lag", "free_running", "streaming")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,13 @@ class RLConfig:
         staler batches are dropped and counted. Fixed lag needs max_staleness >= lag.
       queue_size: scored batches the queue holds (fixed lag needs >= lag).
       stall_timeout_s: the trainer gives up (TimeoutError) after waiting this long for rollouts.
+      "streaming" (`jaxrl.streaming`): the engine never drains; each step trains on the next
+        `num_prompts` groups to finish, new weights are swapped into the running engine between
+        decode steps (a trajectory may span versions), `max_staleness` bounds the oldest token
+        of a group (staler groups are dropped and counted), `queue_size` counts batches of
+        `num_prompts` groups. Not reproducible bit for bit (timing decides versions).
+      kv_on_update (streaming): on a swap, "keep" the running rows' KV or "recompute" it with
+        the new weights.
 
     pack_length: > 0 trains on padding-free batches: each rollout's prompt and completion packed
       into rows of this many tokens (`jaxrl.rl.packing`; at least the longest prompt plus
@@ -120,6 +127,7 @@ class RLConfig:
     queue_size: int = 2
     stall_timeout_s: float = 900.0
     pack_length: int = 0
+    kv_on_update: str = "keep"
 
     def validate(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -137,6 +145,14 @@ class RLConfig:
             raise ValueError(
                 f"queue_size={self.queue_size} < lag={self.lag}: the queue must hold the `lag` "
                 "batches sampled ahead of the trainer"
+            )
+        if self.kv_on_update not in ("keep", "recompute"):
+            raise ValueError(f"kv_on_update={self.kv_on_update!r}; use 'keep' or 'recompute'")
+        if self.schedule == "streaming" and (self.mode != "async" or self.oversample != 1):
+            raise ValueError(
+                f"schedule='streaming' with mode={self.mode!r}, oversample={self.oversample}: "
+                "streaming is an async schedule (mode='async') that trains on the groups in the "
+                "order they finish (oversample=1; dynamic sampling is not implemented for it)"
             )
         if self.queue_size < 1 or not self.stall_timeout_s > 0:
             raise ValueError("queue_size must be >= 1 and stall_timeout_s > 0")
@@ -288,6 +304,10 @@ class Controller:
         """Trains to `total_steps`; `extra` is the restored checkpoint's run state (or None)."""
         if self.config.mode == "sync":
             return self.run_sync(state)
+        if self.config.schedule == "streaming":
+            from jaxrl.streaming import run_streaming  # it builds on this module's helpers
+
+            return run_streaming(self, state, extra)
         return self.run_async(state, extra)
 
     def run_sync(self, state: TrainState) -> TrainState:

@@ -293,6 +293,7 @@ class GeneratorWeights:
     def __init__(self, sync, *, latest_only: bool):
         self.sync, self.latest_only = sync, latest_only
         self._held: dict[int, object] = {}  # version -> GeneratorParams
+        self.published_at: dict[int, float] = {}  # version -> time.perf_counter() of its push
         self._in_use: int | None = None
         self._closed: QueueClosed | None = None
         self._cond = threading.Condition()
@@ -312,8 +313,26 @@ class GeneratorWeights:
         params, metrics = self.sync.push(trainer_params, version)
         with self._cond:
             self._held[version] = params
+            self.published_at[version] = time.perf_counter()
             self._cond.notify_all()
         return metrics, waited
+
+    def newest(self, after: int):
+        """The `GeneratorParams` of the newest published version above `after`, or None at once
+        (streaming: the engine asks between decode steps and never waits). Frees the older
+        versions, as `acquire` does."""
+        with self._cond:  # one lock: a concurrent publish may free a pending version
+            if self._closed is not None:
+                raise QueueClosed(self._closed.error)
+            newer = [v for v in self._held if v > after]
+            if not newer:
+                return None
+            version = max(newer)
+            for v in [v for v in self._held if v < version]:
+                self._held.pop(v).delete()
+            self._in_use = version
+            self._cond.notify_all()
+            return self._held[version]
 
     def acquire(self, version: int | None, timeout: float | None = None):
         """The `GeneratorParams` of `version` (None: the newest published), waiting until it is

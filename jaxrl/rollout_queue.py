@@ -76,6 +76,11 @@ class ScoredBatch:
                     "reward": r.reward,
                     "group_id": r.group_id,
                 }
+                | (
+                    {}
+                    if r.token_versions is None
+                    else {"token_versions": np.asarray(r.token_versions).tolist()}
+                )
                 for r in self.rollouts
             ],
         }
@@ -91,6 +96,9 @@ class ScoredBatch:
                 policy_version=version,
                 reward=float(r["reward"]),
                 group_id=int(r["group_id"]),
+                token_versions=(
+                    np.asarray(r["token_versions"], np.int32) if "token_versions" in r else None
+                ),
             )
             for r in blob["rollouts"]
         ]

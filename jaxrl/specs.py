@@ -14,6 +14,7 @@ from jaxrl.models.config import _DTYPES as MODEL_DTYPES
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.tasks.arithmetic import ArithmeticTask
+from jaxrl.tasks.chain import ChainTask
 from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION
 from jaxrl.tasks.rewards import get_reward
 from jaxrl.tasks.source import PromptSource, get_task
@@ -42,8 +43,16 @@ def arith_tiny(vocab_size: int, tokenizer) -> ModelConfig:
 # unrolled program's compile time matters, shallow test models stay unrolled.
 SCAN_LAYERS_ABOVE = 8
 
+
+def chain_tiny(vocab_size: int, tokenizer) -> ModelConfig:
+    """`arith_tiny` with a 128-token context: chain sums of 16 operands take 33 prompt tokens
+    and up to 50 completion tokens (same parameters: positions are rotary)."""
+    return arith_tiny(vocab_size, tokenizer).replace(max_position_embeddings=128)
+
+
 PRESETS = {
     "arith_tiny": arith_tiny,
+    "chain_tiny": chain_tiny,
     "rlbench_tiny": lambda v, t: model_presets.rlbench_tiny(
         max(v, 512),
         bos_token_id=t.bos_token_id,
@@ -106,6 +115,7 @@ class TaskSpec:
       `reward_name`.
     The other fields are read by the built-in tasks; a user task's factory gets this TaskSpec and
     may read `seed` (its own settings are best bound in gin on the factory itself).
+    min_operands, max_operands (chain_sum): the operand count's range (`jaxrl.tasks.chain`).
     instruction (math_jsonl): appended to each question in the user turn; "" = none.
     """
 
@@ -113,6 +123,8 @@ class TaskSpec:
     min_digits: int = 1
     max_digits: int = 2
     operators: str = "+"
+    min_operands: int = 2
+    max_operands: int = 16
     train_path: str = ""
     eval_path: str = ""
     reward: str = ""
@@ -133,6 +145,8 @@ class TaskSpec:
             ArithmeticTask(
                 min_digits=self.min_digits, max_digits=self.max_digits, operators=self.operators
             )
+        if self.name == "chain_sum":
+            ChainTask(min_operands=self.min_operands, max_operands=self.max_operands)
         if self.reward:  # a reward that cannot be imported fails now, not after the SFT stage
             try:
                 get_reward(self.reward)

@@ -283,7 +283,9 @@ def rl_main(
                 generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
                 generator_dtype=gen_dtype,
             )
-            weights = GeneratorWeights(sync, latest_only=rl.schedule == "free_running")
+            weights = GeneratorWeights(
+                sync, latest_only=rl.schedule in ("free_running", "streaming")
+            )
         generator = GeneratorExecutor(
             sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed
         )

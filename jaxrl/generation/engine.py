@@ -46,6 +46,20 @@ Design
 * **Exact behaviour log-probs.** Every token's log-prob is `processed_logprobs` (fp32
   temperature, top-k / top-p, log-softmax) of the logits it was drawn from, as in the `Sampler`.
 
+In-flight weight updates (streaming RL, `jaxrl.streaming`). `run(..., update=fn)` asks
+`fn(version)` before every device call (so every `steps_per_call` decode steps) for newer weights;
+when it returns `(new_version, new_params)` the running rows continue with them, without
+draining. Every token records the version that sampled it (`GroupResult.versions_gn`), so a
+trajectory may span several versions. The rows' KV cache, written by the older versions:
+* `kv_on_update="keep"`: kept as is. A token's log-prob is then exactly that of a forward pass in
+  which each position's keys / values and output are computed by the version recorded for it
+  (the prompt by the version of the first token) -- what the behaviour log-probs mean, and what
+  AIPO's per-token ratio corrects.
+* `kv_on_update="recompute"`: the prefix of every running row (prompt and tokens so far) is
+  prefilled again with the new weights (one batched prefill, each row its own sequence,
+  `stats.recompute_tokens`), so later tokens are sampled as if the new version had written the
+  whole prefix; the earlier tokens keep their versions and log-probs.
+
 Sampling configs: all slots decoding together share one `SamplingConfig` (it is static in the
 compiled programs; per-request `max_new_tokens` is dynamic). A request with a different config
 waits until the running ones drain (FIFO order is kept).
@@ -63,7 +77,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +96,8 @@ from jaxrl.models.transformer import (
     init_cache,
     positions_from_mask,
 )
+
+KV_ON_UPDATE = ("keep", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +125,7 @@ class GroupResult:
 
     tokens_gn: sampled ids, `pad_id` after a row's stop. logprobs_gn: float32 behaviour
     log-probs (0 where masked). mask_gn: True on completion tokens (the stop token included).
+    versions_gn: int32 policy version that sampled each token (-1 where masked).
     """
 
     request_id: int
@@ -116,6 +133,7 @@ class GroupResult:
     tokens_gn: np.ndarray
     logprobs_gn: np.ndarray
     mask_gn: np.ndarray
+    versions_gn: np.ndarray | None = None
 
     @property
     def lengths_g(self) -> np.ndarray:
@@ -131,6 +149,7 @@ class EngineStats:
     slot_steps: decode slot-steps executed (S per decode step, idle slots included).
     kept_tokens: slot-steps that produced a completion token (utilisation = kept / slot_steps).
     decode_calls, prefill_calls: device calls; num_traces: programs compiled.
+    swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
     """
 
     prefill_tokens: int = 0
@@ -140,6 +159,8 @@ class EngineStats:
     decode_calls: int = 0
     prefill_calls: int = 0
     num_traces: int = 0
+    swaps: int = 0
+    recompute_tokens: int = 0
 
     @property
     def utilisation(self) -> float:
@@ -168,6 +189,7 @@ class _Live:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     open_rows: int
+    versions: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -323,12 +345,25 @@ class Engine:
             stops = tuple(sorted(set(stops) | set(self.eos_ids)))
         return dataclasses.replace(sampling, max_new_tokens=1, stop_ids=stops, ignore_eos=False)
 
-    def run(self, params: nnx.State, key: jax.Array) -> Iterator[GroupResult]:
+    def run(
+        self,
+        params: nnx.State,
+        key: jax.Array,
+        *,
+        version: int = 0,
+        update: Callable[[int], tuple[int, nnx.State] | None] | None = None,
+        kv_on_update: str = "keep",
+    ) -> Iterator[GroupResult]:
         """Decodes until the queue is empty, yielding each group as its last sample stops.
 
         Requests may be submitted (or cancelled) while iterating; they join at the next refill.
-        `key` seeds all the noise (see the module docstring).
+        `key` seeds all the noise (see the module docstring). `version`: the policy version of
+        `params`, recorded per token. `update(version)`: asked before every device call for
+        newer weights, `(new_version, new_params)` or None; `kv_on_update`: "keep" or
+        "recompute" the running rows' KV on a swap (see the module docstring).
         """
+        if kv_on_update not in KV_ON_UPDATE:
+            raise ValueError(f"kv_on_update={kv_on_update!r}; use one of {KV_ON_UPDATE}")
         s_count, n_steps = self.num_slots, self.steps_per_call
         key_data = np.asarray(jax.random.key_data(key))
         if self._cache is None:
@@ -344,8 +379,17 @@ class Engine:
         sample_of = np.zeros(s_count, np.int32)
         running: dict[int, _Live] = {}
         config: SamplingConfig | None = None
+        self._view = (owner, pos, running)  # for `cached_sequences`
+        self.version = version
 
         while self._queue or running:
+            if update is not None:
+                swapped = update(self.version)
+                if swapped is not None:
+                    self.version, params = swapped
+                    self.stats.swaps += 1
+                    if kv_on_update == "recompute" and running:
+                        self._recompute(params)
             # Cancelled requests leave the queue and free their slots.
             for rid in list(self._cancelled):
                 self._cancelled.discard(rid)
@@ -379,6 +423,7 @@ class Engine:
                         [[] for _ in slots],
                         [[] for _ in slots],
                         len(slots),
+                        [[] for _ in slots],
                     )
                     for g, s in enumerate(slots):
                         owner[s], live[s] = request.request_id, True
@@ -433,6 +478,7 @@ class Engine:
                     kept = out_valid[:, s]
                     group.tokens[g].extend(out_tokens[kept, s].tolist())
                     group.logprobs[g].extend(out_logprobs[kept, s].tolist())
+                    group.versions[g].extend([self.version] * int(kept.sum()))
                     if not live[s]:
                         owner[s] = None
                         group.open_rows -= 1
@@ -449,14 +495,50 @@ class Engine:
         tokens = np.full((g, n), self.pad_id, np.int32)
         logprobs = np.zeros((g, n), np.float32)
         mask = np.zeros((g, n), bool)
+        versions = np.full((g, n), -1, np.int32)
         for row, (toks, lps) in enumerate(zip(group.tokens, group.logprobs, strict=True)):
             tokens[row, : len(toks)], logprobs[row, : len(lps)], mask[row, : len(toks)] = (
                 toks,
                 lps,
                 True,
             )
+            versions[row, : len(toks)] = group.versions[row]
         return GroupResult(group.request.request_id, tuple(group.request.prompt), tokens,
-                           logprobs, mask)  # fmt: skip
+                           logprobs, mask, versions)  # fmt: skip
+
+    def cached_sequences(self) -> dict[int, tuple[int, int, list[int]]]:
+        """Slot -> (request id, sample index, the ids whose keys / values the slot's cache holds:
+        prompt + completion so far, without the newest token, which is the next input). Valid
+        between device calls of a `run` (e.g. inside `update`)."""
+        owner, pos, running = self._view
+        out = {}
+        for rid, group in running.items():
+            for g, s in enumerate(group.slots):
+                if owner[s] == rid:
+                    ids = list(group.request.prompt) + group.tokens[g]
+                    out[s] = (rid, g, ids[: int(pos[s])])
+        return out
+
+    def _recompute(self, params) -> None:
+        """Prefills every running row's cached prefix again with `params` (kv_on_update =
+        "recompute"): one row per slot (a group's samples have diverged), through the prefill
+        program, written into the slot's first positions."""
+        rows = [(s, ids) for s, (_, _, ids) in sorted(self.cached_sequences().items()) if ids]
+        if not rows:
+            return
+        width = _bucket(max(len(ids) for _, ids in rows), self.prompt_buckets, self.capacity)
+        batch = _bucket(len(rows), _pow2_buckets(1, self.num_slots), self.num_slots)
+        tokens = np.full((batch, width), self.pad_id, np.int32)
+        valid = np.zeros((batch, width), bool)
+        dest = np.full(self.num_slots, self.num_slots, np.int32)
+        src = np.zeros(self.num_slots, np.int32)
+        for row, (s, ids) in enumerate(rows):
+            tokens[row, : len(ids)], valid[row, : len(ids)] = ids, True
+            dest[row], src[row] = s, row
+        valid[len(rows) :, 0] = True
+        self.stats.recompute_tokens += sum(len(ids) for _, ids in rows)
+        self.stats.prefill_padded_tokens += batch * width
+        self._cache = self._call(self._prefill, params, self._cache, tokens, valid, dest, src)
 
     def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
         """Prefills the admitted prompts (each once) and copies each into its G slots."""

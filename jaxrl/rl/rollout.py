@@ -43,6 +43,9 @@ class Rollout:
       policy_version: version of the generator weights that sampled it.
       reward: scalar reward.
       group_id: id shared by the n samples of one prompt.
+      token_versions: int [T_i], the policy version that sampled each token (streaming RL, where
+        a trajectory may span weight updates; `policy_version` is then the oldest of them), or
+        None when one version sampled the whole completion.
     """
 
     prompt_ids: np.ndarray
@@ -51,12 +54,20 @@ class Rollout:
     policy_version: int
     reward: float
     group_id: int
+    token_versions: np.ndarray | None = None
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.behaviour_logprobs):
             raise ValueError(
                 f"completion has {len(self.completion_ids)} tokens but "
                 f"{len(self.behaviour_logprobs)} behaviour log-probs"
+            )
+        if self.token_versions is not None and len(self.token_versions) != len(
+            self.completion_ids
+        ):
+            raise ValueError(
+                f"completion has {len(self.completion_ids)} tokens but "
+                f"{len(self.token_versions)} token versions"
             )
 
 

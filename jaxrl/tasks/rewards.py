@@ -20,8 +20,9 @@ per-sample function `fn(prompt, completion, reference) -> float` with `per_sampl
 completion, or a `RewardError` naming the reward. Built-in rewards only parse text (see
 `jaxrl.tasks.answers`); nothing in this package evaluates model output.
 
-Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`) and "math_answer"
-(final answer of a GSM8K / MATH completion equals the reference after numeric normalisation).
+Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`), "chain_sum_exact"
+(the last partial sum of a chain, `jaxrl.tasks.chain`) and "math_answer" (final answer of a
+GSM8K / MATH completion equals the reference after numeric normalisation).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 
 from jaxrl.tasks.answers import answers_match, extract_answer
 from jaxrl.tasks.arithmetic import arithmetic_reward
+from jaxrl.tasks.chain import chain_reward
 from jaxrl.tasks.math_jsonl import reference_answer
 
 
@@ -161,3 +163,4 @@ def _math_answer(prompt: str, completion: str, reference: str | None) -> float:
 
 register_reward("arithmetic_exact", lambda p, c, r: arithmetic_reward(c, r), per_sample=True)
 register_reward("math_answer", _math_answer, per_sample=True)
+register_reward("chain_sum_exact", lambda p, c, r: chain_reward(c, r), per_sample=True)

@@ -19,7 +19,8 @@ module, which a gin file imports:
     import my_tasks
     TaskSpec.name = "reverse"                   # or "my_tasks:reverse_task", without registering
 
-Built-ins: "arithmetic" (`ArithmeticSource`) and "math_jsonl" (`JsonlMathSource`).
+Built-ins: "arithmetic" (`ArithmeticSource`), "chain_sum" (`ChainSource`, long-tailed completion
+lengths) and "math_jsonl" (`JsonlMathSource`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from jaxrl.tasks.arithmetic import ArithmeticTask, demonstration, encode_demonstrations
+from jaxrl.tasks.chain import ChainTask, chain_demonstration, encode_chain_demonstrations
 from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION, format_prompt, load_math_jsonl
 
 
@@ -261,6 +263,33 @@ class JsonlMathSource:
         return tokens, loss_mask
 
 
+class ChainSource(ArithmeticSource):
+    """Chain sums (`jaxrl.tasks.chain`): long-tailed completion lengths, the same stream, split
+    and demonstration interface as `ArithmeticSource`."""
+
+    reward_name = "chain_sum_exact"
+
+    def __init__(self, task: ChainTask):
+        self.task = task
+
+    def item(self, index: int) -> PromptItem:
+        problem = self.task.problem(index, "train")
+        return PromptItem(problem.prompt, problem.answer)
+
+    def eval_items(self, limit: int) -> list[PromptItem]:
+        return [PromptItem(p.prompt, p.answer) for p in self.task.heldout_problems(limit)]
+
+    def demonstrations(self, start: int, count: int, tokenizer, seq_len: int, pool: int = 0):
+        indices = range(start, start + count)
+        if pool:
+            indices = [i % pool for i in indices]
+        problems = [self.task.problem(i, "train") for i in indices]
+        return encode_chain_demonstrations(problems, tokenizer, seq_len)
+
+    def demonstration_text(self, index: int) -> str:
+        return chain_demonstration(self.task.problem(index, "train"))
+
+
 def encode_prompts(tokenizer, items: Sequence[PromptItem], chat_formatted: bool) -> list[list[int]]:
     """Token ids of each prompt. Chat-formatted prompts already carry their special tokens."""
     return [tokenizer.encode(it.text, add_special_tokens=not chat_formatted) for it in items]
@@ -291,5 +320,13 @@ def _math_jsonl(spec, tokenizer, max_prompt_tokens: int | None = None) -> JsonlM
     )
 
 
+def _chain_sum(spec, tokenizer) -> ChainSource:
+    del tokenizer
+    return ChainSource(
+        ChainTask(min_operands=spec.min_operands, max_operands=spec.max_operands, seed=spec.seed)
+    )
+
+
 register_task("arithmetic", _arithmetic)
+register_task("chain_sum", _chain_sum)
 register_task("math_jsonl", _math_jsonl)

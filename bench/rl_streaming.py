@@ -1,0 +1,189 @@
+"""Trainer steps per hour on the long-tailed chain-sum task: streaming vs fixed-lag vs sync.
+
+Workload: configs/rl/chain_tiny_streaming.gin (the 0.4M-parameter Llama with a 128-token
+context; chain sums of 2..16 operands, completions of 2..50 tokens, up to 52 new tokens), 16
+prompts x 8 samples per trainer step, no evaluation. Every row starts from one short SFT
+checkpoint (made first, `--sft_steps`), so completions have the task's long-tailed lengths (an
+untrained policy would run every row to max_new_tokens and there would be no tail), and every
+row runs in a fresh `launch.rl` process:
+
+- sync: colocated on the trainer's devices (generate all 128 rows, score, train, in turn);
+- fixed_lag: async, lag 1, the generator samples whole batches (the engine drains each one);
+- streaming (keep / recompute): async, the engine never drains, weights swapped in between decode
+  steps (`RLConfig.kv_on_update`).
+
+Two settings: "8 devices" (trainer FSDP 2 x TP 2 on devices 0-3, generator 2 x TP 2 on 4-7, as
+the config) and "2 devices, 2 cores" (one device per role, the process pinned to cores 0-1 with
+`os.sched_setaffinity`). The latter is NOT bench/rl's pinned one-process-per-role proxy: a
+role-split job (`jaxrl.roles`) runs fixed lag only, and XLA:CPU cannot pin threads of one process
+to a role's core, so both roles share the two cores; it is the closest this code base runs.
+
+Per row: median seconds per trainer step after `--warmup` steps (compiles), trainer steps per
+hour (3600 / median), trainer idle and generator idle fractions (sums over the measured steps /
+their wall time), the engine's utilisation (kept tokens / decode slot-steps; streaming rows),
+mean per-token staleness, groups dropped, time from a push to its first use. This machine is
+shared; the load average is recorded with each row, and a load above the core count makes the
+seconds unreliable (the table says so).
+
+    python -m bench.rl_streaming                     # ~25 minutes on an idle 2-core CPU
+    python -m bench.rl_streaming --steps 12 --warmup 4 --settings 8dev
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import write_results
+from jaxrl.infra.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/rl/chain_tiny_streaming.gin"
+COMMON = ["RLConfig.eval_size = 0", "RLConfig.save_every_steps = 100000", "RLConfig.lag = 1"]
+MODES = {
+    "sync": [
+        "RLConfig.mode = 'sync'",
+        "RLConfig.schedule = 'fixed_lag'",
+        "rl_main.generator_mesh = None",
+    ],
+    "fixed_lag": ["RLConfig.schedule = 'fixed_lag'", "RLConfig.max_staleness = 1"],
+    "streaming_keep": ["RLConfig.kv_on_update = 'keep'"],
+    "streaming_recompute": ["RLConfig.kv_on_update = 'recompute'"],
+}
+SETTINGS = {
+    "8dev": {"devices": 8, "cores": None, "params": []},
+    "2dev": {
+        "devices": 2,
+        "cores": [0, 1],
+        "params": [
+            "trainer/MeshConfig.axis_sizes = (1, 1)",
+            "trainer/MeshConfig.num_devices = 1",
+            "generator/MeshConfig.axis_sizes = (1, 1)",
+            "generator/MeshConfig.first_device = 1",
+            "generator/MeshConfig.num_devices = 1",
+        ],
+    },
+}
+
+
+def _launch(workdir: str, params: list[str], devices: int, cores) -> float:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = REPO
+    flags = ["--gin_file", CONFIG, "--workdir", workdir]
+    for p in params:
+        flags += ["--gin_param", p]
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "launch.rl", *flags],
+        cwd=REPO,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+    )
+    return time.perf_counter() - start
+
+
+def make_sft(root: str, steps: int) -> str:
+    """One SFT checkpoint for every row (launch.rl's SFT stage, then one RL step)."""
+    workdir = os.path.join(root, "sft_run")
+    _launch(
+        workdir,
+        COMMON + [f"SFTConfig.steps = {steps}", "SFTConfig.eval_size = 64",
+                  "RLConfig.total_steps = 1"],
+        8,
+        None,
+    )  # fmt: skip
+    return os.path.join(workdir, "sft")
+
+
+def summarise(records: list[dict], warmup: int) -> dict:
+    rows = [r for r in records if r["step"] > warmup]
+    wall = sum(r["time/step_s"] for r in rows)
+
+    def total(key):
+        return sum(r.get(key, 0.0) for r in rows)
+
+    def mean(key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.mean(values) if values else float("nan")
+
+    step_s = statistics.median(r["time/step_s"] for r in rows)
+    return {
+        "step_s": step_s,
+        "steps_per_hour": 3600.0 / step_s,
+        "trainer_idle": total("time/trainer_idle_s") / wall,
+        "generator_idle": total("time/generator_idle_s") / wall
+        if "time/generator_idle_s" in rows[0]
+        else float("nan"),
+        "train_s": statistics.median(r["time/train_s"] for r in rows),
+        "engine_util": mean("stream/engine_utilisation"),
+        "token_staleness": mean("stream/token_staleness_mean"),
+        "mixed_rows": mean("stream/mixed_version_rows"),
+        "push_to_use_s": mean("stream/push_to_use_s"),
+        "dropped_groups": rows[-1].get("stream/dropped_groups", 0.0),
+        "completion_tokens": mean("completion/mean_tokens"),
+        "measured_steps": len(rows),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--sft_steps", type=int, default=300)
+    parser.add_argument("--settings", default="8dev,2dev")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--workdir", default="")
+    parser.add_argument("--sft_dir", default="", help="an existing SFT run dir to start from")
+    parser.add_argument("--modes_2dev", default="sync,fixed_lag,streaming_keep")
+    args = parser.parse_args(argv)
+    root = args.workdir or tempfile.mkdtemp(prefix="rl_streaming_")
+    sft = args.sft_dir or make_sft(root, args.sft_steps)
+    rows = []
+    for setting in args.settings.split(","):
+        s = SETTINGS[setting]
+        for mode in (args.modes_2dev if setting == "2dev" else args.modes).split(","):
+            workdir = os.path.join(root, f"{setting}_{mode}")
+            params = COMMON + s["params"] + MODES[mode] + [
+                "rl_main.sft = None", f"PolicySpec.init_from = '{sft}'",
+                f"RLConfig.total_steps = {args.steps}",
+            ]  # fmt: skip
+            load = os.getloadavg()[0]
+            seconds = _launch(workdir, params, s["devices"], s["cores"])
+            records = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))
+                       if r["step"] > 0]  # fmt: skip
+            row = {"setting": setting, "mode": mode, **summarise(records, args.warmup)}
+            row |= {"wall_s": seconds, "load_before": load, "load_after": os.getloadavg()[0]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    cores = os.cpu_count()
+    loaded = any(r["load_before"] > cores or r["load_after"] > cores for r in rows)
+    note = (
+        f"python -m bench.rl_streaming --steps {args.steps} --warmup {args.warmup} "
+        f"--sft_steps {args.sft_steps} --settings {args.settings}"
+        + (f" --sft_dir {args.sft_dir}" if args.sft_dir else "")
+        + f"; {cores} cores"
+        + ("; LOADED MACHINE (load average above the core count): seconds unreliable"
+           if loaded else "")
+    )  # fmt: skip
+    columns = [
+        ("setting", "setting"), ("mode", "mode"), ("step_s", "s/step"),
+        ("steps_per_hour", "steps/h"), ("trainer_idle", "trainer idle"),
+        ("generator_idle", "generator idle"), ("engine_util", "engine util"),
+        ("token_staleness", "token staleness"), ("mixed_rows", "mixed-version rows"),
+        ("push_to_use_s", "push->use s"), ("dropped_groups", "dropped groups"),
+        ("completion_tokens", "mean completion"), ("load_before", "load"),
+    ]  # fmt: skip
+    print(write_results("rl_streaming", rows, columns, note))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""Streaming async RL: the engine never drains, weights are swapped in between decode steps.
+
+The fixed-lag and free-running schedules (`jaxrl.controller`) sample whole batches: the trainer
+waits for a batch's longest completion, and a weight push waits for the batch in flight. Here
+(`RLConfig.schedule = "streaming"`, after AReaL / PipelineRL / verl fully-async):
+
+* **The generator keeps the engine full.** Its thread submits prompt `i` of the task's stream as
+  engine request `i` (G samples, one prefill) whenever fewer than `slots / G + queue capacity`
+  requests are outstanding, and scores each group the moment its last sample stops.
+* **Groups, not batches.** A scored group goes into the `GroupQueue`; each trainer step takes
+  the next `num_prompts` groups, in the order they finished.
+* **In-flight weight updates.** After each optimizer step the trainer pushes its weights into
+  the generator's double buffer (`GeneratorWeights`, latest only: device to device, never
+  waiting); the engine asks for newer weights before every device call (every
+  `steps_per_call` decode steps) and swaps them in without draining. Each token records the
+  version that sampled it (`Rollout.token_versions`); AIPO's per-token ratio uses the
+  per-token behaviour log-probs, so a trajectory spanning versions needs no special maths. On a
+  swap the running rows' KV is kept, or recomputed with the new weights
+  (`RLConfig.kv_on_update`; see `jaxrl.generation.engine`).
+* **Staleness per token; the bound on the oldest.** A token's staleness is the trainer's
+  version minus the version that sampled it. A group whose oldest token is more than
+  `max_staleness` versions old is dropped and counted (on admission to the queue, or on
+  consumption), never truncated: a truncated completion would be scored as if it had ended
+  there.
+
+Checkpoint (an exact continuation of the state, not of the timing): besides the train state, the
+scored groups still queued (in full: sampled by versions the saved weights cannot reproduce),
+the prompt indices in flight (submitted, not yet queued: their partial tokens are dropped and
+the prompts re-issued first on resume, sampled afresh with the restored weights), the next
+prompt index and the cumulative counts. So every prompt of the stream is trained once, dropped
+(counted) or still pending, and no group is trained twice. A streaming run is not reproducible
+bit for bit: which version samples which token follows the timing. Fixed lag stays the
+reproducible mode.
+
+Metrics per step: `stream/tokens_at_staleness/<k>` (the trained batch's completion tokens by
+staleness; a TensorBoard histogram too), `stream/token_staleness_mean|max`,
+`stream/mixed_version_rows` (fraction of rows sampled by more than one version),
+`stream/engine_utilisation` (kept tokens / decode slot-steps since the last step),
+`time/trainer_idle_s`, `time/generator_idle_s` (the generator blocked on a full queue or on
+weights), `stream/push_to_use_s` (from a push to the engine's first decode step with it),
+`stream/swaps`, and the ids of the trained prompts (`stream/trained_prompt/<j>`, for audits).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.controller import BusyTimeline, Controller, _queue_metrics, _StepClock, _unwrap
+from jaxrl.executors import GeneratedBatch, sampling_key
+from jaxrl.generation.engine import Request
+from jaxrl.generation.engine_sampler import EngineSampler
+from jaxrl.rollout_queue import QueueClosed, QueueStats, ScoredBatch, wait_until
+from jaxrl.run_io import to_host
+from jaxrl.tasks.source import encode_prompts
+from jaxrl.trainer import TrainState
+
+
+class GroupQueue:
+    """Scored groups between the streaming generator and the trainer, and the ledger of the
+    prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
+    index, `policy_version` the version of the group's oldest token.
+
+    Every issued prompt is exactly one of: in flight, queued, consumed, or dropped (counted in
+    `stats`, by admission or consumption). `snapshot()` takes all of it at once, under one lock.
+
+    Args:
+      capacity: groups held at once (the generator waits in `put` beyond it).
+      max_staleness: largest `v_t - v_oldest_token` a consumed group may have.
+      trainer_version, next_prompt, pending, reissue, stats: a resumed run's state (`reissue`:
+        the prompts that were in flight, issued again first).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int,
+        *,
+        trainer_version: int = 0,
+        next_prompt: int = 0,
+        pending: list[ScoredBatch] = (),
+        reissue: list[int] = (),
+        stats: QueueStats | None = None,
+    ):
+        if capacity < 1 or max_staleness < 0:
+            raise ValueError(f"capacity={capacity} >= 1 and max_staleness={max_staleness} >= 0")
+        self.capacity, self.max_staleness = capacity, max_staleness
+        self._items: collections.deque[ScoredBatch] = collections.deque(pending)
+        self._reissue = collections.deque(reissue)
+        self._in_flight: set[int] = set()
+        self._trainer_version, self._next_prompt = trainer_version, next_prompt
+        self.stats = stats or QueueStats()
+        self._closed: QueueClosed | None = None
+        self._cond = threading.Condition()
+
+    # --- generator side -----------------------------------------------------------------------
+
+    def issue(self) -> int:
+        """The next prompt index to submit (re-issued ones first), now in flight."""
+        with self._cond:
+            self._raise_if_closed()
+            if self._reissue:
+                index = self._reissue.popleft()
+            else:
+                index, self._next_prompt = self._next_prompt, self._next_prompt + 1
+            self._in_flight.add(index)
+            return index
+
+    def put(self, group: ScoredBatch, timeout: float | None = None) -> bool:
+        """Queues a scored group (True), or drops it as too stale (False); waits while full."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if group.batch_index not in self._in_flight:
+                raise ValueError(f"group of prompt {group.batch_index} was never issued")
+            while True:
+                self._raise_if_closed()
+                if self._stale(group):
+                    self.stats.dropped_on_admission += 1
+                    self.stats.dropped_samples += group.num_samples
+                    self._in_flight.discard(group.batch_index)
+                    return False
+                if len(self._items) < self.capacity:
+                    self._items.append(group)
+                    self._in_flight.discard(group.batch_index)
+                    self._cond.notify_all()
+                    return True
+                wait_until(self._cond, deadline, "room in the group queue")
+
+    # --- trainer side -------------------------------------------------------------------------
+
+    def advance(self, trainer_version: int) -> None:
+        with self._cond:
+            self._trainer_version = trainer_version
+            self._cond.notify_all()
+
+    def take(self, count: int, timeout: float | None = None) -> list[ScoredBatch]:
+        """The next `count` groups fresh enough to train on now (in the order they finished);
+        staler ones are dropped and counted. Waits until `count` are there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_closed()
+                for group in [g for g in self._items if self._stale(g)]:
+                    self._items.remove(group)
+                    self.stats.dropped_on_consumption += 1
+                    self.stats.dropped_samples += group.num_samples
+                if len(self._items) >= count:
+                    taken = [self._items.popleft() for _ in range(count)]
+                    self._cond.notify_all()
+                    for group in taken:
+                        staleness = self._trainer_version - group.policy_version
+                        self.stats.consumed_batches += 1
+                        self.stats.consumed_samples += group.num_samples
+                        counts = self.stats.staleness_counts
+                        counts[staleness] = counts.get(staleness, 0) + 1
+                    return taken
+                wait_until(self._cond, deadline, f"{count} scored groups")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The queue's part of a checkpoint (JSON): queued groups, prompts in flight (to
+        re-issue), the next prompt index, the cumulative counts."""
+        with self._cond:
+            return {
+                "pending_groups": [g.to_json() for g in self._items],
+                "in_flight_prompts": sorted(self._in_flight | set(self._reissue)),
+                "next_prompt": self._next_prompt,
+                "queue_stats": self.stats.to_json(),
+            }
+
+    @classmethod
+    def restore(cls, capacity: int, max_staleness: int, step: int, blob: dict) -> GroupQueue:
+        return cls(
+            capacity,
+            max_staleness,
+            trainer_version=step,
+            next_prompt=int(blob["next_prompt"]),
+            pending=[ScoredBatch.from_json(g) for g in blob["pending_groups"]],
+            reissue=[int(i) for i in blob["in_flight_prompts"]],
+            stats=QueueStats.from_json(blob["queue_stats"]),
+        )
+
+    # --- both ---------------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self._closed is None:
+                self._closed = QueueClosed(error)
+            self._cond.notify_all()
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def _stale(self, group: ScoredBatch) -> bool:
+        return self._trainer_version - group.policy_version > self.max_staleness
+
+    def _raise_if_closed(self) -> None:
+        if self._closed is not None:
+            raise QueueClosed(self._closed.error)
+
+
+@dataclasses.dataclass
+class _GeneratorCounters:
+    """What the generator thread did since the trainer last read it (`take_counters`)."""
+
+    swaps: int = 0
+    push_to_use_s: list[float] = dataclasses.field(default_factory=list)
+    slot_steps: int = 0
+    kept_tokens: int = 0
+    recompute_tokens: int = 0
+
+
+class _StreamProducer:
+    """The generator thread: keeps the engine full, swaps weights in between device calls,
+    scores each group as it finishes and queues it. Its failure closes the queue and the weight
+    store with the error, which the trainer re-raises at its next wait."""
+
+    def __init__(self, controller: Controller, queue: GroupQueue):
+        self.controller, self.queue = controller, queue
+        sampler = controller.generator.sampler
+        if type(sampler) is not EngineSampler:
+            raise ValueError(
+                f"schedule='streaming' needs the engine as the generator (rl_main.generator = "
+                f"'engine', a single-process generator mesh, no LoRA); got {type(sampler).__name__}"
+            )
+        self.engine = sampler.engine
+        g = controller.config.samples_per_prompt
+        if self.engine.num_slots < g:
+            raise ValueError(f"{self.engine.num_slots} engine slots < samples_per_prompt={g}")
+        # Enough requests that every slot is refilled at once and the queue can fill up.
+        self.outstanding_target = self.engine.num_slots // g + queue.capacity
+        self.version: int | None = None
+        self.timeline = BusyTimeline()
+        self._counters = _GeneratorCounters()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="jaxrl-streamer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.queue.close()
+        self.controller.weights.close()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.controller.weights.free()
+
+    def take_counters(self) -> _GeneratorCounters:
+        with self._lock:
+            counters, self._counters = self._counters, _GeneratorCounters()
+        return counters
+
+    def _update(self, version: int):
+        """The engine's hook before each device call: newer weights, if any were pushed."""
+        if self.queue.closed:
+            raise QueueClosed()
+        newer = self.controller.weights.newest(version)
+        if newer is None:
+            return None
+        pushed = self.controller.weights.published_at.get(newer.version)
+        with self._lock:
+            self._counters.swaps += 1
+            if pushed is not None:
+                self._counters.push_to_use_s.append(time.perf_counter() - pushed)
+        self.version = newer.version
+        return newer.version, newer.params
+
+    def _submit(self, outstanding: set[int]) -> None:
+        ctl = self.controller
+        while len(outstanding) < self.outstanding_target:
+            index = self.queue.issue()
+            item = ctl.source.item(index)
+            ids = encode_prompts(ctl.tokenizer, [item], ctl.chat_formatted)[0]
+            self.engine.submit(
+                Request(index, tuple(ids), ctl.config.samples_per_prompt, ctl.generator.sampling)
+            )
+            outstanding.add(index)
+
+    def _score(self, group) -> ScoredBatch:
+        ctl = self.controller
+        item = ctl.source.item(group.request_id)
+        g = len(group.tokens_gn)
+        lengths = group.lengths_g
+        versions = [group.versions_gn[i, : lengths[i]] for i in range(g)]
+        oldest = int(min(v.min() for v in versions))
+        generated = GeneratedBatch(
+            items=[item] * g,
+            prompt_ids=[list(group.prompt)] * g,
+            completion_ids=[group.tokens_gn[i, : lengths[i]] for i in range(g)],
+            behaviour_logprobs=[group.logprobs_gn[i, : lengths[i]] for i in range(g)],
+            group_ids=np.full(g, group.request_id),
+            policy_version=oldest,
+            batch_index=group.request_id,
+            seconds=0.0,
+        )
+        rollouts, metrics = ctl.score(generated)
+        rollouts = [
+            dataclasses.replace(r, token_versions=v.astype(np.int32))
+            for r, v in zip(rollouts, versions, strict=True)
+        ]
+        return ScoredBatch(group.request_id, oldest, rollouts, metrics)
+
+    def _run(self) -> None:
+        ctl, engine = self.controller, self.engine
+        try:
+            first = ctl.weights.acquire(None)
+            self.version = first.version
+            outstanding: set[int] = set()
+            self._submit(outstanding)
+            stats = engine.stats
+            last = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
+            self.timeline.begin(time.perf_counter())
+            # Noise keyed by (seed, prompt index, sample, token): the request id is the index.
+            key = sampling_key(ctl.config.seed, 0, 0)
+            for group in engine.run(
+                first.params,
+                key,
+                version=first.version,
+                update=self._update,
+                kv_on_update=ctl.config.kv_on_update,
+            ):
+                outstanding.discard(group.request_id)
+                scored = self._score(group)
+                now = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
+                with self._lock:
+                    self._counters.slot_steps += now[0] - last[0]
+                    self._counters.kept_tokens += now[1] - last[1]
+                    self._counters.recompute_tokens += now[2] - last[2]
+                last = now
+                self.timeline.end(time.perf_counter())
+                self.queue.put(scored)  # waits while the queue is full: generator idle
+                self.timeline.begin(time.perf_counter())
+                self._submit(outstanding)
+        except QueueClosed:
+            return  # stopped by the trainer
+        except BaseException as error:
+            error.add_note(
+                f"[jaxrl] raised in the streaming generator thread (policy version "
+                f"{self.version}); the run stops, its last checkpoint is intact"
+            )
+            self.queue.close(error)
+            ctl.weights.close(error)
+        finally:
+            engine.reset()
+
+
+def token_staleness_metrics(rollouts, trainer_version: int) -> tuple[dict[str, float], np.ndarray]:
+    """Per-token staleness of a train batch: counts by staleness, mean, max, and the fraction of
+    rows that more than one version sampled. Returns (metrics, staleness of every token)."""
+    staleness = np.concatenate([trainer_version - r.token_versions for r in rollouts])
+    metrics = {
+        "stream/token_staleness_mean": float(staleness.mean()),
+        "stream/token_staleness_max": float(staleness.max()),
+        "stream/mixed_version_rows": float(
+            np.mean([len(np.unique(r.token_versions)) > 1 for r in rollouts])
+        ),
+    }
+    for k, n in zip(*np.unique(staleness, return_counts=True), strict=True):
+        metrics[f"stream/tokens_at_staleness/{int(k)}"] = float(n)
+    return metrics, staleness
+
+
+def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None) -> TrainState:
+    """The trainer's loop of a streaming run (see the module docstring)."""
+    c = ctl.config
+    step = int(state.step)
+    capacity = c.queue_size * c.num_prompts
+    if step == 0:
+        queue = GroupQueue(capacity, c.max_staleness)
+        ctl.io.log(0, ctl.evaluate(state.params), {})
+    else:
+        saved = {k: (extra or {}).get(k) for k in ("mode", "schedule")}
+        if saved != {"mode": "async", "schedule": "streaming"}:
+            raise ValueError(
+                f"the checkpoint at step {step} was written by a run with {saved}, not a "
+                "streaming one; continue it with its own config, or start a fresh workdir"
+            )
+        queue = GroupQueue.restore(capacity, c.max_staleness, step, extra)
+    ctl._publish(state.params, step, 0)
+    producer = _StreamProducer(ctl, queue)
+    clock = _StepClock(producer.timeline)
+    ctl.io.start(step)
+    producer.start()
+    save_wait = 0.0
+    try:
+        while step < c.total_steps:
+            t0 = time.perf_counter()
+            groups = _unwrap(queue.take, c.num_prompts, c.stall_timeout_s)
+            t1 = time.perf_counter()
+            rollouts = [r for g in groups for r in g.rollouts]
+            staleness_metrics, staleness = token_staleness_metrics(rollouts, step)
+            train_batch = ctl._collate(rollouts)
+            state, train_metrics = ctl.trainer.rl_step(state, train_batch, ctl.ref_params)
+            train_metrics = to_host(train_metrics)
+            t2 = time.perf_counter()
+            step += 1
+            queue.advance(step)
+            metrics = _group_metrics(groups) | train_metrics | staleness_metrics
+            metrics |= ctl._publish(state.params, step, 0)
+            if step % c.eval_every_steps == 0 or step == c.total_steps:
+                metrics |= ctl.evaluate(state.params)
+            metrics |= clock.tick(train_start=t1, train_end=t2)
+            counters = producer.take_counters()
+            metrics |= {
+                "policy_version": float(step),
+                "time/trainer_idle_s": t1 - t0 + save_wait,
+                "time/train_s": t2 - t1,
+                "throughput/tokens_per_s": int(train_batch.completion_mask_bt.sum())
+                / metrics["time/step_s"],
+                "data/prompts_seen": float(step * c.num_prompts),
+                "async/generator_version": float(producer.version or 0),
+                "async/queue_depth": float(queue.depth),
+                "stream/swaps": float(counters.swaps),
+                "stream/engine_utilisation": counters.kept_tokens / max(counters.slot_steps, 1),
+                "stream/recompute_tokens": float(counters.recompute_tokens),
+                "stream/dropped_groups": float(queue.stats.dropped_batches),
+            } | ctl._learning_rate(step)
+            metrics |= _queue_metrics(queue.stats)
+            if counters.push_to_use_s:
+                metrics["stream/push_to_use_s"] = float(np.mean(counters.push_to_use_s))
+            for j, g in enumerate(groups):
+                metrics[f"stream/trained_prompt/{j}"] = float(g.batch_index)
+            writer = getattr(ctl.io, "metrics", None)
+            if writer is not None and hasattr(writer, "write_histogram"):
+                writer.write_histogram(step, "stream/token_staleness", staleness)
+            headline = {
+                "reward": f"{metrics['reward/mean']:.3f}",
+                "stale": f"{metrics['stream/token_staleness_mean']:.2f}",
+            }
+            if "eval/accuracy" in metrics:
+                headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
+            ctl.io.log(step, metrics, headline)
+            start = time.perf_counter()
+            if ctl.io.save_due(step, step == c.total_steps):
+                blob = (
+                    ctl.extra(step)
+                    | queue.snapshot()
+                    | {
+                        "mode": "async",
+                        "schedule": "streaming",
+                        "lag": c.lag,
+                        "generator_version": producer.version,
+                        "kv_on_update": c.kv_on_update,
+                    }
+                )
+                ctl.io.save(state, blob, force=step == c.total_steps)
+            save_wait = time.perf_counter() - start
+            ctl.io.after_step(step)
+    except BaseException:
+        producer.stop(timeout_s=10.0)
+        raise
+    producer.stop(timeout_s=c.stall_timeout_s)
+    jax.block_until_ready(state.params)
+    return state
+
+
+def _group_metrics(groups: list[ScoredBatch]) -> dict[str, float]:
+    """Reward and length figures of the trained groups (each group scored on its own)."""
+    rewards = [r.reward for g in groups for r in g.rollouts]
+    lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
+    return {
+        "reward/mean": float(np.mean(rewards)),
+        "completion/mean_tokens": float(np.mean(lengths)),
+        "completion/max_tokens": float(np.max(lengths)),
+        "time/reward_s": float(sum(g.metrics.get("time/reward_s", 0.0) for g in groups)),
+    }

@@ -1,0 +1,104 @@
+"""`GroupQueue` (jaxrl/streaming.py): the oldest token bounds a group's staleness (dropped and
+counted on admission or consumption), every issued prompt is in flight, queued, consumed or
+dropped, and a snapshot restores to the same ledger (in-flight prompts re-issued first)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxrl.rl import Rollout
+from jaxrl.rollout_queue import QueueClosed, ScoredBatch
+from jaxrl.streaming import GroupQueue, token_staleness_metrics
+
+
+def _group(index: int, versions_per_row: list[list[int]]) -> ScoredBatch:
+    rollouts = [
+        Rollout(
+            prompt_ids=np.array([1, 5], np.int32),
+            completion_ids=np.arange(len(v), dtype=np.int32),
+            behaviour_logprobs=np.full(len(v), -0.5, np.float32),
+            policy_version=min(v),
+            reward=1.0,
+            group_id=index,
+            token_versions=np.asarray(v, np.int32),
+        )
+        for v in versions_per_row
+    ]
+    return ScoredBatch(index, min(min(v) for v in versions_per_row), rollouts)
+
+
+def test_oldest_token_bounds_staleness_and_every_prompt_is_accounted_for():
+    queue = GroupQueue(capacity=4, max_staleness=1)
+    issued = [queue.issue() for _ in range(6)]
+    assert issued == list(range(6))
+    queue.advance(3)
+    # Prompt 0: one row's first token is version 1 (3 - 1 = 2 > 1): dropped on admission.
+    assert not queue.put(_group(0, [[2, 3], [1, 2, 3]]))
+    assert queue.put(_group(1, [[2, 2, 3]]))
+    assert queue.put(_group(2, [[3]]))
+    queue.advance(4)  # prompt 1's oldest token is now 2 versions old: dropped on consumption
+    assert queue.put(_group(3, [[3, 4]]))
+    taken = queue.take(2, timeout=1.0)
+    assert [g.batch_index for g in taken] == [2, 3]
+    s = queue.stats
+    assert (s.dropped_on_admission, s.dropped_on_consumption, s.consumed_batches) == (1, 1, 2)
+    assert s.staleness_counts == {1: 2}
+    snap = queue.snapshot()
+    assert snap["in_flight_prompts"] == [4, 5] and snap["next_prompt"] == 6
+    with pytest.raises(ValueError, match="never issued"):
+        queue.put(_group(9, [[4]]))
+
+    restored = GroupQueue.restore(4, 1, 4, snap)
+    assert [restored.issue() for _ in range(3)] == [4, 5, 6]  # re-issued first, then new
+    assert restored.stats.to_json() == s.to_json()
+    assert restored.put(_group(5, [[4]]))
+    assert restored.snapshot()["in_flight_prompts"] == [4, 6]
+
+
+def test_take_waits_for_enough_groups_and_close_wakes_it():
+    queue = GroupQueue(capacity=2, max_staleness=0)
+    for _ in range(3):
+        queue.issue()
+    out = {}
+
+    def trainer():
+        try:
+            out["taken"] = queue.take(2, timeout=30.0)
+        except QueueClosed as e:
+            out["closed"] = e
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    queue.put(_group(0, [[0]]))
+    assert thread.is_alive()
+    queue.put(_group(1, [[0]]))
+    thread.join(timeout=30.0)
+    assert [g.batch_index for g in out["taken"]] == [0, 1]
+    # A full queue blocks the generator until the trainer takes or the run closes it.
+    queue.put(_group(2, [[0]]))
+    queue.issue()
+    queue.issue()
+    queue.put(_group(3, [[0]]))
+    blocked = threading.Thread(
+        target=lambda: pytest.raises(QueueClosed, queue.put, _group(4, [[0]]))
+    )
+    blocked.start()
+    blocked.join(timeout=0.2)
+    assert blocked.is_alive()
+    queue.close()
+    blocked.join(timeout=30.0)
+    assert not blocked.is_alive()
+
+
+def test_token_staleness_metrics_count_every_token():
+    rollouts = _group(0, [[3, 4, 4], [4]]).rollouts
+    metrics, staleness = token_staleness_metrics(rollouts, 5)
+    assert sorted(staleness.tolist()) == [1, 1, 1, 2]
+    assert metrics["stream/tokens_at_staleness/1"] == 3
+    assert metrics["stream/tokens_at_staleness/2"] == 1
+    assert metrics["stream/token_staleness_max"] == 2
+    assert metrics["stream/token_staleness_mean"] == pytest.approx(1.25)
+    assert metrics["stream/mixed_version_rows"] == 0.5
