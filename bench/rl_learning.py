@@ -107,8 +107,16 @@ def continued_sft(
     writer = MetricsWriter(out_dir, tensorboard=False)
 
     def run_eval(step):
-        m = evaluate(sampler, state.params, tokenizer, source.reward_name, items, ids,
-                     max_new_tokens=6, samples=4)
+        m = evaluate(
+            sampler,
+            state.params,
+            tokenizer,
+            source.reward_name,
+            items,
+            ids,
+            max_new_tokens=6,
+            samples=4,
+        )
         writer.write(step, m)
 
     run_eval(0)
@@ -144,8 +152,9 @@ def main(argv=None) -> None:
     total = time.perf_counter()
     _rl(rl_dir, overrides)
     sft_dir = os.path.join(rl_dir, "sft")
-    sft_seconds = read_metrics(os.path.join(sft_dir, "metrics.jsonl"))[-1]["wall_time_s"] - (
-        read_metrics(os.path.join(sft_dir, "metrics.jsonl"))[0]["wall_time_s"]
+    sft_seconds = (
+        read_metrics(os.path.join(sft_dir, "metrics.jsonl"))[-1]["wall_time_s"]
+        - (read_metrics(os.path.join(sft_dir, "metrics.jsonl"))[0]["wall_time_s"])
     )
     rl_evals = _evals(os.path.join(rl_dir, "metrics.jsonl"))
     rl_only = rl_evals[-1]["wall_time_s"] - rl_evals[0]["wall_time_s"]
@@ -174,12 +183,19 @@ def main(argv=None) -> None:
     )
     sft_evals = _evals(os.path.join(sft_dir, "metrics.jsonl"))
     rows = [
-        {"run": "SFT warm start", "seconds": round(sft_seconds, 1),
-         "greedy_end": sft_evals[-1]["eval/accuracy"], "t1_end": sft_evals[-1]["eval/accuracy_t1"]},
+        {
+            "run": "SFT warm start",
+            "seconds": round(sft_seconds, 1),
+            "greedy_end": sft_evals[-1]["eval/accuracy"],
+            "t1_end": sft_evals[-1]["eval/accuracy_t1"],
+        },
         _summary("sync RL (AIPO)", rl_evals, rl_only),
         _summary("control: continued SFT, same wall time", _evals(control_path), control_seconds),
-        _summary("control: RL, shuffled rewards",
-                 _evals(os.path.join(shuffled_dir, "metrics.jsonl")), rl_only),
+        _summary(
+            "control: RL, shuffled rewards",
+            _evals(os.path.join(shuffled_dir, "metrics.jsonl")),
+            rl_only,
+        ),
     ]
     for row in rows:
         print(json.dumps(row))
@@ -191,12 +207,24 @@ def main(argv=None) -> None:
         "rl_beats_controls": rl_row["greedy_end"] > max(sft_ctl["greedy_end"], shuf["greedy_end"]),
         "sft_plus_rl_within_10_min": sft_seconds + rl_only <= 600,
     }
-    print(json.dumps({"verdict": verdict, "sft_plus_rl_s": round(sft_seconds + rl_only, 1),
-                      "total_s": round(time.perf_counter() - total, 1)}))
+    print(
+        json.dumps(
+            {
+                "verdict": verdict,
+                "sft_plus_rl_s": round(sft_seconds + rl_only, 1),
+                "total_s": round(time.perf_counter() - total, 1),
+            }
+        )
+    )
     columns = [
-        ("run", "run"), ("greedy_start", "greedy start"), ("greedy_end", "greedy end (last 3)"),
-        ("greedy_gain_pts", "gain (pts)"), ("t1_start", "T=1 start"), ("t1_end", "T=1 end"),
-        ("t1_gain_pts", "T=1 gain (pts)"), ("seconds", "wall s"),
+        ("run", "run"),
+        ("greedy_start", "greedy start"),
+        ("greedy_end", "greedy end (last 3)"),
+        ("greedy_gain_pts", "gain (pts)"),
+        ("t1_start", "T=1 start"),
+        ("t1_end", "T=1 end"),
+        ("t1_gain_pts", "T=1 gain (pts)"),
+        ("seconds", "wall s"),
     ]
     name = "rl_learning_smoke" if args.smoke else "rl_learning"
     print(write_results(name, rows, columns, f"`{command()}` on {machine()}"))

@@ -157,9 +157,7 @@ def main(argv=None) -> int:
         default="engine",
         help="the continuous-batching engine, or the static left-padded sampler",
     )
-    p.add_argument(
-        "--num_slots", type=int, default=0, help="engine decode slots (0: --batch_size)"
-    )
+    p.add_argument("--num_slots", type=int, default=0, help="engine decode slots (0: --batch_size)")
     p.add_argument("--chat_template", action="store_true", help="wrap prompts as a user turn")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of long prompts")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")

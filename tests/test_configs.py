@@ -45,9 +45,10 @@ def test_config_parses_and_binds(path):
     with open(path) as f:
         header = f.readline()
     assert header.startswith("#"), f"{path} must start with a comment: the command that runs it"
-    assert f"--gin_file=configs/{os.path.relpath(path, os.path.join(REPO, 'configs'))}" in open(
-        path
-    ).read(), f"{path}: the header must show its own run command"
+    assert (
+        f"--gin_file=configs/{os.path.relpath(path, os.path.join(REPO, 'configs'))}"
+        in open(path).read()
+    ), f"{path}: the header must show its own run command"
     launch_fn = _launch_fn(path)
     try:
         parse_gin([path], [])

@@ -62,9 +62,7 @@ class Rollout:
                 f"completion has {len(self.completion_ids)} tokens but "
                 f"{len(self.behaviour_logprobs)} behaviour log-probs"
             )
-        if self.token_versions is not None and len(self.token_versions) != len(
-            self.completion_ids
-        ):
+        if self.token_versions is not None and len(self.token_versions) != len(self.completion_ids):
             raise ValueError(
                 f"completion has {len(self.completion_ids)} tokens but "
                 f"{len(self.token_versions)} token versions"
