@@ -172,14 +172,25 @@ def encode_demonstrations(
     `<eos>` tokens (the ones the model must learn to emit), aligned with `tokens_bs`: a
     next-token loss uses logits at s-1 for targets at s where `loss_mask_bs[:, s]`.
     """
-    tokens = np.full((len(problems), seq_len), tokenizer.pad_token_id, np.int32)
-    loss_mask = np.zeros((len(problems), seq_len), bool)
-    for i, problem in enumerate(problems):
-        prompt_ids = tokenizer.encode(problem.prompt)  # adds <bos>
-        answer_ids = tokenizer.encode(problem.answer, add_special_tokens=False)
-        ids = prompt_ids + answer_ids + [tokenizer.eos_token_id]
+    return encode_prompt_targets([(p.prompt, p.answer) for p in problems], tokenizer, seq_len)
+
+
+def encode_prompt_targets(
+    pairs: list[tuple[str, str]], tokenizer, seq_len: int, hint: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
+    """`encode_demonstrations` for (prompt, target) texts: `<bos> prompt target <eos> <pad>...`,
+    the loss on the target and `<eos>`. A pair longer than `seq_len` raises, with `hint`."""
+    tokens = np.full((len(pairs), seq_len), tokenizer.pad_token_id, np.int32)
+    loss_mask = np.zeros((len(pairs), seq_len), bool)
+    for i, (prompt, target) in enumerate(pairs):
+        prompt_ids = tokenizer.encode(prompt)  # adds <bos>
+        target_ids = tokenizer.encode(target, add_special_tokens=False)
+        ids = prompt_ids + target_ids + [tokenizer.eos_token_id]
         if len(ids) > seq_len:
-            raise ValueError(f"{demonstration(problem)!r} needs {len(ids)} > seq_len={seq_len}")
+            raise ValueError(
+                f"{prompt + target + EOS_TOKEN!r} needs {len(ids)} tokens > seq_len={seq_len}; "
+                f"raise SFTConfig.seq_len{hint}"
+            )
         tokens[i, : len(ids)] = ids
         loss_mask[i, len(prompt_ids) : len(ids)] = True
     return tokens, loss_mask

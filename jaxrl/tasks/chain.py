@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from jaxrl.tasks.arithmetic import _hash_u64
+from jaxrl.tasks.arithmetic import _hash_u64, encode_prompt_targets
 from jaxrl.tasks.tokenizer import EOS_TOKEN
 
 SPLITS = ("train", "heldout")
@@ -146,23 +146,11 @@ def encode_chain_demonstrations(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(tokens_bs int32, loss_mask_bs bool)` right-padded to `seq_len`: `<bos> prompt chain
     <eos> <pad>...`, the loss on the chain and `<eos>` (as `encode_demonstrations`)."""
-    tokens = np.full((len(problems), seq_len), tokenizer.pad_token_id, np.int32)
-    loss_mask = np.zeros((len(problems), seq_len), bool)
-    for i, problem in enumerate(problems):
-        prompt_ids = tokenizer.encode(problem.prompt)
-        ids = (
-            prompt_ids
-            + tokenizer.encode(problem.completion, add_special_tokens=False)
-            + [tokenizer.eos_token_id]
-        )
-        if len(ids) > seq_len:
-            raise ValueError(
-                f"{chain_demonstration(problem)!r} needs {len(ids)} tokens > SFTConfig.seq_len="
-                f"{seq_len}; raise seq_len (chain sums of {len(problem.operands)} operands)"
-            )
-        tokens[i, : len(ids)] = ids
-        loss_mask[i, len(prompt_ids) : len(ids)] = True
-    return tokens, loss_mask
+    longest = max((len(p.operands) for p in problems), default=0)
+    return encode_prompt_targets(
+        [(p.prompt, p.completion) for p in problems], tokenizer, seq_len,
+        f" (chain sums of up to {longest} operands)",
+    )  # fmt: skip
 
 
 def parse_chain_answer(completion: str) -> int | None:
