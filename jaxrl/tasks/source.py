@@ -160,10 +160,14 @@ class ArithmeticSource:
         if pool:
             indices = [i % pool for i in indices]
         problems = [self.task.problem(i, "train") for i in indices]
-        return encode_demonstrations(problems, tokenizer, seq_len)
+        return self._encode(problems, tokenizer, seq_len)
 
     def demonstration_text(self, index: int) -> str:
-        return demonstration(self.task.problem(index, "train"))
+        return self._text(self.task.problem(index, "train"))
+
+    # How a problem becomes SFT text and tokens (a subclass with another problem type swaps them).
+    _encode = staticmethod(encode_demonstrations)
+    _text = staticmethod(demonstration)
 
 
 class JsonlMathSource:
@@ -268,26 +272,8 @@ class ChainSource(ArithmeticSource):
     and demonstration interface as `ArithmeticSource`."""
 
     reward_name = "chain_sum_exact"
-
-    def __init__(self, task: ChainTask):
-        self.task = task
-
-    def item(self, index: int) -> PromptItem:
-        problem = self.task.problem(index, "train")
-        return PromptItem(problem.prompt, problem.answer)
-
-    def eval_items(self, limit: int) -> list[PromptItem]:
-        return [PromptItem(p.prompt, p.answer) for p in self.task.heldout_problems(limit)]
-
-    def demonstrations(self, start: int, count: int, tokenizer, seq_len: int, pool: int = 0):
-        indices = range(start, start + count)
-        if pool:
-            indices = [i % pool for i in indices]
-        problems = [self.task.problem(i, "train") for i in indices]
-        return encode_chain_demonstrations(problems, tokenizer, seq_len)
-
-    def demonstration_text(self, index: int) -> str:
-        return chain_demonstration(self.task.problem(index, "train"))
+    _encode = staticmethod(encode_chain_demonstrations)
+    _text = staticmethod(chain_demonstration)
 
 
 def encode_prompts(tokenizer, items: Sequence[PromptItem], chat_formatted: bool) -> list[list[int]]:
