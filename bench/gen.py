@@ -133,14 +133,35 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--slots", type=int, default=64, help="engine slots = static batch rows")
     parser.add_argument("--steps_per_call", type=int, default=8, help="engine decode steps/call")
+    parser.add_argument(
+        "--systems", default="engine,static,transformers",
+        help="long tail: comma-separated systems to run (engine, static, transformers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--systems_100m", default=None, help="long tail: llama-100m systems (default: --systems)"
+    )
     args = parser.parse_args(argv)
     if args.long_tail:
         from bench import gen_long_tail
 
-        smoke = [("rlbench-tiny", rlbench_tiny(num_layers=1), 4, 16)]
+        def systems(flag):
+            chosen = tuple(s for s in flag.split(",") if s)
+            unknown = set(chosen) - set(gen_long_tail.SYSTEMS)
+            if unknown or not chosen:
+                parser.error(f"--systems: {flag!r}; choose from {gen_long_tail.SYSTEMS}")
+            return tuple(s for s in chosen if s != "transformers" or not args.no_torch)
+
+        tiny_systems = systems(args.systems)
+        smoke = [("rlbench-tiny", rlbench_tiny(num_layers=1), 4, 16, tiny_systems)]
         full = [
-            ("rlbench-tiny", rlbench_tiny(), args.prompts, args.slots),
-            ("llama-100m", llama_100m(), args.prompts_100m or args.prompts, args.slots),
+            ("rlbench-tiny", rlbench_tiny(), args.prompts, args.slots, tiny_systems),
+            (
+                "llama-100m",
+                llama_100m(),
+                args.prompts_100m or args.prompts,
+                args.slots,
+                systems(args.systems_100m or args.systems),
+            ),
         ]
         gen_long_tail.main(args, smoke, full)
         return
