@@ -1,10 +1,12 @@
-"""Sampler throughput against `transformers` `generate` (PyTorch), same weights and workload.
+"""Generation throughput: the static sampler and the continuous-batching engine against
+`transformers` `generate` (PyTorch), same weights and workload.
 
-Workload (both sides): fp32, batch 32, prompts of 16 random tokens with the attention mask set,
-64 new tokens, plain sampling (temperature 1, no top-k / top-p), EOS disabled so both produce
-exactly batch x 64 tokens. One warm-up call, then the median of 3 timed calls; JAX's compile
-time (first call minus a steady call) is reported separately. PyTorch runs with
-`torch.set_num_threads(2)`.
+Workload (every system): fp32, batch 32, prompts of 16 random tokens with the attention mask set,
+64 new tokens, plain sampling (temperature 1, no top-k / top-p), EOS disabled so all produce
+exactly batch x 64 tokens. The engine gets the 32 prompts as 32 requests of one sample each, with
+32 slots and a cache of 16 + 64 positions. One warm-up call each, then the median of 3 timed
+calls, interleaved; JAX's compile time (first call minus a steady call) is reported separately.
+PyTorch runs with `torch.set_num_threads(2)`.
 
     python -m bench.gen            # rlbench-tiny and the ~100M Llama
     python -m bench.gen --smoke    # a few seconds, for CI
@@ -26,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from bench.common import command, machine, write_results
+from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampler import Sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.models import hf
@@ -45,6 +48,26 @@ def _jax_runner(model, prompts, new_tokens):
         start = time.perf_counter()
         out = sampler.generate(params, rows, sampling, jax.random.key(seed))
         assert out.mask_bn.all()
+        return time.perf_counter() - start
+
+    return run
+
+
+def _engine_runner(model, prompts, new_tokens):
+    """The engine on the same batch: one request per prompt, as many slots as prompts."""
+    batch, prompt_len = prompts.shape
+    engine, params = Engine.for_model(
+        model, num_slots=batch, max_total_len=prompt_len + new_tokens, prompt_buckets=(prompt_len,)
+    )
+    sampling = SamplingConfig(new_tokens, ignore_eos=True)
+    calls = iter(range(1 << 30))
+
+    def run(seed):
+        first = next(calls) * batch  # request ids are unique per engine run
+        requests = [Request(first + i, p, 1, sampling) for i, p in enumerate(prompts.tolist())]
+        start = time.perf_counter()
+        out = engine.generate(params, requests, jax.random.key(seed))
+        assert sum(int(g.mask_gn.sum()) for g in out) == batch * new_tokens
         return time.perf_counter() - start
 
     return run
@@ -87,33 +110,37 @@ def measure(name, config, batch, prompt_len, new_tokens, repeats, with_torch=Tru
     model = Transformer(config, rngs=nnx.Rngs(0))
     prompts = np.random.default_rng(0).integers(3, config.vocab_size, size=(batch, prompt_len))
     tokens = batch * new_tokens
-    jax_run = _jax_runner(model, prompts, new_tokens)
-    first = jax_run(0)
-    jax_times, torch_times = [], []
+    runners = {
+        "jax": _jax_runner(model, prompts, new_tokens),
+        "engine": _engine_runner(model, prompts, new_tokens),
+    }
+    first = {k: run(0) for k, run in runners.items()}
+    times = {k: [] for k in (*runners, "torch")}
     with tempfile.TemporaryDirectory() as tmp:
-        torch_run = None
         if with_torch:
             hf.save_hf(model, tmp)
-            torch_run = _torch_runner(tmp, prompts, new_tokens)
-            torch_run(0)
+            runners["torch"] = _torch_runner(tmp, prompts, new_tokens)
+            runners["torch"](0)
         for i in range(repeats):
-            jax_times.append(jax_run(i + 1))
-            if torch_run is not None:
-                torch_times.append(torch_run(i + 1))
-    jax_s = statistics.median(jax_times)
+            for k, run in runners.items():
+                times[k].append(run(i + 1))
+    median = {k: statistics.median(v) for k, v in times.items() if v}
     row = {
         "model": name,
         "params_m": round(config.num_params() / 1e6, 1),
         "batch": batch,
         "prompt": prompt_len,
         "new_tokens": new_tokens,
-        "jax_tok_s": round(tokens / jax_s, 1),
-        "jax_compile_s": round(max(first - jax_s, 0.0), 2),
+        "jax_tok_s": round(tokens / median["jax"], 1),
+        "engine_tok_s": round(tokens / median["engine"], 1),
+        "engine_vs_static": round(median["jax"] / median["engine"], 2),
+        "jax_compile_s": round(max(first["jax"] - median["jax"], 0.0), 2),
+        "engine_compile_s": round(max(first["engine"] - median["engine"], 0.0), 2),
     }
-    if torch_times:
-        torch_s = statistics.median(torch_times)
-        row["torch_tok_s"] = round(tokens / torch_s, 1)
-        row["speedup"] = round(torch_s / jax_s, 2)
+    if "torch" in median:
+        row["torch_tok_s"] = round(tokens / median["torch"], 1)
+        row["speedup"] = round(median["torch"] / median["jax"], 2)
+        row["engine_speedup"] = round(median["torch"] / median["engine"], 2)
     return row
 
 
@@ -182,10 +209,14 @@ def main(argv=None) -> None:
     columns = [
         ("model", "model"),
         ("params_m", "params (M)"),
-        ("jax_tok_s", "jaxrl tok/s"),
+        ("jax_tok_s", "static sampler tok/s"),
+        ("engine_tok_s", "engine tok/s"),
         ("torch_tok_s", "transformers tok/s"),
-        ("speedup", "speedup"),
-        ("jax_compile_s", "jaxrl compile (s)"),
+        ("engine_vs_static", "engine / static"),
+        ("speedup", "static / transformers"),
+        ("engine_speedup", "engine / transformers"),
+        ("jax_compile_s", "static compile (s)"),
+        ("engine_compile_s", "engine compile (s)"),
     ]
     name = "gen_smoke" if args.smoke else "gen"
     print(write_results(name, rows, columns, f"`{command()}` on {machine()}"))

@@ -48,18 +48,25 @@ _HF_PROJ = {
 class LoraConfig:
     """rank r, alpha (the update is scaled by alpha / r), and `target_modules`: a regex that
     must match a module's whole path, e.g. `layers/0/attention` (q, k, v, o) or
-    `layers/0/mlp` (gate, up, down). Dropout is 0 (adapters are deterministic)."""
+    `layers/0/mlp` (gate, up, down). Dropout is 0 (adapters are deterministic).
+
+    b_lr_ratio: LoRA+ (Hayou et al., 2024): B's learning rate is `b_lr_ratio` x A's (the
+    optimizer's updates of every `*_lora_b` leaf are scaled by it, after Adam, so the schedule
+    and the clipping stay shared); 1 is plain LoRA."""
 
     rank: int = 8
     alpha: float = 16.0
     target_modules: str = r"layers/\d+/(attention|mlp)"
     seed: int = 0
+    b_lr_ratio: float = 1.0
 
     def validate(self) -> None:
         if self.rank < 1:
             raise ValueError(f"LoraConfig.rank={self.rank} must be >= 1")
         if not self.alpha > 0:
             raise ValueError(f"LoraConfig.alpha={self.alpha} must be > 0")
+        if not self.b_lr_ratio > 0:
+            raise ValueError(f"LoraConfig.b_lr_ratio={self.b_lr_ratio} must be > 0 (1: plain LoRA)")
 
     def __post_init__(self):
         self.validate()
@@ -67,6 +74,26 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def with_b_lr_ratio(tx, lora: LoraConfig):
+    """`tx` followed by LoRA+'s scaling of the `*_lora_b` updates (`tx` itself at ratio 1, so
+    plain-LoRA optimizer states keep their structure)."""
+    import optax
+
+    if lora.b_lr_ratio == 1.0:
+        return tx
+    ratio = lora.b_lr_ratio
+
+    def scale(updates, params=None):
+        del params
+
+        def leaf(path, u):
+            return u * ratio if str(getattr(path[-1], "key", "")).endswith("_lora_b") else u
+
+        return jax.tree_util.tree_map_with_path(leaf, updates)
+
+    return optax.chain(tx, optax.stateless(scale))
 
 
 def _check_model(config: ModelConfig) -> None:

@@ -37,7 +37,7 @@ from jaxrl.generation.engine import Engine
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import Transformer
+from jaxrl.models.transformer import Transformer, decode_attention_form
 from jaxrl.rl import RolloutBatch
 from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
 
@@ -265,13 +265,17 @@ def plan_generator(
     cache_bytes = sharded_bytes(engine.abstract_cache())
     common = {"params": sharded_bytes(params), "kv_cache": cache_bytes}
     prompts = max(num_slots // samples, 1)
-    prefill, _ = compile_report(
-        "prefill",
-        engine.lower_prefill(params, prompts, prompt_len),
-        common,
-    )
-    sampling = SamplingConfig(max_new_tokens=completion_len, ignore_eos=True)
-    decode, _ = compile_report("decode_step", engine.lower_decode(params, sampling), common)
+    # Decode attention is traced in the target's form (this process's default backend may be
+    # the CPU while the mesh is a TPU topology).
+    target = mesh.devices.flat[0].platform
+    with decode_attention_form("host" if target == "cpu" else "xla"):
+        prefill, _ = compile_report(
+            "prefill",
+            engine.lower_prefill(params, prompts, prompt_len),
+            common,
+        )
+        sampling = SamplingConfig(max_new_tokens=completion_len, ignore_eos=True)
+        decode, _ = compile_report("decode_step", engine.lower_decode(params, sampling), common)
     return prefill, decode
 
 

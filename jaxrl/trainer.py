@@ -438,6 +438,8 @@ class Trainer:
         self.model_config, self.mesh, self.rules = model_config, mesh, rules
         self.pack_length, self.grad_accum_steps = pack_length, grad_accum_steps
         self.pack_shards = ax.batch_split(mesh, rules)
+        if lora is not None:
+            optimizer = lora_lib.with_b_lr_ratio(optimizer, lora)
         self.optimizer = optimizer
         self.loss = loss or LossConfig()
         self.lora = lora

@@ -1,4 +1,4 @@
-"""Smoke version of the generation benchmark: both sides run and a ratio is reported.
+"""Smoke version of the generation benchmark: every system runs and the ratios are reported.
 
 (The RL learning experiment is not smoke-tested here: its code path is `launch.rl`, which
 tests/test_rl_loop.py runs end to end.)
@@ -15,6 +15,7 @@ def test_bench_gen_smoke(capsys):
     gen.main(["--smoke"])
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["jax_tok_s"] > 0 and row["torch_tok_s"] > 0 and row["speedup"] > 0
+    assert row["engine_tok_s"] > 0 and row["engine_speedup"] > 0 and row["engine_vs_static"] > 0
 
 
 def test_bench_trainer_scale_smoke(capsys):

@@ -157,6 +157,33 @@ def test_trainer_moves_adapters_only(base):
     np.testing.assert_allclose(merged, unmerged, rtol=1e-5, atol=2e-5)
 
 
+def test_lora_plus_scales_the_b_updates_only(base):
+    """LoRA+ (`b_lr_ratio`): with SGD, one step moves every B by ratio x plain LoRA's step and
+    leaves A where plain LoRA leaves it (unmoved: a fresh B = 0 gives A no gradient)."""
+    _, config, params = base
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 1), num_devices=4))
+    rng = np.random.default_rng(0)
+    batch = {
+        "tokens_bs": rng.integers(3, 97, (4, 10)).astype(np.int32),
+        "loss_mask_bs": np.tile(np.arange(10) >= 5, (4, 1)),
+    }
+    moved = {}
+    for ratio in (1.0, 4.0):
+        lora = lora_lib.LoraConfig(rank=4, alpha=8.0, b_lr_ratio=ratio)
+        trainer = Trainer(config, mesh, TRAINER_RULES, optax.sgd(1e-2), lora=lora)
+        state = trainer.init(params)
+        start = _flat(jax.device_get(state.params))
+        state, _ = trainer.sft_step(state, batch)
+        moved[ratio] = {k: v - start[k] for k, v in _flat(jax.device_get(state.params)).items()}
+    b_keys = [k for k in moved[1.0] if k.endswith("_lora_b']")]
+    assert b_keys and all(np.any(moved[1.0][k]) for k in b_keys)
+    for key, delta in moved[1.0].items():
+        expected = 4.0 * delta if key in b_keys else delta
+        np.testing.assert_allclose(moved[4.0][key], expected, rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="b_lr_ratio"):
+        lora_lib.LoraConfig(b_lr_ratio=0.0)
+
+
 def _llama3_8b() -> ModelConfig:
     return ModelConfig(
         model_type="llama",

@@ -55,3 +55,41 @@ def test_cached_decode_equals_full_forward():
     cached = np.asarray(jnp.concatenate(steps, axis=1))
     real = np.asarray(valid)
     np.testing.assert_allclose(cached[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+def test_host_decode_attention_equals_dot_product_attention():
+    """The CPU decode form (block-diagonal query matmul, fused reductions) is the maths of
+    `jax.nn.dot_product_attention` for one query per row, grouped heads and per-row lengths; and
+    `decode_attention_form` picks the form a decode step traces to."""
+    from jaxrl.models import transformer
+
+    rng = np.random.default_rng(0)
+    b, s, h, kv, d = 5, 37, 6, 2, 16
+    q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, s, kv, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, s, kv, d)), jnp.float32)
+    lengths = np.array([1, 9, 20, 36, 37])
+    mask = jnp.asarray(np.arange(s)[None, None, :] < lengths[:, None, None])
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+    got = transformer._host_decode_attention(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # Negative control: ignoring the lengths changes the result.
+    unmasked = transformer._host_decode_attention(q, k, v, jnp.ones_like(mask))
+    assert np.abs(np.asarray(unmasked) - np.asarray(want)).max() > 1e-2
+
+    def ops(form):
+        with transformer.decode_attention_form(form):
+            # A new function each time: traces are cached per function, not per form.
+            jaxpr = jax.make_jaxpr(lambda *a: transformer._decode_attention(*a, "xla"))(
+                q, k, v, mask
+            )
+        return str(jaxpr)
+
+    assert "dot_product_attention" not in ops("host") and "dot_general" in ops("host")
+    assert ops("xla") != ops("host")
+    assert ops("auto") == ops("host" if jax.default_backend() == "cpu" else "xla")
+    try:
+        with transformer.decode_attention_form("fast"):
+            raise AssertionError("an unknown form was accepted")
+    except ValueError as e:
+        assert "fast" in str(e)
