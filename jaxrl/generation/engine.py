@@ -175,21 +175,19 @@ def _bucket(n: int, buckets: Sequence[int], cap: int) -> int:
 
 
 def _copy_rows(full, new, dest_s, src_s, axis: int):
-    """`full` with slot `dest_s[i]` (along `axis`) overwritten by row `src_s[i]` of `new` (of
-    `full` itself when `new` is None), over its leading positions, for the leading entries with
-    `dest_s[i]` in range (the rest mark unused entries and are skipped).
+    """`full` with slot `dest_s[i]` (along `axis`) overwritten, over its leading positions, by
+    row `src_s[i]` of `new`, for the leading entries with `dest_s[i]` in range (the rest mark
+    unused entries and are skipped).
 
-    One in-place `dynamic_update_slice` per copied row, in a loop: the cost follows the rows
-    copied, not the cache. (A scatter, `full.at[dest_s].set(...)`, is a loop that copies the
-    whole buffer per index on XLA:CPU: 6 s per call on a 64-slot, 8192-position cache.) Rows are
-    copied in order, reading `full` as already updated; the engine's destinations and sources
-    are disjoint, so the order does not matter.
+    One in-place `dynamic_update_slice` per copied row, in a loop: the cost follows the rows and
+    positions copied, not the cache. (A scatter, `full.at[dest_s].set(...)`, is a loop that
+    copies the whole buffer per index on XLA:CPU: 6 s per call on a 64-slot, 8192-position
+    cache.)
     """
     count = jnp.sum(dest_s < full.shape[axis])
 
     def body(i, full):
-        source = full if new is None else new
-        row = jax.lax.dynamic_index_in_dim(source, src_s[i], axis, keepdims=True)
+        row = jax.lax.dynamic_index_in_dim(new, src_s[i], axis, keepdims=True)
         start = [jnp.zeros((), jnp.int32)] * full.ndim
         start[axis] = dest_s[i]
         return jax.lax.dynamic_update_slice(full, row.astype(full.dtype), start)
@@ -696,9 +694,9 @@ class Engine:
         self.stats.num_traces += 1
         axis = 1 if self.model_config.scan_layers else 0
 
-        def move(c):
-            rows = jax.lax.slice_in_dim(c, 0, span, axis=axis + 1)
-            return _copy_rows(c, rows, dest_s, src_s, axis)
+        def move(c):  # the sources are read from a copy of the written span
+            written = jax.lax.slice_in_dim(c, 0, span, axis=axis + 1)
+            return _copy_rows(c, written, dest_s, src_s, axis)
 
         return jax.tree.map(move, cache)
 
