@@ -60,7 +60,11 @@ TWO_DEVICES = [
 RUNS = {
     "fixed_lag": ("fixed lag 1 (AIPO)", ["RLConfig.schedule = 'fixed_lag'", "RLConfig.lag = 1"]),
     "streaming": ("streaming, keep (AIPO)", []),
-    "streaming_no_is": ("streaming, keep, no correction", ["LossConfig.name = 'pg_no_is'"]),
+    # The config binds AIPO's rho, which the plain policy gradient does not take.
+    "streaming_no_is": (
+        "streaming, keep, no correction",
+        ["LossConfig.name = 'pg_no_is'", "LossConfig.rho = None"],
+    ),
     "streaming_recompute": ("streaming, recompute (AIPO)", ["RLConfig.kv_on_update = 'recompute'"]),
 }
 DEFAULT_RUNS = "fixed_lag,streaming,streaming_no_is"
@@ -147,11 +151,21 @@ def _mean(values) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def summarise(run: str, metrics_path: str, seconds: float, samples_per_prompt: int) -> dict:
-    """One table row from a run's metrics.jsonl (step 0: the evaluation of the SFT start)."""
+def read_until(metrics_path: str, until_step: int = 0) -> list[dict]:
+    """A run's metrics.jsonl records, those of steps <= `until_step` if it is > 0 (a run stopped
+    early, or cut to the step every run reached: the RL learning rate is constant after warmup,
+    so the first N steps of a longer run are an N-step run but for the final evaluation)."""
     from jaxrl.infra.metrics import read_metrics
 
     records = read_metrics(metrics_path)
+    return [r for r in records if r["step"] <= until_step] if until_step > 0 else records
+
+
+def summarise(
+    run: str, metrics_path: str, seconds: float, samples_per_prompt: int, until_step: int = 0
+) -> dict:
+    """One table row from a run's metrics.jsonl (step 0: the evaluation of the SFT start)."""
+    records = read_until(metrics_path, until_step)
     evals = [r for r in records if "eval/accuracy" in r]
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
     last = steps[-1]
@@ -173,7 +187,9 @@ def summarise(run: str, metrics_path: str, seconds: float, samples_per_prompt: i
         row["dropped_groups"] = last.get("async/dropped_samples", 0.0) / samples_per_prompt
     row["completion_tokens"] = _mean(r["completion/mean_tokens"] for r in steps)
     row["reward_last50"] = _mean(r["reward/mean"] for r in steps[-50:])
-    row["s_per_step"] = statistics.median(r["time/step_s"] for r in steps)
+    row["s_per_step"] = statistics.median(
+        r["time/step_s"] for r in steps[1:] or steps
+    )  # 1: compiles
     row["eval_s"] = _mean(r["time/eval_s"] for r in evals if "time/eval_s" in r)
     return row
 
@@ -196,7 +212,7 @@ def verdict(rows: dict[str, dict]) -> dict:
     return out
 
 
-def plot_curves(workdirs: dict[str, str], path: str) -> str:
+def plot_curves(workdirs: dict[str, str], path: str, until_step: int = 0) -> str:
     """Held-out greedy and T=1 accuracy against trainer steps, one line per run; the dotted
     line is the SFT start + 15 points (the issue's bar)."""
     import matplotlib
@@ -204,13 +220,13 @@ def plot_curves(workdirs: dict[str, str], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from jaxrl.infra.metrics import read_metrics
-
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     start = None
     for run, workdir in workdirs.items():
         evals = [
-            r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "eval/accuracy" in r
+            r
+            for r in read_until(os.path.join(workdir, "metrics.jsonl"), until_step)
+            if "eval/accuracy" in r
         ]
         start = evals[0]["eval/accuracy"] if start is None else start
         for ax, key in zip(axes, ("eval/accuracy", "eval/accuracy_t1"), strict=True):
@@ -243,6 +259,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--smoke", action="store_true", help="a few steps of everything")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--sft_dir", default="", help="an SFT checkpoint dir (RUN/sft) to reuse")
+    parser.add_argument("--sft_steps", type=int, default=0, help="0: the config's SFT steps")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {','.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=600, help="RL trainer steps per run")
     parser.add_argument("--eval_every", type=int, default=50)
@@ -251,6 +268,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--learning_rate", type=float, default=0.0, help="0: the config's")
     parser.add_argument("--parallel", type=int, default=2, help="runs at once")
     parser.add_argument("--name", default="", help="results name (default by mode)")
+    parser.add_argument("--until_step", type=int, default=0, help="summarise steps <= this")
+    parser.add_argument(
+        "--no_launch", action="store_true", help="only summarise the runs in --workdir"
+    )
     args = parser.parse_args(argv)
     runs = args.runs.split(",")
     if unknown := set(runs) - set(RUNS):
@@ -265,6 +286,10 @@ def main(argv=None) -> list[dict]:
     # The SFT stage's own evaluations (its default: 512 prompts x 5 every 100 steps) are only a
     # progress report here; the RL runs' step-0 evaluation is the start the table uses.
     sft_evals = base or ["SFTConfig.eval_every_steps = 300", "SFTConfig.eval_size = 256"]
+    if args.sft_steps:
+        sft_evals.append(f"SFTConfig.steps = {args.sft_steps}")
+    if args.no_launch and not args.sft_dir:
+        raise SystemExit("--no_launch summarises existing runs: pass their --sft_dir too")
     sft = args.sft_dir or make_sft(root, sft_evals + ["SFTConfig.eval_samples = 1"])
     params = TWO_DEVICES + base + [
         "rl_main.sft = None", f"PolicySpec.init_from = '{os.path.abspath(sft)}'",
@@ -281,16 +306,24 @@ def main(argv=None) -> list[dict]:
         return run, _launch(workdirs[run], params + RUNS[run][1])
 
     seconds = {}
-    with concurrent.futures.ThreadPoolExecutor(max(args.parallel, 1)) as pool:
-        for run, s in pool.map(one, runs):
-            seconds[run] = s
-            print(f"[bench] {run} done in {s:.0f} s ({workdirs[run]})", flush=True)
+    if args.no_launch:  # summarise the runs already in --workdir (stopped or finished)
+        for run in runs:
+            records = read_until(os.path.join(workdirs[run], "metrics.jsonl"), args.until_step)
+            seconds[run] = records[-1]["wall_time_s"] - records[0]["wall_time_s"]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max(args.parallel, 1)) as pool:
+            for run, s in pool.map(one, runs):
+                seconds[run] = s
+                print(f"[bench] {run} done in {s:.0f} s ({workdirs[run]})", flush=True)
     load["after"] = os.getloadavg()[0]
+    import launch.rl  # noqa: F401  (registers rl_main, which the config binds)
     from bench.common import RESULTS_DIR, gin_values, write_results
 
     spp = gin_values(CONFIG, [], "RLConfig.samples_per_prompt")["RLConfig.samples_per_prompt"]
     rows = {
-        run: summarise(run, os.path.join(workdirs[run], "metrics.jsonl"), seconds[run], spp)
+        run: summarise(
+            run, os.path.join(workdirs[run], "metrics.jsonl"), seconds[run], spp, args.until_step
+        )
         for run in runs
     }
     for row in rows.values():
@@ -304,7 +337,8 @@ def main(argv=None) -> list[dict]:
         f"{load['before']:.1f} before / {load['after']:.1f} after; verdict {result}"
     )
     print(write_results(name, list(rows.values()), COLUMNS, note))
-    print(f"plot: {plot_curves(workdirs, os.path.join(RESULTS_DIR, name + '.png'))}")
+    png = os.path.join(RESULTS_DIR, name + ".png")
+    print(f"plot: {plot_curves(workdirs, png, args.until_step)}")
     print(f"runs: {root}")
     return list(rows.values())
 
