@@ -59,7 +59,8 @@ RUNS = {
     "sync": ["RLConfig.mode = 'sync'", "rl_main.generator_mesh = None"],
     "async lag 2 (default)": [],
     "async lag 4, AIPO": LAG_4,
-    "async lag 4, no correction": LAG_4 + ["LossConfig.name = 'pg_no_is'"],
+    # arith_tiny.gin binds AIPO's rho, which PlainPGLoss does not take (a config error otherwise).
+    "async lag 4, no correction": LAG_4 + ["LossConfig.name = 'pg_no_is'", "LossConfig.rho = None"],
 }
 
 

@@ -146,10 +146,13 @@ class GroupQueue:
         with self._cond:
             while True:
                 self._raise_if_closed()
-                for group in [g for g in self._items if self._stale(g)]:
+                stale = [g for g in self._items if self._stale(g)]
+                for group in stale:
                     self._items.remove(group)
                     self.stats.dropped_on_consumption += 1
                     self.stats.dropped_samples += group.num_samples
+                if stale:  # room freed: a generator waiting in `put` must see it
+                    self._cond.notify_all()
                 if len(self._items) >= count:
                     taken = [self._items.popleft() for _ in range(count)]
                     self._cond.notify_all()

@@ -102,3 +102,23 @@ def test_token_staleness_metrics_count_every_token():
     assert metrics["stream/token_staleness_max"] == 2
     assert metrics["stream/token_staleness_mean"] == pytest.approx(1.25)
     assert metrics["stream/mixed_version_rows"] == 0.5
+
+
+def test_dropping_stale_groups_on_take_wakes_a_generator_waiting_for_room():
+    """A full queue whose groups all turn over-stale: `take` drops them, and the generator
+    blocked in `put` (waiting for room) must be woken, else both wait forever (a lost wake-up
+    seen as a hung streaming run when the trainer outran the generator)."""
+    queue = GroupQueue(capacity=2, max_staleness=0)
+    for _ in range(3):
+        queue.issue()
+    assert queue.put(_group(0, [[0]])) and queue.put(_group(1, [[0]]))
+    queue.advance(1)  # groups 0 and 1 are now over-stale, still queued; group 2 will be fresh
+    out = {}
+    producer = threading.Thread(target=lambda: out.setdefault("put", queue.put(_group(2, [[1]]))))
+    producer.start()
+    producer.join(timeout=0.2)
+    assert producer.is_alive()  # full (of stale groups): waiting for room
+    taken = queue.take(1, timeout=10.0)
+    assert [g.batch_index for g in taken] == [2]
+    producer.join(timeout=10.0)
+    assert out["put"] is True and queue.stats.dropped_on_consumption == 2

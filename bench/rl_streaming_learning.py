@@ -1,0 +1,355 @@
+"""Does streaming RL learn as fixed-lag async RL does? Equal trainer steps from one SFT checkpoint,
+on chain sums (the long-tailed task).
+
+All runs use `configs/rl/chain_tiny_streaming.gin` on the "2dev" setting of bench/rl_streaming
+(trainer on device 0, generator on device 1: the fewest devices that run the streaming schedule)
+and start from one SFT checkpoint (the config's SFT stage, trained first by its own `launch.rl`
+process, or `--sft_dir`), with `init_from`; only the schedule and the loss differ:
+
+1. fixed_lag: `RLConfig.schedule = 'fixed_lag'`, lag 1 (the baseline the config comment names):
+   batch k sampled whole by version k - 1, the engine drained after each batch.
+2. streaming: the config as is (kv_on_update "keep", max_staleness 2, AIPO rho 4).
+3. streaming_no_is: the same streaming run with the importance correction off: loss "pg_no_is"
+   (bench.rl_async_learning's `PlainPGLoss`: AIPO with min(pi/mu, rho) replaced by 1), at the
+   same staleness bound, so the same staleness distribution (measured, reported).
+4. streaming_recompute (optional, `--runs`): kv_on_update "recompute".
+
+RL prompts are the task's stream after the SFT stage's items, without the demonstration pool's
+prompts (task "chain_sum_after_sft", registered by the child process: `jaxrl.sft.
+rl_source_after_sft` on chain_sum; launch.rl does this itself only when it trains the SFT stage in
+the same run, not with `init_from`). Each run is a fresh `launch.rl` process (`--parallel` at
+once), resuming from its own checkpoint if its workdir holds one.
+
+Reports held-out greedy and T=1 accuracy at the SFT start (the step-0 evaluation of every run:
+the same weights, so the same figure) and at every `--eval_every` steps: start, end, mean of the
+last 3 evaluations, gain in points (last-3 mean minus start), and from metrics.jsonl the mean
+per-token staleness (versions; fixed lag: the batch's), the fraction of rows sampled by several
+versions, dropped groups, mean completion length, seconds per step. Verdict of the issue's
+criteria: streaming within 3 points of fixed lag, both >= +15 points over the SFT start
+(last-3 means). Writes bench/results/NAME.{json,md} and NAME.png (curves).
+
+    python -m bench.rl_streaming_learning --steps 600 --parallel 2
+    python -m bench.rl_streaming_learning --sft_dir RUN/sft --runs fixed_lag --steps 100
+    python -m bench.rl_streaming_learning --smoke      # minutes (5 processes compile): plumbing
+    python -m bench.rl_streaming_learning --workdir W --sft_dir W/sft_run/sft --no_launch \
+        --until_step 120    # re-summarise the runs in W (e.g. stopped ones) at a common step
+
+Measured 2026-12-02 (README, "Learning: streaming vs fixed lag on chain sums"): from a 200-step
+SFT start at 12.5% greedy, 160 steps at lr 2e-4, accuracy fell under every schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/rl/chain_tiny_streaming.gin"
+DEVICES = 2
+# bench/rl_streaming's "2dev" setting: one device per role.
+TWO_DEVICES = [
+    "trainer/MeshConfig.axis_sizes = (1, 1)",
+    "trainer/MeshConfig.num_devices = 1",
+    "generator/MeshConfig.axis_sizes = (1, 1)",
+    "generator/MeshConfig.first_device = 1",
+    "generator/MeshConfig.num_devices = 1",
+]
+RUNS = {
+    "fixed_lag": ("fixed lag 1 (AIPO)", ["RLConfig.schedule = 'fixed_lag'", "RLConfig.lag = 1"]),
+    "streaming": ("streaming, keep (AIPO)", []),
+    # The config binds AIPO's rho, which the plain policy gradient does not take.
+    "streaming_no_is": (
+        "streaming, keep, no correction",
+        ["LossConfig.name = 'pg_no_is'", "LossConfig.rho = None"],
+    ),
+    "streaming_recompute": ("streaming, recompute (AIPO)", ["RLConfig.kv_on_update = 'recompute'"]),
+}
+DEFAULT_RUNS = "fixed_lag,streaming,streaming_no_is"
+SMOKE = [
+    "SFTConfig.steps = 4", "SFTConfig.eval_every_steps = 2", "SFTConfig.eval_size = 16",
+    "RLConfig.num_prompts = 4",
+]  # fmt: skip
+TASK = "chain_sum_after_sft"
+
+
+# --- the child process: one launch.rl run, with this bench's task and loss registered ---------
+
+
+def chain_after_sft(spec, tokenizer):
+    """chain_sum's prompt stream after the SFT stage the config binds (`SFTConfig`), without its
+    demonstration pool's prompts: what launch.rl reads after training the SFT stage itself."""
+    import gin
+
+    from jaxrl.sft import SFTConfig, rl_source_after_sft
+    from jaxrl.tasks.source import get_task
+
+    try:
+        sft = SFTConfig(**{
+            k: gin.query_parameter(f"SFTConfig.{k}")
+            for k in ("steps", "batch_size", "num_demonstrations")
+        })  # fmt: skip
+    except ValueError as err:
+        raise ValueError(
+            f"task {TASK!r} needs the SFT stage's SFTConfig.steps, batch_size and "
+            "num_demonstrations bound in the gin config (to skip its items)"
+        ) from err
+    source = get_task("chain_sum")(dataclasses.replace(spec, name="chain_sum"), tokenizer)
+    return rl_source_after_sft(source, sft)
+
+
+def child_main(flags: list[str]) -> None:
+    from bench import rl_async_learning  # noqa: F401  (registers the loss "pg_no_is")
+    from jaxrl.infra.config import launch
+    from jaxrl.tasks.source import register_task
+    from launch.rl import rl_main
+
+    register_task(TASK, chain_after_sft, overwrite=True)
+    launch(rl_main, flags)
+
+
+# --- the bench: SFT once, then the runs, then the summary -------------------------------------
+
+
+def _launch(workdir: str, params: list[str]) -> float:
+    """One `launch.rl` run in a child process on DEVICES simulated devices (its output in
+    WORKDIR.log); returns its wall seconds."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+    env |= {"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    flags = ["--gin_file", CONFIG, "--workdir", workdir]
+    for p in params:
+        flags += ["--gin_param", p]
+    start = time.perf_counter()
+    with open(workdir.rstrip("/") + ".log", "a") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.rl_streaming_learning", "--child", *flags],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"the run in {workdir} failed (exit {done.returncode}): see {log.name}")
+    return time.perf_counter() - start
+
+
+def make_sft(root: str, overrides: list[str]) -> str:
+    """The config's SFT stage (then one RL step, launch.rl's smallest run); returns its dir."""
+    workdir = os.path.join(root, "sft_run")
+    params = TWO_DEVICES + overrides + [
+        "RLConfig.total_steps = 1", "RLConfig.eval_size = 0",
+        "RLConfig.schedule = 'fixed_lag'", "RLConfig.lag = 1",
+    ]  # fmt: skip
+    _launch(workdir, params)
+    return os.path.join(workdir, "sft")
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return statistics.mean(values) if values else float("nan")
+
+
+def read_until(metrics_path: str, until_step: int = 0) -> list[dict]:
+    """A run's metrics.jsonl records, those of steps <= `until_step` if it is > 0 (a run stopped
+    early, or cut to the step every run reached: the RL learning rate is constant after warmup,
+    so the first N steps of a longer run are an N-step run but for the final evaluation)."""
+    from jaxrl.infra.metrics import read_metrics
+
+    records = read_metrics(metrics_path)
+    return [r for r in records if r["step"] <= until_step] if until_step > 0 else records
+
+
+def summarise(
+    run: str, metrics_path: str, seconds: float, samples_per_prompt: int, until_step: int = 0
+) -> dict:
+    """One table row from a run's metrics.jsonl (step 0: the evaluation of the SFT start)."""
+    records = read_until(metrics_path, until_step)
+    evals = [r for r in records if "eval/accuracy" in r]
+    steps = [r for r in records if r["step"] > 0 and "loss" in r]
+    last = steps[-1]
+    row = {"run": run, "name": RUNS[run][0], "steps": last["step"], "seconds": round(seconds)}
+    for key, short in (("eval/accuracy", "greedy"), ("eval/accuracy_t1", "t1")):
+        row[f"{short}_start"] = evals[0].get(key, float("nan"))
+        row[f"{short}_end"] = evals[-1].get(key, float("nan"))
+        row[f"{short}_last3"] = _mean(r.get(key, float("nan")) for r in evals[-3:])
+        row[f"{short}_gain_pts"] = 100 * (row[f"{short}_last3"] - row[f"{short}_start"])
+    if "stream/token_staleness_mean" in last:
+        row["token_staleness"] = _mean(r["stream/token_staleness_mean"] for r in steps)
+        row["token_staleness_max"] = max(r["stream/token_staleness_max"] for r in steps)
+        row["mixed_rows"] = _mean(r["stream/mixed_version_rows"] for r in steps)
+        row["dropped_groups"] = last["stream/dropped_groups"]
+    else:  # fixed lag: every token of a batch has the batch's staleness
+        row["token_staleness"] = _mean(r["async/staleness"] for r in steps)
+        row["token_staleness_max"] = max(r["async/staleness"] for r in steps)
+        row["mixed_rows"] = 0.0
+        row["dropped_groups"] = last.get("async/dropped_samples", 0.0) / samples_per_prompt
+    row["completion_tokens"] = _mean(r["completion/mean_tokens"] for r in steps)
+    row["reward_last50"] = _mean(r["reward/mean"] for r in steps[-50:])
+    row["s_per_step"] = statistics.median(
+        r["time/step_s"] for r in steps[1:] or steps
+    )  # 1: compiles
+    row["eval_s"] = _mean(r["time/eval_s"] for r in evals if "time/eval_s" in r)
+    return row
+
+
+def verdict(rows: dict[str, dict]) -> dict:
+    """The issue's criteria on the last-3-evaluation means (greedy)."""
+    out = {}
+    fixed, stream = rows.get("fixed_lag"), rows.get("streaming")
+    if fixed and stream:
+        gap = 100 * (stream["greedy_last3"] - fixed["greedy_last3"])
+        out["streaming_minus_fixed_lag_pts"] = round(gap, 1)
+        out["streaming_within_3_points_of_fixed_lag"] = abs(gap) <= 3.0
+    for run in ("fixed_lag", "streaming"):
+        if run in rows:
+            out[f"{run}_gain_ge_15_points"] = rows[run]["greedy_gain_pts"] >= 15.0
+    if stream and "streaming_no_is" in rows:
+        out["no_correction_minus_streaming_pts"] = round(
+            100 * (rows["streaming_no_is"]["greedy_last3"] - stream["greedy_last3"]), 1
+        )
+    return out
+
+
+def plot_curves(workdirs: dict[str, str], path: str, until_step: int = 0) -> str:
+    """Held-out greedy and T=1 accuracy against trainer steps, one line per run; the dotted
+    line is the SFT start + 15 points (the issue's bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    start = None
+    for run, workdir in workdirs.items():
+        evals = [
+            r
+            for r in read_until(os.path.join(workdir, "metrics.jsonl"), until_step)
+            if "eval/accuracy" in r
+        ]
+        start = evals[0]["eval/accuracy"] if start is None else start
+        for ax, key in zip(axes, ("eval/accuracy", "eval/accuracy_t1"), strict=True):
+            ax.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o",
+                    label=RUNS[run][0])  # fmt: skip
+    for ax, title in zip(axes, ("greedy", "temperature 1"), strict=True):
+        ax.set_title(f"chain sums, held-out accuracy, {title}")
+        ax.set_xlabel("trainer step")
+        ax.grid(alpha=0.3)
+    axes[0].axhline(start + 0.15, color="gray", linestyle=":", label="SFT start + 15 points")
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+COLUMNS = [
+    ("name", "run"), ("steps", "steps"), ("greedy_start", "greedy start"),
+    ("greedy_end", "greedy end"), ("greedy_last3", "greedy (last 3)"),
+    ("greedy_gain_pts", "gain (pts)"), ("t1_start", "T=1 start"), ("t1_last3", "T=1 (last 3)"),
+    ("token_staleness", "token staleness"), ("mixed_rows", "mixed-version rows"),
+    ("dropped_groups", "dropped groups"), ("completion_tokens", "mean completion"),
+    ("reward_last50", "reward (last 50)"), ("s_per_step", "s/step"), ("seconds", "wall s"),
+]  # fmt: skip
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few steps of everything")
+    parser.add_argument("--workdir", default="")
+    parser.add_argument("--sft_dir", default="", help="an SFT checkpoint dir (RUN/sft) to reuse")
+    parser.add_argument("--sft_steps", type=int, default=0, help="0: the config's SFT steps")
+    parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {','.join(RUNS)}")
+    parser.add_argument("--steps", type=int, default=600, help="RL trainer steps per run")
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--eval_size", type=int, default=512)
+    parser.add_argument("--eval_samples", type=int, default=1, help="T=1 draws per prompt")
+    parser.add_argument("--learning_rate", type=float, default=0.0, help="0: the config's")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at once")
+    parser.add_argument("--name", default="", help="results name (default by mode)")
+    parser.add_argument("--until_step", type=int, default=0, help="summarise steps <= this")
+    parser.add_argument(
+        "--no_launch", action="store_true", help="only summarise the runs in --workdir"
+    )
+    args = parser.parse_args(argv)
+    runs = args.runs.split(",")
+    if unknown := set(runs) - set(RUNS):
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {list(RUNS)}")
+    root = args.workdir or tempfile.mkdtemp(prefix="rl_streaming_learning_")
+    os.makedirs(root, exist_ok=True)
+    steps, eval_every, eval_size = args.steps, args.eval_every, args.eval_size
+    base = []
+    if args.smoke:
+        base = list(SMOKE)
+        steps, eval_every, eval_size = 6, 2, 16
+    # The SFT stage's own evaluations (its default: 512 prompts x 5 every 100 steps) are only a
+    # progress report here; the RL runs' step-0 evaluation is the start the table uses.
+    sft_evals = base or ["SFTConfig.eval_every_steps = 300", "SFTConfig.eval_size = 256"]
+    if args.sft_steps:
+        sft_evals.append(f"SFTConfig.steps = {args.sft_steps}")
+    if args.no_launch and not args.sft_dir:
+        raise SystemExit("--no_launch summarises existing runs: pass their --sft_dir too")
+    sft = args.sft_dir or make_sft(root, sft_evals + ["SFTConfig.eval_samples = 1"])
+    params = TWO_DEVICES + base + [
+        "rl_main.sft = None", f"PolicySpec.init_from = '{os.path.abspath(sft)}'",
+        f"TaskSpec.name = '{TASK}'", f"RLConfig.total_steps = {steps}",
+        f"RLConfig.eval_every_steps = {eval_every}", f"RLConfig.save_every_steps = {eval_every}",
+        f"RLConfig.eval_size = {eval_size}", f"RLConfig.eval_samples = {args.eval_samples}",
+    ]  # fmt: skip
+    if args.learning_rate:
+        params.append(f"OptimizerConfig.learning_rate = {args.learning_rate}")
+    workdirs = {run: os.path.join(root, run) for run in runs}
+    load = {"before": os.getloadavg()[0]}
+
+    def one(run: str) -> tuple[str, float]:
+        return run, _launch(workdirs[run], params + RUNS[run][1])
+
+    seconds = {}
+    if args.no_launch:  # summarise the runs already in --workdir (stopped or finished)
+        for run in runs:
+            records = read_until(os.path.join(workdirs[run], "metrics.jsonl"), args.until_step)
+            seconds[run] = records[-1]["wall_time_s"] - records[0]["wall_time_s"]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max(args.parallel, 1)) as pool:
+            for run, s in pool.map(one, runs):
+                seconds[run] = s
+                print(f"[bench] {run} done in {s:.0f} s ({workdirs[run]})", flush=True)
+    load["after"] = os.getloadavg()[0]
+    import launch.rl  # noqa: F401  (registers rl_main, which the config binds)
+    from bench.common import RESULTS_DIR, gin_values, write_results
+
+    spp = gin_values(CONFIG, [], "RLConfig.samples_per_prompt")["RLConfig.samples_per_prompt"]
+    rows = {
+        run: summarise(
+            run, os.path.join(workdirs[run], "metrics.jsonl"), seconds[run], spp, args.until_step
+        )
+        for run in runs
+    }
+    for row in rows.values():
+        print(json.dumps(row), flush=True)
+    result = verdict(rows)
+    print(json.dumps({"verdict": result}), flush=True)
+    command = "python -m bench.rl_streaming_learning" + "".join(f" {a}" for a in (argv or []))
+    name = args.name or ("rl_streaming_learning_smoke" if args.smoke else "rl_streaming_learning")
+    note = (
+        f"`{command}`; SFT checkpoint {sft}; {os.cpu_count()} cores, load average "
+        f"{load['before']:.1f} before / {load['after']:.1f} after; verdict {result}"
+    )
+    print(write_results(name, list(rows.values()), COLUMNS, note))
+    png = os.path.join(RESULTS_DIR, name + ".png")
+    print(f"plot: {plot_curves(workdirs, png, args.until_step)}")
+    print(f"runs: {root}")
+    return list(rows.values())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child_main(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
