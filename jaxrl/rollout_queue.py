@@ -140,7 +140,33 @@ class QueueStats:
         return cls(**blob)
 
 
-class RolloutQueue:
+class _ClosableQueue:
+    """What both bounded queues share (`RolloutQueue`, `streaming.GroupQueue`): the queued
+    `_items`, one condition for every waiter, and closing, which wakes them all."""
+
+    def __init__(self, items) -> None:
+        self._items: collections.deque[ScoredBatch] = collections.deque(items)
+        self._closed: QueueClosed | None = None
+        self._cond = threading.Condition()
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Wakes every waiter; later calls raise QueueClosed(error). The first close wins."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = QueueClosed(error)
+            self._cond.notify_all()
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+
+class RolloutQueue(_ClosableQueue):
     """A bounded FIFO of `ScoredBatch`es with staleness checks (see the module docstring).
 
     Args:
@@ -169,13 +195,11 @@ class RolloutQueue:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         if len(pending) > capacity:
             raise ValueError(f"{len(pending)} pending batches exceed capacity {capacity}")
+        super().__init__(pending)
         self.capacity, self.max_staleness = capacity, max_staleness
-        self._items: collections.deque[ScoredBatch] = collections.deque(pending)
         self._trainer_version = trainer_version
         self._next_index = next_index
         self.stats = stats or QueueStats()
-        self._closed: QueueClosed | None = None
-        self._cond = threading.Condition()
 
     # --- trainer side ----------------------------------------------------------------------
 
@@ -267,18 +291,6 @@ class RolloutQueue:
                 self._wait(deadline, "room in the rollout queue")
 
     # --- both --------------------------------------------------------------------------------
-
-    def close(self, error: BaseException | None = None) -> None:
-        """Wakes every waiter; later calls raise QueueClosed(error). The first close wins."""
-        with self._cond:
-            if self._closed is None:
-                self._closed = QueueClosed(error)
-            self._cond.notify_all()
-
-    @property
-    def depth(self) -> int:
-        with self._cond:
-            return len(self._items)
 
     @property
     def next_index(self) -> int:

@@ -56,13 +56,13 @@ from jaxrl.controller import BusyTimeline, Controller, _queue_metrics, _StepCloc
 from jaxrl.executors import GeneratedBatch, sampling_key
 from jaxrl.generation.engine import Request
 from jaxrl.generation.engine_sampler import EngineSampler
-from jaxrl.rollout_queue import QueueClosed, QueueStats, ScoredBatch, wait_until
+from jaxrl.rollout_queue import QueueClosed, QueueStats, ScoredBatch, _ClosableQueue, wait_until
 from jaxrl.run_io import to_host
 from jaxrl.tasks.source import encode_prompts
 from jaxrl.trainer import TrainState
 
 
-class GroupQueue:
+class GroupQueue(_ClosableQueue):
     """Scored groups between the streaming generator and the trainer, and the ledger of the
     prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
     index, `policy_version` the version of the group's oldest token.
@@ -90,14 +90,12 @@ class GroupQueue:
     ):
         if capacity < 1 or max_staleness < 0:
             raise ValueError(f"capacity={capacity} >= 1 and max_staleness={max_staleness} >= 0")
+        super().__init__(pending)
         self.capacity, self.max_staleness = capacity, max_staleness
-        self._items: collections.deque[ScoredBatch] = collections.deque(pending)
         self._reissue = collections.deque(reissue)
         self._in_flight: set[int] = set()
         self._trainer_version, self._next_prompt = trainer_version, next_prompt
         self.stats = stats or QueueStats()
-        self._closed: QueueClosed | None = None
-        self._cond = threading.Condition()
 
     # --- generator side -----------------------------------------------------------------------
 
@@ -189,21 +187,6 @@ class GroupQueue:
         )
 
     # --- both ---------------------------------------------------------------------------------
-
-    def close(self, error: BaseException | None = None) -> None:
-        with self._cond:
-            if self._closed is None:
-                self._closed = QueueClosed(error)
-            self._cond.notify_all()
-
-    @property
-    def depth(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed is not None
 
     def _stale(self, group: ScoredBatch) -> bool:
         return self._trainer_version - group.policy_version > self.max_staleness
