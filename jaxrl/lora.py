@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any
 
 import jax
@@ -48,7 +49,10 @@ _HF_PROJ = {
 class LoraConfig:
     """rank r, alpha (the update is scaled by alpha / r), and `target_modules`: a regex that
     must match a module's whole path, e.g. `layers/0/attention` (q, k, v, o) or
-    `layers/0/mlp` (gate, up, down). Dropout is 0 (adapters are deterministic).
+    `layers/0/mlp` (gate, up, down). `target_kernels`: a regex that must match the whole name of
+    a projection of those modules (`q`, `k`, `v`, `o`, `gate`, `up`, `down`), e.g. `q|v` for
+    the LoRA paper's W_q, W_v choice; the default takes them all. Dropout is 0 (adapters are
+    deterministic).
 
     b_lr_ratio: LoRA+ (Hayou et al., 2024): B's learning rate is `b_lr_ratio` x A's (the
     optimizer's updates of every `*_lora_b` leaf are scaled by it, after Adam, so the schedule
@@ -57,6 +61,7 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     target_modules: str = r"layers/\d+/(attention|mlp)"
+    target_kernels: str = ".*"
     seed: int = 0
     b_lr_ratio: float = 1.0
 
@@ -65,6 +70,11 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.rank={self.rank} must be >= 1")
         if not self.alpha > 0:
             raise ValueError(f"LoraConfig.alpha={self.alpha} must be > 0")
+        for field in ("target_modules", "target_kernels"):
+            try:
+                re.compile(getattr(self, field))
+            except re.error as e:
+                raise ValueError(f"LoraConfig.{field}={getattr(self, field)!r}: {e}") from None
         if not self.b_lr_ratio > 0:
             raise ValueError(f"LoraConfig.b_lr_ratio={self.b_lr_ratio} must be > 0 (1: plain LoRA)")
 
@@ -105,14 +115,35 @@ def _check_model(config: ModelConfig) -> None:
         )
 
 
+def _provider(lora: LoraConfig):
+    """qwix's `LoraProvider` for `lora`'s modules, restricted to the kernels `target_kernels`
+    names. qwix selects by module path only (its rules carry no parameter name), so the
+    restriction looks the kernel's name up as qwix itself does (`flax_util.find_param`, qwix
+    0.1.8, pinned) and lets any other projection through as the plain matmul."""
+    import qwix
+    from qwix._src.providers import ptq
+    from qwix._src.utils import flax_util
+
+    kernels = re.compile(lora.target_kernels)
+
+    class KernelLoraProvider(qwix.LoraProvider):
+        def dot_general(self, lhs, rhs, *args, **kwargs):
+            name = flax_util.find_param(rhs, ptq.WithAux)
+            if name is not None and not kernels.fullmatch(name.removesuffix("_kernel")):
+                return ptq.PtqProvider.dot_general(self, lhs, rhs, *args, **kwargs)
+            return super().dot_general(lhs, rhs, *args, **kwargs)
+
+    return KernelLoraProvider(
+        module_path=lora.target_modules, rank=lora.rank, alpha=lora.alpha, dropout=0.0
+    )
+
+
 def apply_lora(model: Transformer, lora: LoraConfig) -> Transformer:
     """A copy of `model` with zero-B adapters on the targeted projections (qwix)."""
     import qwix
 
     _check_model(model.config)
-    provider = qwix.LoraProvider(
-        module_path=lora.target_modules, rank=lora.rank, alpha=lora.alpha, dropout=0.0
-    )
+    provider = _provider(lora)
     tokens = jnp.zeros((1, 2), jnp.int32)
     valid = jnp.ones((1, 2), bool)
     lora_model = qwix.apply_lora_to_model(
@@ -126,8 +157,9 @@ def apply_lora(model: Transformer, lora: LoraConfig) -> Transformer:
     )
     if not adapter_names(nnx.to_pure_dict(nnx.state(lora_model, nnx.LoRAParam))):
         raise ValueError(
-            f"LoraConfig.target_modules={lora.target_modules!r} matched no projection; module "
-            "paths look like 'layers/0/attention' and 'layers/0/mlp'"
+            f"LoraConfig.target_modules={lora.target_modules!r} with target_kernels="
+            f"{lora.target_kernels!r} matched no projection; module paths look like "
+            "'layers/0/attention' (kernels q, k, v, o) and 'layers/0/mlp' (gate, up, down)"
         )
     return lora_model
 

@@ -4,6 +4,8 @@ is the base bit for bit, merged / PEFT exports match the unmerged model (against
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,17 @@ def test_adapters_attach_to_every_targeted_projection(base):
         layers = 1 if "layers/1" in pattern else config.num_layers
         assert len(names) == layers * len(kernels), names
         assert {n.split("/")[-1].removesuffix("_kernel") for n in names} == kernels
+    # target_kernels narrows a module's projections to the named ones (the LoRA paper's q, v).
+    qv = lora_lib.LoraConfig(rank=2, alpha=2.0, target_modules=r"layers/\d+/attention",
+                             target_kernels="q|v")  # fmt: skip
+    _, abstract = lora_lib.abstract_lora(config, qv)
+    names = lora_lib.adapter_names(nnx.to_pure_dict(abstract))
+    assert len(names) == 2 * config.num_layers, names
+    assert {n.split("/")[-1].removesuffix("_kernel") for n in names} == {"q", "v"}
+    with pytest.raises(ValueError, match="matched no projection"):
+        lora_lib.abstract_lora(config, dataclasses.replace(qv, target_kernels="gate"))
+    with pytest.raises(ValueError, match="target_kernels"):
+        lora_lib.LoraConfig(target_kernels="q|(v")
     with pytest.raises(ValueError, match="matched no projection"):
         lora_lib.abstract_lora(config, lora_lib.LoraConfig(target_modules="nothing"))
     with pytest.raises(ValueError, match="scan_layers=False"):
