@@ -258,12 +258,17 @@ def colocated_sampler(
 
 def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules, base: bool = False):
     """The params' shardings on the generator mesh (same pure-dict tree as the trainer's): the
-    trained params (LoRA: the adapters), or with `base` the full model's."""
-    if trainer.lora is not None and not base:
-        _, abstract = lora_lib.abstract_lora(trainer.model_config, trainer.lora)
-        return nnx.to_pure_dict(param_shardings(abstract, mesh, rules))
+    trained params (LoRA: the adapters; LoRA-FA: the B's), or with `base` the full model's
+    (LoRA-FA: with the frozen A's)."""
     model = nnx.eval_shape(lambda: Transformer(trainer.model_config, rngs=nnx.Rngs(0)))
-    return nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
+    full = nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
+    if trainer.lora is None:
+        return full
+    _, abstract = lora_lib.abstract_lora(trainer.model_config, trainer.lora)
+    adapters = nnx.to_pure_dict(param_shardings(abstract, mesh, rules))
+    if base:  # LoRA-FA: the frozen A's travel with the base
+        return lora_lib.combine(full, lora_lib.frozen_part(adapters, trainer.lora))
+    return lora_lib.trained_part(adapters, trainer.lora)
 
 
 class GeneratorWeights:

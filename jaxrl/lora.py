@@ -56,7 +56,13 @@ class LoraConfig:
 
     b_lr_ratio: LoRA+ (Hayou et al., 2024): B's learning rate is `b_lr_ratio` x A's (the
     optimizer's updates of every `*_lora_b` leaf are scaled by it, after Adam, so the schedule
-    and the clipping stay shared); 1 is plain LoRA."""
+    and the clipping stay shared); 1 is plain LoRA.
+
+    freeze_a: LoRA-FA (Zhang et al., 2023): every A stays at its initialisation (he-uniform
+    from `seed`, rebuilt identically wherever the model is built) and only B is trained, so the
+    optimizer state, the checkpoints and each weight push hold B alone: `r x out` numbers a
+    kernel instead of `r x (in + out)`. A is frozen like the base and held once beside it (the
+    trainer's and the generator's `base_params`)."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -64,6 +70,7 @@ class LoraConfig:
     target_kernels: str = ".*"
     seed: int = 0
     b_lr_ratio: float = 1.0
+    freeze_a: bool = False
 
     def validate(self) -> None:
         if self.rank < 1:
@@ -183,6 +190,38 @@ def init_adapters(config: ModelConfig, lora: LoraConfig) -> Params:
     return jax.jit(make)()
 
 
+def _select(tree: Params, keep) -> Params:
+    """The leaves of a nested dict whose own key `keep(key)` accepts, dicts emptied by it
+    dropped."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sub = _select(value, keep)
+            if sub:
+                out[key] = sub
+        elif keep(str(key)):
+            out[key] = value
+    return out
+
+
+def trained_part(adapters: Params, lora: LoraConfig) -> Params:
+    """The adapter leaves the trainer optimizes and pushes: all, or with `freeze_a` the B's."""
+    return _select(adapters, lambda k: k.endswith("_lora_b")) if lora.freeze_a else adapters
+
+
+def frozen_part(adapters: Params, lora: LoraConfig) -> Params:
+    """The adapter leaves held beside the base: none, or with `freeze_a` the A's."""
+    return _select(adapters, lambda k: k.endswith("_lora_a")) if lora.freeze_a else {}
+
+
+def whole_adapters(config: ModelConfig, lora: LoraConfig, trained: Params) -> Params:
+    """Every adapter leaf (A's and B's) from the `trained` part a checkpoint holds: with
+    `freeze_a`, the A's rebuilt from the seed added; otherwise `trained` itself."""
+    if not lora.freeze_a:
+        return trained
+    return combine(frozen_part(init_adapters(config, lora), lora), trained)
+
+
 def adapter_names(adapters: Params) -> list[str]:
     """'layers/0/attention/q_kernel'-style names of the adapted kernels."""
     out = []
@@ -197,7 +236,7 @@ def combine(base: Params, adapters: Params) -> Params:
     """`base` with the adapter leaves added (a new dict tree; the arrays are shared)."""
     out = dict(base)
     for key, value in adapters.items():
-        out[key] = combine(base[key], value) if isinstance(value, dict) else value
+        out[key] = combine(base.get(key, {}), value) if isinstance(value, dict) else value
     return out
 
 
@@ -325,7 +364,7 @@ def restore_adapters(workdir: str, config: ModelConfig, lora: LoraConfig, step=N
     from jaxrl import workdir as run_dir
 
     _, abstract = abstract_lora(config, lora)
-    abstract = nnx.to_pure_dict(abstract)
+    abstract = trained_part(nnx.to_pure_dict(abstract), lora)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract)
     return run_dir._restore_pure_params(workdir, step, abstract, shardings)
@@ -355,6 +394,7 @@ def load_lora_policy(workdir: str, step=None):
     lora, source = record
     config, tokenizer = run_dir.load_model_spec(workdir)
     step, adapters = restore_adapters(workdir, config, lora, step)
+    adapters = whole_adapters(config, lora, adapters)  # LoRA-FA: checkpoints hold the B's
     merged = merge(load_base(source, config), adapters, lora)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(abstract, merged)

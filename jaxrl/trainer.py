@@ -453,6 +453,11 @@ class Trainer:
         self.graphdef = graphdef
         self.abstract_params = nnx.to_pure_dict(abstract)
         self.param_shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
+        self.frozen_adapter_shardings: Params = {}
+        if lora is not None:  # LoRA-FA: the A's sit with the base, out of the state
+            self.frozen_adapter_shardings = lora_lib.frozen_part(self.param_shardings, lora)
+            self.abstract_params = lora_lib.trained_part(self.abstract_params, lora)
+            self.param_shardings = lora_lib.trained_part(self.param_shardings, lora)
         abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
         self.state_shardings = TrainState(
             step=ax.replicated(mesh),
@@ -554,7 +559,9 @@ class Trainer:
             self.set_base(params)
             with self._context():
                 params = jax.jit(
-                    lambda: lora_lib.init_adapters(self.model_config, self.lora),
+                    lambda: lora_lib.trained_part(
+                        lora_lib.init_adapters(self.model_config, self.lora), self.lora
+                    ),
                     out_shardings=self.param_shardings,
                 )()
         params = jax.device_put(params, self.param_shardings)
@@ -564,10 +571,21 @@ class Trainer:
             )(params)
 
     def set_base(self, params: Params) -> None:
-        """The frozen base of a LoRA trainer (placed into the full model's trainer layout)."""
+        """The frozen base of a LoRA trainer (placed into the full model's trainer layout); with
+        `LoraConfig.freeze_a`, plus the frozen A's (rebuilt from the adapters' seed)."""
         if self.lora is None:
             raise ValueError("set_base is for a LoRA trainer (Trainer(..., lora=LoraConfig()))")
-        self.base_params = jax.device_put(params, self.base_param_shardings)
+        base = jax.device_put(params, self.base_param_shardings)
+        if self.frozen_adapter_shardings:
+            with self._context():
+                frozen = jax.jit(
+                    lambda: lora_lib.frozen_part(
+                        lora_lib.init_adapters(self.model_config, self.lora), self.lora
+                    ),
+                    out_shardings=self.frozen_adapter_shardings,
+                )()
+            base = lora_lib.combine(base, frozen)
+        self.base_params = base
 
     def policy_params(self, params: Params) -> Params:
         """What the graphdef merges for `state.params`: the base plus the adapters with LoRA."""

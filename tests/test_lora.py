@@ -170,6 +170,56 @@ def test_trainer_moves_adapters_only(base):
     np.testing.assert_allclose(merged, unmerged, rtol=1e-5, atol=2e-5)
 
 
+def test_lora_fa_trains_and_pushes_b_only(base):
+    """LoRA-FA (`freeze_a`): the state (so the optimizer, checkpoints and pushes) holds the B's
+    alone; the A's sit in the base, bitwise their seeded init after training; the generator's
+    layouts split the same way; merged logits match the unmerged model."""
+    from jaxrl.executors import generator_param_shardings
+    from jaxrl.infra.sharding import GENERATOR_RULES
+
+    _, config, params = base
+    fa = lora_lib.LoraConfig(rank=4, alpha=8.0, freeze_a=True)
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 1), num_devices=4))
+    trainer = Trainer(config, mesh, TRAINER_RULES, optax.adam(1e-2), lora=fa)
+    state = trainer.init(params)
+    fresh = _flat(lora_lib.init_adapters(config, fa))
+    trained = _flat(state.params)
+    assert trained and all(k.endswith("_lora_b']") for k in trained)
+    assert trained.keys() == {k for k in fresh if k.endswith("_lora_b']")}
+    e, q = config.hidden_size, config.num_heads * config.head_dim
+    kv, f = config.num_kv_heads * config.head_dim, config.intermediate_size
+    b_per_layer = fa.rank * (q + 2 * kv + e + 2 * f + e)  # r x out over q, k, v, o, gate, up, down
+    assert lora_lib.count_params(state.params) == config.num_layers * b_per_layer
+    rng = np.random.default_rng(0)
+    batch = {
+        "tokens_bs": rng.integers(3, 97, (4, 10)).astype(np.int32),
+        "loss_mask_bs": np.tile(np.arange(10) >= 5, (4, 1)),
+    }
+    first = None
+    for _ in range(3):
+        state, metrics = trainer.sft_step(state, batch)
+        first = first if first is not None else float(metrics["loss"])
+    assert float(metrics["loss"]) < first
+    base_after = _flat(trainer.base_params)
+    a_keys = [k for k in fresh if k.endswith("_lora_a']")]
+    assert a_keys and all(base_after[k].tobytes() == fresh[k].tobytes() for k in a_keys)
+    assert all(base_after[k].tobytes() == v.tobytes() for k, v in _flat(params).items())
+    assert all(np.any(v) for v in _flat(state.params).values())
+    opt_arrays = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sum(x.size for x in opt_arrays) == 2 * lora_lib.count_params(state.params)
+    gen_mesh = make_mesh(MeshConfig(("dp", "tp"), (4, 1), first_device=4, num_devices=4))
+    pushed = generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES)
+    held = generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES, base=True)
+    assert _flat(pushed).keys() == trained.keys()
+    assert _flat(held).keys() == _flat(params).keys() | set(a_keys)
+    # The whole adapters (frozen A's + trained B's) merge to the unmerged model's logits.
+    adapters = lora_lib.whole_adapters(config, fa, jax.device_get(state.params))
+    merged, _ = _logits(config, lora_lib.merge(params, adapters, fa), lora=fa)
+    unmerged, _ = _logits(config, params, adapters, lora=fa)
+    np.testing.assert_allclose(merged, unmerged, rtol=1e-5, atol=2e-5)
+    assert not np.allclose(unmerged, _logits(config, params)[0], atol=1e-3)  # the B's moved it
+
+
 def test_lora_plus_scales_the_b_updates_only(base):
     """LoRA+ (`b_lr_ratio`): with SGD, one step moves every B by ratio x plain LoRA's step and
     leaves A where plain LoRA leaves it (unmoved: a fresh B = 0 gives A no gradient)."""
@@ -221,18 +271,27 @@ def test_adapter_bytes_within_two_percent_of_the_model():
 
     arith = build_model_config(PolicySpec(), build_tokenizer(PolicySpec(), TaskSpec()))
     attention_only = lora_lib.LoraConfig(rank=4, alpha=8.0, target_modules=r"layers/\d+/attention")
+    fa_attention = lora_lib.LoraConfig(
+        rank=10, alpha=20.0, target_modules=r"layers/\d+/attention", freeze_a=True
+    )
     for config, lora, mlp in (
         (arith, attention_only, False),  # configs/rl/arith_tiny_lora.gin
         (arith, lora_lib.LoraConfig(rank=1, alpha=2.0), True),
+        (arith, fa_attention, False),  # LoRA-FA, rank 10 on attention: the B's alone
         (_llama3_8b(), attention_only, False),
         (_llama3_8b(), lora_lib.LoraConfig(rank=16, alpha=32.0), True),
     ):
         e, f = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        per_layer = lora.rank * ((e + q) + 2 * (e + kv) + (q + e) + mlp * (2 * (e + f) + (f + e)))
+        a_in = 0 if lora.freeze_a else 1  # LoRA-FA pushes B [r, out] only
+        per_layer = lora.rank * (
+            (a_in * e + q) + 2 * (a_in * e + kv) + (a_in * q + e)
+            + mlp * (2 * (a_in * e + f) + (a_in * f + e))
+        )  # fmt: skip
         counted = config.replace(num_layers=min(config.num_layers, 2))
         _, abstract = lora_lib.abstract_lora(counted, lora)
-        assert lora_lib.count_params(nnx.to_pure_dict(abstract)) == counted.num_layers * per_layer
+        pushed = lora_lib.trained_part(nnx.to_pure_dict(abstract), lora)
+        assert lora_lib.count_params(pushed) == counted.num_layers * per_layer
         full = nnx.state(nnx.eval_shape(lambda c=config: Transformer(c, rngs=nnx.Rngs(0))))
         fraction = config.num_layers * per_layer / lora_lib.count_params(full)
         assert fraction <= 0.02, (config.num_layers, fraction)

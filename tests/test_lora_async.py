@@ -76,6 +76,7 @@ def test_async_lora_resumes_bitwise_and_exports(tmp_path):
     assert export.main([f"--workdir={run}", f"--out={tmp_path / 'x'}"]) == 2  # needs --merge_lora
     lora, _ = lora_lib.load_run_lora(str(run))
     _, adapters = lora_lib.restore_adapters(str(run), config, lora)
+    adapters = lora_lib.whole_adapters(config, lora, adapters)
     base_params = lora_lib.load_base(base, config)
     graphdef, _ = lora_lib.abstract_lora(config, lora)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 14, (2, 7)), jnp.int32)
