@@ -34,7 +34,7 @@ mean per-token staleness, groups dropped, time from a push to its first use. Thi
 shared; the load average is recorded with each row, and a load above the core count makes the
 seconds unreliable (the table says so).
 
-    python -m bench.rl_streaming                     # ~25 minutes on an idle 2-core CPU
+    python -m bench.rl_streaming                     # ~30 minutes on an idle 2-core CPU
     python -m bench.rl_streaming --steps 12 --warmup 4 --settings 8dev
     python -m bench.rl_streaming --settings pinned --sft_dir RUN/sft --steps 16 --warmup 4
     python -m bench.rl_streaming --smoke   # pinned rows, random weights, 3 steps (a test runs it)
