@@ -12,11 +12,20 @@ row runs in a fresh `launch.rl` process:
 - streaming (keep / recompute): async, the engine never drains, weights swapped in between decode
   steps (`RLConfig.kv_on_update`).
 
-Two settings: "8 devices" (trainer FSDP 2 x TP 2 on devices 0-3, generator 2 x TP 2 on 4-7, as
-the config) and "2 devices, 2 cores" (one device per role, the process pinned to cores 0-1 with
-`os.sched_setaffinity`). The latter is NOT bench/rl's pinned one-process-per-role proxy: a
-role-split job (`jaxrl.roles`) runs fixed lag only, and XLA:CPU cannot pin threads of one process
-to a role's core, so both roles share the two cores; it is the closest this code base runs.
+Three settings: "8 devices" (trainer FSDP 2 x TP 2 on devices 0-3, generator 2 x TP 2 on 4-7, as
+the config); "2 devices, 2 cores" (one device per role in one `launch.rl` process pinned to
+cores 0-1 with `os.sched_setaffinity`: both roles' threads share the two cores, since XLA:CPU
+cannot pin one process's threads per role); and "pinned" (`--settings pinned`,
+`bench/rl_streaming_pinned.py`), bench/rl's one-core-per-role CPU proxy, labelled a proxy: each
+role its own process pinned to its own core with one CPU device (sync: one process on core 0;
+fixed lag 1 and streaming keep: the trainer on core 0, the generator on core 1), the weights
+sent host to host through a pipe, every scored group (streaming) or batch (fixed lag) sent back
+through another as it is done. The library's own loops run in those processes (the engine with
+in-flight swaps, `_StreamProducer` / `_Producer`, `GroupQueue`'s staleness bound and drops,
+AIPO's `rl_step`); only the queue and the device-to-device push are pipes. (A role-split job,
+`jaxrl.roles`, runs fixed lag only, hence the proxy.) In the pinned rows, sync's trainer idle
+is the share of each step spent generating and scoring (the same core does both), and its
+generator idle the share spent training.
 
 Per row: median seconds per trainer step after `--warmup` steps (compiles), trainer steps per
 hour (3600 / median), trainer idle and generator idle fractions (sums over the measured steps /
@@ -25,8 +34,12 @@ mean per-token staleness, groups dropped, time from a push to its first use. Thi
 shared; the load average is recorded with each row, and a load above the core count makes the
 seconds unreliable (the table says so).
 
-    python -m bench.rl_streaming                     # ~25 minutes on an idle 2-core CPU
+    python -m bench.rl_streaming                     # ~30 minutes on an idle 2-core CPU
     python -m bench.rl_streaming --steps 12 --warmup 4 --settings 8dev
+    python -m bench.rl_streaming --settings pinned --sft_dir RUN/sft --steps 16 --warmup 4
+    python -m bench.rl_streaming --smoke   # pinned rows, random weights, 3 steps (a test runs it)
+
+Rows of settings not run are kept in bench/results/rl_streaming.{json,md} (with their note).
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import write_results
+from bench.common import RESULTS_DIR, write_results
 from jaxrl.infra.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,21 +146,50 @@ def summarise(records: list[dict], warmup: int) -> dict:
     }
 
 
+def _earlier_rows(settings: list[str]) -> tuple[list[dict], str]:
+    """The results file's rows of the settings not run now (kept), and their note."""
+    path = os.path.join(RESULTS_DIR, "rl_streaming.json")
+    if not os.path.exists(path):
+        return [], ""
+    with open(path) as f:
+        earlier = json.load(f)
+    kept = [r for r in earlier["rows"] if r.get("setting") not in settings]
+    return kept, f" | earlier rows: {earlier['note']}; {earlier['date']}" if kept else ""
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sft_steps", type=int, default=300)
-    parser.add_argument("--settings", default="8dev,2dev")
+    parser.add_argument("--settings", default="8dev,2dev,pinned")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workdir", default="")
     parser.add_argument("--sft_dir", default="", help="an existing SFT run dir to start from")
     parser.add_argument("--modes_2dev", default="sync,fixed_lag,streaming_keep")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the pinned setting only, random weights, 4 prompts x 4 samples, 8 new tokens, "
+        "3 steps (checks the plumbing; writes rl_streaming_smoke)",
+    )
     args = parser.parse_args(argv)
+    settings = args.settings.split(",")
+    if args.smoke:
+        settings, args.steps, args.warmup = ["pinned"], 3, 1
     root = args.workdir or tempfile.mkdtemp(prefix="rl_streaming_")
-    sft = args.sft_dir or make_sft(root, args.sft_steps)
+    sft = args.sft_dir or ("" if args.smoke else make_sft(root, args.sft_steps))
     rows = []
-    for setting in args.settings.split(","):
+    for setting in settings:
+        if setting == "pinned":
+            from bench.rl_streaming_pinned import pinned_rows
+
+            cores = sorted(os.sched_getaffinity(0))
+            modes = args.modes_2dev.split(",")
+            for row in pinned_rows(CONFIG, sft, args.steps, args.warmup, args.smoke, modes, cores):
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            continue
         s = SETTINGS[setting]
         for mode in (args.modes_2dev if setting == "2dev" else args.modes).split(","):
             workdir = os.path.join(root, f"{setting}_{mode}")
@@ -166,13 +208,17 @@ def main(argv=None) -> list[dict]:
     cores = os.cpu_count()
     loaded = any(r["load_before"] > cores or r["load_after"] > cores for r in rows)
     note = (
-        f"python -m bench.rl_streaming --steps {args.steps} --warmup {args.warmup} "
-        f"--sft_steps {args.sft_steps} --settings {args.settings}"
-        + (f" --sft_dir {args.sft_dir}" if args.sft_dir else "")
+        ("python -m bench.rl_streaming --smoke" if args.smoke else
+         f"python -m bench.rl_streaming --steps {args.steps} --warmup {args.warmup} "
+         f"--sft_steps {args.sft_steps} --settings {','.join(settings)}"
+         + (f" --sft_dir {args.sft_dir}" if args.sft_dir else ""))
         + f"; {cores} cores"
         + ("; LOADED MACHINE (load average above the core count): seconds unreliable"
            if loaded else "")
     )  # fmt: skip
+    if not args.smoke:
+        earlier, earlier_note = _earlier_rows(settings)
+        rows, note = earlier + rows, note + earlier_note
     columns = [
         ("setting", "setting"), ("mode", "mode"), ("step_s", "s/step"),
         ("steps_per_hour", "steps/h"), ("trainer_idle", "trainer idle"),
@@ -180,8 +226,11 @@ def main(argv=None) -> list[dict]:
         ("token_staleness", "token staleness"), ("mixed_rows", "mixed-version rows"),
         ("push_to_use_s", "push->use s"), ("dropped_groups", "dropped groups"),
         ("completion_tokens", "mean completion"), ("load_before", "load"),
+        ("token_staleness_max", "max token staleness"), ("train_s", "train s"),
+        ("load_after", "load after"),
     ]  # fmt: skip
-    print(write_results("rl_streaming", rows, columns, note))
+    name = "rl_streaming_smoke" if args.smoke else "rl_streaming"
+    print(write_results(name, rows, columns, note))
     return rows
 
 

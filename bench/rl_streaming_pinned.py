@@ -1,0 +1,487 @@
+"""The pinned one-core-per-role CPU proxy of `bench.rl_streaming` (`--settings pinned`).
+
+A proxy, labelled so, as `bench.rl`'s "CPU proxy": each role is its own process pinned to one
+core (`os.sched_setaffinity`) with one CPU device, since XLA:CPU cannot pin one process's threads
+per role and a role-split job (`jaxrl.roles`) runs fixed lag only. The library's pieces run
+unchanged in each process: the engine and the generator threads' own loops
+(`controller._Producer._run` for fixed lag, `streaming._StreamProducer._run` for streaming), the
+reward executor, `Controller._collate`, `GroupQueue` (staleness bound on a group's oldest token,
+drops counted), `token_staleness_metrics`, `Trainer.rl_step` (AIPO). Only the in-process
+queue and the device-to-device weight push are replaced, by two pipes:
+
+- weights (trainer -> generator): `("weights", version, host params, push time, removed)` after
+  each step and `("removed", n)` right after each take, `removed` the cumulative count of queue
+  items (groups or batches) the trainer took or dropped: the generator holds at most the
+  queue's capacity unremoved (the library's generator waits in `put` on a full queue); then
+  `("stop",)`. `_PipeWeights` is `GeneratorWeights`' interface over it: `newest` polls the pipe
+  without blocking (the engine's `update` hook between decode calls), `acquire` blocks.
+- rollouts (generator -> trainer): each scored group (streaming) or batch (fixed lag) as it is
+  done (`_PipeQueue.put`); the trainer's receiver thread admits groups into its `GroupQueue`.
+
+Rows: sync (one process on core 0: `Controller.run_sync`, generate, score, train in turn);
+fixed lag 1 (trainer on core 0, generator on core 1, batch k sampled whole by version k - 1);
+streaming keep (the engine never drains; the trainer takes the next `num_prompts` groups to
+finish). Times are `time.perf_counter` (CLOCK_MONOTONIC, one clock for all processes on Linux),
+so the generator's idle intervals are cut to the trainer's measured window.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_lib
+import statistics
+import threading
+import time
+
+from bench.rl import MemoryIO, Spawned
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE_PARAMS = [  # random weights, a small batch: checks the plumbing, not the timing
+    "RLConfig.num_prompts = 4",
+    "RLConfig.samples_per_prompt = 4",
+    "RLConfig.max_new_tokens = 8",
+]
+
+
+def build(spec: dict, schedule: str, with_state: bool):
+    """(controller, train state or None) of `spec`'s config on this process's one device.
+
+    `schedule`: "sync" (colocated), "fixed_lag" or "streaming" (the generator side gets a
+    `_PipeWeights` later: `controller.weights`). The engine has one slot per sample of a batch
+    (num_prompts x samples_per_prompt), as launch.rl's default."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxrl import workdir as run_dir
+    from jaxrl.controller import Controller, sampling_config
+    from jaxrl.executors import GeneratorExecutor, RewardExecutor, colocated_sampler
+    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
+    from jaxrl.infra.sharding import TRAINER_RULES
+    from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
+    from jaxrl.trainer import Trainer
+    from launch.rl import rl_main
+
+    config, params, sft = spec["config"], spec["params"], spec["sft"]
+    if spec.get("cache"):  # the smoke's rows compile the same programs: the first row's serve
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", spec["cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    parse_gin([os.path.join(REPO, config)], params)
+    kw = resolve_bindings(rl_main)
+    policy, task, rl, optimizer = kw["policy"], kw["task"], kw["rl"], kw["optimizer"]
+    rl = dataclasses.replace(
+        rl,
+        mode="sync" if schedule == "sync" else "async",
+        schedule="fixed_lag" if schedule == "sync" else schedule,
+        eval_size=0,
+    )
+    tokenizer = build_tokenizer(policy, task)
+    model_config = build_model_config(policy, tokenizer)
+    source = build_source(
+        task, tokenizer, max_prompt_tokens=model_config.max_position_embeddings - rl.max_new_tokens
+    )
+    reward = reward_name(task, source)
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), 0, 1))
+    trainer = Trainer(
+        model_config,
+        mesh,
+        TRAINER_RULES,
+        optimizer.make(rl.total_steps),
+        grad_accum_steps=optimizer.grad_accum_steps,
+        loss=kw["loss"],
+        pack_length=rl.pack_length,
+    )
+    sampler = colocated_sampler(
+        trainer,
+        tokenizer,
+        num_slots=rl.num_prompts * rl.samples_per_prompt,
+        steps_per_call=min(8, rl.max_new_tokens),
+    )
+    ctl = Controller(
+        rl,
+        trainer,
+        GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed),
+        RewardExecutor(reward, tokenizer),
+        source,
+        tokenizer,
+        MemoryIO(),
+        reward=reward,
+        weights=None if schedule == "sync" else _Unset(),
+        learning_rate=optimizer.schedule_fn(rl.total_steps),
+    )
+    state = None
+    if with_state:
+        if sft:
+            _, restored = run_dir.restore_params(
+                sft, model_config, shardings=trainer.base_param_shardings
+            )
+            state = trainer.init(nnx.to_pure_dict(restored))
+        else:
+            state = trainer.init(trainer.init_params(0))
+    return ctl, state
+
+
+class _Unset:
+    """Placeholder weight store until the process sets `controller.weights`."""
+
+
+# --- the generator side -------------------------------------------------------------------------
+
+
+class _Held:
+    def __init__(self, version: int, params):
+        self.version, self.params = version, params
+
+
+class _PipeWeights:
+    """`GeneratorWeights`' interface over the trainer's weights pipe (see the module docstring);
+    the generator's waits on it are recorded in `idle` as (start, end) intervals."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.published_at: dict[int, float] = {}
+        self.removed = 0
+        self.idle: list[tuple[float, float]] = []
+        self._hosts: dict[int, object] = {}
+        self._stopped = False
+
+    def drain(self, block: bool) -> None:
+        """Reads every waiting message (with `block`, at least one); QueueClosed on stop."""
+        from jaxrl.rollout_queue import QueueClosed
+
+        while not self._stopped and (block or self.conn.poll()):
+            block = False
+            message = self.conn.recv()
+            if message[0] == "stop":
+                self._stopped = True
+            elif message[0] == "removed":
+                self.removed = max(self.removed, message[1])
+            else:
+                _, version, host, pushed_at, removed = message
+                self._hosts[version] = host
+                self.published_at[version] = pushed_at
+                self.removed = max(self.removed, removed)
+        if self._stopped:
+            raise QueueClosed()
+
+    def _take(self, version: int) -> _Held:
+        import jax
+
+        for old in [v for v in self._hosts if v < version]:
+            del self._hosts[old]
+        return _Held(version, jax.device_put(self._hosts[version]))
+
+    def newest(self, after: int) -> _Held | None:
+        self.drain(block=False)
+        newest = max(self._hosts, default=-1)
+        return self._take(newest) if newest > after else None
+
+    def acquire(self, version: int | None, timeout: float | None = None) -> _Held:
+        start = time.perf_counter()
+        self.drain(block=False)
+        while not self._hosts or (version is not None and version not in self._hosts):
+            self.drain(block=True)
+        if time.perf_counter() - start > 1e-3:
+            self.idle.append((start, time.perf_counter()))
+        return self._take(version if version is not None else max(self._hosts))
+
+    def close(self, error: BaseException | None = None) -> None:
+        self._stopped = True
+
+    def free(self) -> None:
+        self._hosts.clear()
+
+
+class _PipeQueue:
+    """The generator's side of the rollout queue: `put` sends, waiting (idle, recorded) while
+    the trainer holds `capacity` items it has not removed yet."""
+
+    def __init__(self, conn, weights: _PipeWeights, capacity: int):
+        self.conn, self.weights, self.capacity = conn, weights, capacity
+        self.sent = self.next_prompt = 0
+        self.error: BaseException | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.weights._stopped
+
+    def issue(self) -> int:
+        index, self.next_prompt = self.next_prompt, self.next_prompt + 1
+        return index
+
+    def put(self, item, timeout: float | None = None) -> bool:
+        start = time.perf_counter()
+        self.weights.drain(block=False)
+        while self.sent - self.weights.removed >= self.capacity:
+            self.weights.drain(block=True)
+        if time.perf_counter() - start > 1e-3:
+            self.weights.idle.append((start, time.perf_counter()))
+        self.conn.send(item)
+        self.sent += 1
+        return True
+
+    def close(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.error = error
+            self.conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def proxy_generator(spec: dict, weights_in, rollouts_out) -> dict:
+    """The generator process: the library's generator loop with the pipes for queue and weights."""
+    from jaxrl.controller import _Producer
+    from jaxrl.streaming import _StreamProducer
+
+    ctl, _ = build(spec, spec["schedule"], with_state=False)
+    ctl.weights = _PipeWeights(weights_in)
+    if spec["schedule"] == "streaming":
+        capacity = ctl.config.queue_size * ctl.config.num_prompts  # groups, as run_streaming
+        pipe = _PipeQueue(rollouts_out, ctl.weights, capacity)
+        producer = _StreamProducer(ctl, pipe)
+    else:
+        pipe = _PipeQueue(rollouts_out, ctl.weights, ctl.config.queue_size)  # batches
+        producer = _Producer(ctl, pipe, first_index=0)
+    producer._run()  # returns on the trainer's stop (QueueClosed) or after the last batch
+    if pipe.error is not None:
+        raise pipe.error
+    rollouts_out.send(("done",))
+    stats = ctl.generator.sampler.engine.stats  # over the whole run, warm-up included
+    push_to_use = producer.take_counters().push_to_use_s if hasattr(producer, "engine") else []
+    return {
+        "push_to_use_s": statistics.mean(push_to_use) if push_to_use else float("nan"),
+        "idle": ctl.weights.idle,
+        "end": time.perf_counter(),
+        "swaps": stats.swaps,
+        "utilisation": stats.utilisation,
+    }
+
+
+# --- the trainer side ---------------------------------------------------------------------------
+
+
+def _sender(conn) -> tuple[queue_lib.Queue, threading.Thread]:
+    """Messages to the generator, sent in order by a thread (a 1.6 MB weights message waits in
+    the pipe until the generator's next poll; the trainer goes on meanwhile). A generator that
+    already finished (fixed lag's last batch) leaves a broken pipe: ignored."""
+    outbox: queue_lib.Queue = queue_lib.Queue()
+
+    def run():
+        while (message := outbox.get()) is not None:
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return outbox, thread
+
+
+def _receiver(conn, groups, errors: list) -> threading.Thread:
+    """Admits each group from the generator into the trainer's `GroupQueue` as it arrives."""
+
+    def run():
+        while True:
+            try:
+                item = conn.recv()
+            except (EOFError, OSError):
+                return
+            if isinstance(item, tuple) and item[0] == "done":
+                return
+            if isinstance(item, tuple) and item[0] == "error":
+                errors.append(item[1])
+                groups.close(RuntimeError(f"the generator process failed: {item[1]}"))
+                return
+            groups.admit(item)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
+    """The trainer process: take (the next batch, or the next `num_prompts` groups fresh enough),
+    train, push. Per step: wall, idle (waiting to take), train and push seconds."""
+    import jax
+    import numpy as np
+
+    from jaxrl.run_io import to_host
+    from jaxrl.streaming import GroupQueue, token_staleness_metrics
+
+    class ForwardedGroups(GroupQueue):
+        """A `GroupQueue` fed from another process: each group is issued there."""
+
+        def admit(self, group) -> bool:
+            with self._cond:
+                self._in_flight.add(group.batch_index)
+            return self.put(group)
+
+    ctl, state = build(spec, "sync", with_state=True)
+    c, steps = ctl.config, spec["steps"]
+    streaming = spec["schedule"] == "streaming"
+    outbox, sender = _sender(weights_out)
+    groups = receiver = None
+    errors: list[str] = []
+    if streaming:
+        groups = ForwardedGroups(c.queue_size * c.num_prompts, c.max_staleness)
+        receiver = _receiver(rollouts_in, groups, errors)
+
+    def push(version, removed):
+        host = jax.tree.map(np.array, state.params)  # a copy: the next step donates the params
+        outbox.put(("weights", version, host, time.perf_counter(), removed))
+
+    def removed(taken: int) -> int:
+        return groups.stats.consumed_batches + groups.stats.dropped_batches if groups else taken
+
+    push(0, 0)
+    records, last = [], time.perf_counter()
+    for k in range(steps):
+        t0 = time.perf_counter()
+        record = {}
+        if streaming:
+            taken = groups.take(c.num_prompts, timeout=c.stall_timeout_s)
+            rollouts = [r for g in taken for r in g.rollouts]
+            staleness, _ = token_staleness_metrics(rollouts, k)
+            record["staleness_mean"] = staleness["stream/token_staleness_mean"]
+            record["staleness_max"] = staleness["stream/token_staleness_max"]
+            record["mixed_rows"] = staleness["stream/mixed_version_rows"]
+            record["dropped"] = groups.stats.dropped_batches
+        else:
+            batch = rollouts_in.recv()
+            if isinstance(batch, tuple):
+                raise RuntimeError(f"the generator process failed: {batch[1]}")
+            rollouts = batch.rollouts
+            record["staleness_mean"] = record["staleness_max"] = float(k - batch.policy_version)
+            record["dropped"] = 0
+        outbox.put(("removed", removed(k + 1)))  # room in the queue: the generator may go on
+        t1 = time.perf_counter()
+        state, metrics = ctl.trainer.rl_step(state, ctl._collate(rollouts), None)
+        to_host(metrics)
+        t2 = time.perf_counter()
+        if streaming:
+            groups.advance(k + 1)
+        # Fixed lag 1: batch k + 2 (the last needing version k + 1) exists; streaming: always.
+        if streaming or k + 1 <= steps - 2:
+            push(k + 1, removed(k + 1))
+        t3 = time.perf_counter()
+        record |= dict(start=t0, take_end=t1, end=t3, step_s=t3 - last, idle_s=t1 - t0)
+        record |= dict(train_s=t2 - t1, sync_s=t3 - t2)
+        record["completion"] = float(np.mean([len(r.completion_ids) for r in rollouts]))
+        records.append(record)
+        last = t3
+    outbox.put(("stop",))
+    outbox.put(None)
+    sender.join(timeout=60)
+    if receiver is not None:  # until the generator's "done": it may be sending a group
+        receiver.join(timeout=60)
+    if errors:
+        raise RuntimeError(f"the generator process failed: {errors[0]}")
+    return {"records": records}
+
+
+def proxy_sync(spec: dict) -> dict:
+    """One process on one core: the library's `Controller.run_sync` (generate, score, train)."""
+    ctl, state = build(spec, "sync", with_state=True)
+    ctl.run(state)
+    records = []
+    for r in ctl.io.records:
+        if r["step"]:
+            train = r["time/train_s"]
+            records.append(
+                dict(step_s=r["time/step_s"], train_s=train, idle_s=r["time/step_s"] - train,
+                     sync_s=0.0, staleness_mean=0.0, staleness_max=0.0, dropped=0,
+                     completion=r["completion/mean_tokens"] if "completion/mean_tokens" in r
+                     else float("nan"))
+            )  # fmt: skip
+    return {"records": records}
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+
+def _window(records: list[dict], warmup: int) -> list[dict]:
+    return records[warmup:] or records[-1:]
+
+
+def summarise(mode: str, trainer: dict, generator: dict | None, warmup: int) -> dict:
+    """Medians and fractions over the steps after `warmup` (compiles)."""
+    rows = _window(trainer["records"], warmup)
+    wall = sum(r["step_s"] for r in rows)
+    step_s = statistics.median(r["step_s"] for r in rows)
+    if generator is None:  # sync: one process, the generator idle while it trains
+        generator_idle = sum(r["train_s"] for r in rows) / wall
+    else:
+        start, end = rows[0]["end"] - rows[0]["step_s"], rows[-1]["end"]
+        idle = sum(max(0.0, min(end, b) - max(start, a)) for a, b in generator["idle"])
+        idle += max(0.0, end - generator["end"])  # fixed lag: done before the trainer
+        generator_idle = idle / (end - start)
+    before = trainer["records"][warmup - 1]["dropped"] if warmup and len(rows) > 1 else 0
+    return {
+        "setting": "pinned",
+        "mode": mode,
+        "step_s": step_s,
+        "steps_per_hour": 3600.0 / step_s,
+        "trainer_idle": sum(r["idle_s"] for r in rows) / wall,
+        "generator_idle": generator_idle,
+        "train_s": statistics.median(r["train_s"] for r in rows),
+        "sync_s": statistics.median(r["sync_s"] for r in rows),
+        "engine_util": generator["utilisation"] if generator and mode.startswith("stream")
+        else float("nan"),
+        "token_staleness": statistics.mean(r["staleness_mean"] for r in rows),
+        "token_staleness_max": max(r["staleness_max"] for r in rows),
+        "mixed_rows": statistics.mean(r.get("mixed_rows", 0.0) for r in rows),
+        "push_to_use_s": generator["push_to_use_s"] if generator else float("nan"),
+        "swaps": generator["swaps"] if generator else 0,
+        "dropped_groups": rows[-1]["dropped"] - before,
+        "completion_tokens": statistics.mean(r["completion"] for r in rows),
+        "measured_steps": len(rows),
+    }  # fmt: skip
+
+
+def start_row(mode: str, spec: dict, cores: list[int]):
+    """Starts one row in fresh processes: "sync" on cores[0]; "fixed_lag" / "streaming_keep":
+    the trainer on cores[0], the generator on cores[1]. Returns (trainer, generator or None)."""
+    import multiprocessing
+
+    if mode == "sync":
+        return Spawned(proxy_sync, spec, cores={cores[0]}), None
+    spec = spec | {"schedule": "streaming" if mode.startswith("streaming") else "fixed_lag"}
+    ctx = multiprocessing.get_context("spawn")
+    weights_in, weights_out = ctx.Pipe(duplex=False)
+    rollouts_in, rollouts_out = ctx.Pipe(duplex=False)
+    trainer = Spawned(proxy_trainer, spec, weights_out, rollouts_in, cores={cores[0]})
+    generator = Spawned(proxy_generator, spec, weights_in, rollouts_out, cores={cores[1]})
+    return trainer, generator
+
+
+def finish_row(mode: str, started, warmup: int, load: float) -> dict:
+    trainer, generator = started
+    row = summarise(mode, trainer.result(), generator and generator.result(), warmup)
+    return row | {"load_before": load, "load_after": os.getloadavg()[0]}
+
+
+def pinned_rows(config, sft, steps, warmup, smoke, modes, cores) -> list[dict]:
+    """The pinned setting's rows, one after the other (they would compete for the cores). The
+    smoke run's rows share a persistent compilation cache (it checks the plumbing, not the
+    timing; the full run compiles in each fresh process, in the warm-up steps)."""
+    if len(cores) < 2:
+        raise SystemExit(f"the pinned setting needs 2 cores; this process may use {cores}")
+    params = [
+        "RLConfig.eval_size = 0",
+        f"RLConfig.total_steps = {steps}",
+        "RLConfig.lag = 1",
+        "RLConfig.kv_on_update = 'keep'",
+    ] + (SMOKE_PARAMS if smoke else [])
+    spec = {"config": config, "params": params, "sft": None if smoke else sft, "steps": steps}
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rl_streaming_cache_") as cache:
+        if smoke:
+            spec["cache"] = cache
+        for mode in modes:
+            load = os.getloadavg()[0]
+            rows.append(finish_row(mode, start_row(mode, spec, cores), warmup, load))
+    return rows
