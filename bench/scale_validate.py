@@ -123,6 +123,16 @@ class Calibration:
 # --- recording the workload's program calls ---------------------------------------------------
 
 
+def _signature(x) -> tuple:
+    """An argument's part of a program's cache key: shape and dtype for an array, the value for
+    anything else (static arguments). Never `repr` of an array: printing the params on every
+    call cost ~0.17 CPU s a decode call, which the first version of this bench measured as the
+    engine's host work."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return (tuple(x.shape), str(x.dtype))
+    return (None, repr(x))
+
+
 class Recorder:
     """Counts calls per (program, argument shapes); lowers each new one when first called (in
     the caller's mesh context), compiles them all in `costs()` after the run."""
@@ -147,9 +157,7 @@ class Recorder:
 
         def call(*args, **kwargs):
             leaves, tree = jax.tree.flatten((args, kwargs))
-            key = (name, str(tree), tuple(
-                (getattr(x, "shape", None), str(getattr(x, "dtype", repr(x)))) for x in leaves
-            ))  # fmt: skip
+            key = (name, str(tree), tuple(_signature(x) for x in leaves))
             first = key not in self.calls
             if first:
                 self.calls[key] = [fn.lower(*args, **kwargs), 0, default_trips(kwargs), []]
