@@ -36,13 +36,16 @@ PAGE = 4096
 class Machine:
     """Constants of one device. peak_flops: FLOP/s of a large matmul; bandwidth: bytes/s of a
     streaming pass; launch_s: one kernel's fixed cost; call_s: one program call (dispatch, and
-    the host round trip of its small outputs); page_s: first touch of one fresh 4 KiB page."""
+    the host round trip of its small outputs); page_s: first touch of one fresh 4 KiB page;
+    collective_s: one collective of devices sharing one runtime (a rendezvous of their threads),
+    by the devices per group it was measured with."""
 
     peak_flops: float
     bandwidth: float
     launch_s: float = 0.0
     call_s: float = 0.0
     page_s: float = 0.0
+    collective_s: tuple[tuple[int, float], ...] = ()  # (devices per group, seconds of one)
 
 
 def roofline(flops: float, bytes_: float, peak_flops: float, bandwidth: float) -> float:
@@ -62,6 +65,9 @@ class ProgramCost:
 
     kernels: tuple[tuple[float, float, int], ...]
     pages: int = 0
+    # (devices per group, executions) of its collectives (all-reduce, all-gather, ...), loops
+    # included; devices per group 0: all the program's devices
+    collectives: tuple[tuple[int, int], ...] = ()
 
     @property
     def flops(self) -> float:
@@ -76,12 +82,26 @@ class ProgramCost:
         return sum(n for *_, n in self.kernels)
 
 
+def collective_seconds(cost: ProgramCost, m: Machine) -> float:
+    """The collectives' rendezvous: each at the cost measured for the smallest group at least its
+    size (the largest measured for a group of all devices, 0)."""
+    table = dict(m.collective_s)
+    if not table:
+        return 0.0
+    sizes = sorted(table)
+
+    def one(group: int) -> float:
+        return table[next((s for s in sizes if s >= group > 0), sizes[-1])]
+
+    return sum(n * one(group) for group, n in cost.collectives)
+
+
 def program_seconds(cost: ProgramCost, m: Machine) -> float:
     """t(program) of the module docstring."""
     kernels = sum(
         n * (roofline(f, b, m.peak_flops, m.bandwidth) + m.launch_s) for f, b, n in cost.kernels
     )
-    return m.call_s + kernels + cost.pages * m.page_s
+    return m.call_s + kernels + cost.pages * m.page_s + collective_seconds(cost, m)
 
 
 @dataclasses.dataclass(frozen=True)
