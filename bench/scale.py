@@ -2,23 +2,29 @@
 constants, checked against this machine's `bench.rl` rows (`bench/scale_validate.py`) and applied
 to LlamaRL's 8B / 70B / 405B settings (`bench/scale_llamarl.py`).
 
-Model. A machine is five constants (`Machine`): peak FLOP/s, memory bandwidth, the launch cost of
-one kernel, the cost of one program call (dispatch and the host round trip), and the cost of
-first-touching one fresh page. A program runs its kernels one after another (XLA:CPU runs a
-program's thunks in order; on a GPU the kernels of one stream do too), each at its own roofline:
+Model. A machine is six constants (`Machine`): peak FLOP/s, memory bandwidth, the launch cost of
+one kernel, the cost of one program call (dispatch and the host round trip), the cost of
+first-touching one fresh page, and the cost of one collective by its devices per group. A
+program runs its kernels one after another (XLA:CPU runs a program's thunks in order; on a GPU
+the kernels of one stream do too), each at its own roofline:
 
     t(program) = t_call + sum_k n_k (max(F_k / peak, B_k / bandwidth) + t_launch) + P t_page
+                 + sum over its collectives of t_coll(devices per group)
 
 with F_k, B_k the dot FLOPs and bytes of kernel k and n_k how often it runs, loops included
 (`bench.hlo_cost.kernels`: `cost_analysis()` counts a loop's body once), and P the pages of the
 buffers the allocator maps fresh on every call (glibc `malloc` serves blocks of 32 MiB and more by
 `mmap`: a program's temporaries above that are page-faulted and zeroed again at each call; found
 by `getrusage` page-fault counts, 48.5k faults = the train step's 199 MB of temporaries, every
-step). One RL step:
+step). On SPMD devices the program is the per-device one and the constants are those of one
+device working while its siblings work beside it (measured so: `bench.scale_validate`). One RL
+step:
 
-    Tg = sum over the generator's calls of t(call)       Tt = t(train step)
+    Tg = sum over the generator's calls of t(call) + t_host   Tt = t(train step)
     sync (colocated)  = Tg + Tt
     async (LlamaRL)   = max(Tg, Tt + Ts)                 Ts: the weight push
+
+t_host: the generator's host work around its programs (`bench.engine_host`).
 
     python -m bench.scale_validate      # this machine: predicted vs measured, side by side
     python -m bench.scale_llamarl       # LlamaRL's table next to the model's predictions

@@ -1,37 +1,49 @@
-"""The speed-up model (`bench.scale`) against this machine's `bench.rl` CPU-proxy rows, measured
-side by side in one run.
+"""The speed-up model (`bench.scale`, `bench.engine_host`) against this machine's `bench.rl` rows,
+measured side by side in one run: the CPU proxy's (pinned processes, one device each) and the
+8-fake-device setting's sync and async fixed-lag rows (`bench.rl.FAKE8_MODES[:2]`).
 
-Each row runs in its own pinned process (as `bench.rl` runs it: `run_mode` / the proxy's trainer
-and generator loops, unchanged). In that process:
+Each row runs in its own process, as `bench.rl` runs it (`run_mode` / the proxy's trainer and
+generator loops, unchanged; the CPU proxy's processes pinned to their cores, the 8-device rows'
+process on all the cores). In that process:
 
 * the machine's constants come from microbenchmarks that are not the workload (`Calibration`): a
   1024^3 float32 matmul (peak FLOP/s), a donated 64 MiB elementwise pass (bandwidth: read +
   write), a chain of 1000 dependent 8 x 8 matmuls (one kernel launch), an empty jitted call
-  fetched to the host (one program call), and a program that writes a fresh 64 MiB output (one
-  page's first touch). In the sync rows one round runs after every RL step (`after_step`, outside
-  the timed step), so the constants and the step see the same load; the async row's processes run
-  5 rounds before and 5 after their loops (a round between steps would delay the pipeline).
-  Medians.
+  fetched to the host (one program call), a program that writes a fresh 64 MiB output (one
+  page's first touch) and, with several devices, chains of 100 all-reduces over groups of 2, 4
+  and 8 devices (one collective's rendezvous). On several devices each microbenchmark runs on all
+  of the role's devices at once (each device its own copy), so a constant is the cost of one
+  device's unit of work while its siblings run beside it on the shared cores: the 8 fake devices'
+  sharing of 2 cores is measured, not assumed. In the sync rows one round runs after every RL
+  step (`after_step`, outside the timed step), so the constants and the step see the same load;
+  the async rows run 5 rounds before and 5 after (a round between steps would stall or contend
+  with the pipeline). Medians.
+* the generator's host work (`bench.engine_host.HostCalibration`): the row's own generator
+  (engine or static sampler, same slots, mesh and rules) over a tiny model, four batches, in the
+  same rounds; its fit gives t_host = c_step + c_call n_calls + c_row n_rowcalls per generate.
 * every call the workload makes to its jitted programs (the trainer's RL step, the engine's
-  prefill / decode / slot moves, the static sampler) is recorded with its argument shapes, and
-  after the run each distinct program is lowered and compiled again and read
-  (`bench.hlo_cost.kernels` on `compiled.as_text()`, `memory_analysis()` for the fresh pages).
-  The call counts per step are the workload's schedule (the engine's calls depend on the batch,
-  not on timing); the static sampler's decode loop runs `max_new_tokens - 1` times (random
-  weights over 512 tokens almost never stop early).
+  prefill / decode / slot moves, the static sampler) is recorded with its argument shapes (and
+  the rows it runs over), and after the run each distinct program is lowered and compiled again
+  and read (`bench.hlo_cost.kernels` on `compiled.as_text()`: the per-device program, its
+  collectives by group size; `memory_analysis()` for the fresh pages). The call counts per step
+  are the workload's schedule (the engine's calls depend on the batch, not on timing); the
+  static sampler's decode loop runs `max_new_tokens - 1` times (random weights over 512 tokens
+  almost never stop early).
 
-Two comparisons. Per phase, against `bench.rl`'s own medians (wall seconds): Tg = the
-generator's calls' t(program) per step, Tt = t(train step) (the async row's weight push Ts is
-measured, not modelled; host work outside the programs, such as prompt building, collation and
-the reward, is not modelled). Per program, each call timed around the program alone (the
-recorder blocks on its result; the workload fetches it next anyway): wall seconds against the
-model with wall constants, and the process's CPU seconds against the model with constants in CPU
-seconds. The machine is shared: wall times stretch by however much of the core other jobs take,
-and not in the same proportion for a 20 ms microbenchmark as for a 2 s step; CPU seconds count
-only this process's work (cache and memory-bus contention still slow it).
+Two comparisons. Per phase, against `bench.rl`'s own medians (wall seconds) and the phase's CPU
+seconds: Tg = the generator's calls' t(program) per step + t_host, Tt = t(train step); the step
+is Tg + Tt (sync) or max(Tg, Tt + Ts) (async, Ts the weight push, measured), and in the async
+8-device row, whose roles share the 2 cores, at least (CPU s of Tg + CPU s of Tt) / cores. The
+reward (~1 ms a step), prompt building and the trainer's collation are not modelled. Per program,
+each call timed around the program alone (the recorder blocks on its result; the workload
+fetches it next anyway): wall against the model with wall constants, the process's CPU seconds
+against the model with CPU-second constants. In the async 8-device row both roles are threads of
+one process, so no phase or program has the CPU clock to itself: its CPU columns are left out.
+The machine is shared: wall times stretch by however much of the cores other jobs take; CPU
+seconds count only this process's work (cache and memory-bus contention still slow it).
 
-    python -m bench.scale_validate            # ~5 minutes on 2 quiet cores (15 at load 20)
-    python -m bench.scale_validate --steps 8  # shorter
+    python -m bench.scale_validate --steps 10     # ~10 minutes on 2 quiet cores
+    python -m bench.scale_validate --smoke        # 1-layer model, 3 steps: the plumbing only
 """
 
 from __future__ import annotations
