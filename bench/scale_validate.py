@@ -459,11 +459,13 @@ def program_rows(row: str, out: dict, steps: int) -> list[dict]:
 
 
 def phase_row(setting, gen: dict, train: dict, measured: dict, steps: int, cpu_phases: bool,
-              pipelined: bool, shared_cores: int = 0) -> dict:  # fmt: skip
+              schedule: str) -> dict:  # fmt: skip
     """Predicted vs measured per phase, wall (against `bench.rl`'s own medians) and CPU (the
-    phase's CPU seconds, where the phase has its process to itself: `cpu_phases`). `pipelined`:
-    the step is max(Tg, Tt + Ts) (Ts measured), else Tg + Tt; `shared_cores`: the two roles
-    share that many cores, so the step is also at least their CPU seconds over the cores."""
+    phase's CPU seconds, where the phase has its process to itself: `cpu_phases`). `schedule`:
+    "sync": the step is Tg + Tt; "pipelined": max(Tg, Tt + Ts) (Ts measured); "turns": async
+    roles whose programs take turns on one runtime (XLA's fake CPU devices run one program at a
+    time: a program on devices 4-7 waits for one running on devices 0-3), so the step is
+    Tg + Tt + Ts and, as the generator never idles, its phase spans the step."""
     row = {"setting": setting, "mode": measured["mode"]}
     for clock in ("wall", "cpu"):
         g, t = predict(gen, steps, clock), predict(train, steps, clock)
@@ -478,10 +480,9 @@ def phase_row(setting, gen: dict, train: dict, measured: dict, steps: int, cpu_p
     row["measured_step_s"] = measured["step_s"]
     row["measured_sync_s"] = measured.get("sync_s", 0.0)
     step = StepPrediction(row["pred_generate_s"], row["pred_train_s"], row["measured_sync_s"])
-    row["pred_step_s"] = step.async_step_s if pipelined else step.sync_step_s
-    if shared_cores:
-        work = (row["cpu_pred_generate_s"] + row["cpu_pred_train_s"]) / shared_cores
-        row["pred_step_s"] = max(row["pred_step_s"], work)
+    row["pred_step_s"] = step.async_step_s if schedule == "pipelined" else step.sync_step_s
+    if schedule == "turns":
+        row["pred_step_s"] = row["pred_generate_s"] = step.sync_step_s + row["measured_sync_s"]
     row["measured_host_s"] = measured["generate_s"] - measured_programs(gen, steps, "wall")
     checks = [("generate", ""), ("train", ""), ("step", "")]
     if cpu_phases:
@@ -532,7 +533,7 @@ def run(steps: int, smoke: bool, settings: tuple[str, ...]) -> tuple[list[dict],
         )
         for mode, use in sync_modes:  # fmt: skip
             out = rl.Spawned(controller_row, mode, steps, smoke, True, cores=use).result()
-            phases.append(phase_row(rl.PROXY, out, out, out["measured"], steps, True, False))
+            phases.append(phase_row(rl.PROXY, out, out, out["measured"], steps, True, "sync"))
             programs += program_rows(mode.name, out, steps)
         ctx = multiprocessing.get_context("spawn")
         weights_in, weights_out = ctx.Pipe(duplex=False)
@@ -544,7 +545,7 @@ def run(steps: int, smoke: bool, settings: tuple[str, ...]) -> tuple[list[dict],
         t_out, g_out = trainer.result(), generator.result()
         measured = rl.summarise_proxy_async(t_out["measured"], g_out["measured"],
                                             warmup=1 if smoke else 2)  # fmt: skip
-        phases.append(phase_row(rl.PROXY, g_out, t_out, measured, steps, True, True))
+        phases.append(phase_row(rl.PROXY, g_out, t_out, measured, steps, True, "pipelined"))
         programs += program_rows(measured["mode"] + ": trainer", t_out, steps)
         programs += program_rows(measured["mode"] + ": generator", g_out, steps)
     if "fake8" in settings:
@@ -552,9 +553,9 @@ def run(steps: int, smoke: bool, settings: tuple[str, ...]) -> tuple[list[dict],
             sync = mode.generator is None
             out = rl.Spawned(controller_row, mode, steps, smoke, sync, devices=8).result()
             # Async: the roles' threads share the process, so no phase has its CPU clock alone,
-            # and the roles share the cores.
-            phases.append(phase_row(rl.FAKE8, out, out, out["measured"], steps, sync, not sync,
-                                    0 if sync else len(cores)))  # fmt: skip
+            # and their programs take turns on the runtime.
+            phases.append(phase_row(rl.FAKE8, out, out, out["measured"], steps, sync,
+                                    "sync" if sync else "turns"))  # fmt: skip
             programs += program_rows(mode.name, out, steps)
     return phases, programs
 
