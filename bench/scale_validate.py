@@ -32,8 +32,9 @@ process on all the cores). In that process:
 
 Two comparisons. Per phase, against `bench.rl`'s own medians (wall seconds) and the phase's CPU
 seconds: Tg = the generator's calls' t(program) per step + t_host, Tt = t(train step); the step
-is Tg + Tt (sync) or max(Tg, Tt + Ts) (async, Ts the weight push, measured), and in the async
-8-device row, whose roles share the 2 cores, at least (CPU s of Tg + CPU s of Tt) / cores. The
+is Tg + Tt (sync) or max(Tg, Tt + Ts) (async, Ts the weight push, measured); in the async
+8-device row the roles' programs take turns on the one runtime (see `phase_row`), so its step,
+and its generate phase, are Tg + Tt + Ts. The
 reward (~1 ms a step), prompt building and the trainer's collation are not modelled. Per program,
 each call timed around the program alone (the recorder blocks on its result; the workload
 fetches it next anyway): wall against the model with wall constants, the process's CPU seconds
