@@ -45,6 +45,7 @@ seconds count only this process's work (cache and memory-bus contention still sl
 
     python -m bench.scale_validate --steps 10     # ~10 minutes on 2 quiet cores
     python -m bench.scale_validate --smoke        # 1-layer model, 3 steps: the plumbing only
+    python -m bench.scale_validate --turns        # do programs on devices 0-3 and 4-7 overlap?
 """
 
 from __future__ import annotations
@@ -561,6 +562,51 @@ def run(steps: int, smoke: bool, settings: tuple[str, ...]) -> tuple[list[dict],
     return phases, programs
 
 
+def turns_check(n: int = 512, reps: int = 40) -> dict:
+    """Does this runtime run programs on disjoint devices side by side? A long program (`reps`
+    dependent [n, n] matmuls a device) runs on devices 0-3 in a thread; 50 ms later a short one
+    runs on devices 4-7. Returns the seconds of each alone and of the short one issued during
+    the long one: if it waits for the long one to finish, the async roles of the 8-device
+    setting take turns (`phase_row`'s "turns")."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def program(devices, size, count):
+        mesh = Mesh(np.array(devices), ("d",))
+        x = jax.device_put(jnp.ones((len(devices) * size, size)), NamedSharding(mesh, P("d")))
+        w = jax.device_put(jnp.full((size, size), 1e-3), NamedSharding(mesh, P()))
+
+        def f(x, w):
+            for _ in range(count):
+                x = jnp.tanh(x @ w)
+            return x
+
+        fn = jax.jit(f)
+        fn(x, w).block_until_ready()  # compiled
+        return lambda: fn(x, w).block_until_ready()
+
+    devices = jax.devices()
+    long, short = program(devices[:4], n, reps), program(devices[4:8], 64, 5)
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    out = {"long_alone_s": timed(long), "short_alone_s": timed(short)}
+    thread = threading.Thread(target=long)
+    thread.start()
+    time.sleep(0.05)
+    out["short_during_long_s"] = timed(short)
+    thread.join()
+    return out
+
+
 PHASE_COLUMNS = [
     ("setting", "setting"),
     ("mode", "row"),
@@ -612,7 +658,12 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help=smoke)
     settings = "comma-separated: proxy (pinned processes), fake8 (8 fake devices)"
     parser.add_argument("--settings", default="proxy,fake8", help=settings)
+    turns = "only check whether programs on devices 0-3 and 4-7 run side by side (8 devices)"
+    parser.add_argument("--turns", action="store_true", help=turns)
     args = parser.parse_args(argv)
+    if args.turns:
+        print(json.dumps(turns_check()))
+        return None
     steps = args.steps or (3 if args.smoke else 16)
     load_before = os.getloadavg()
     start = time.strftime("%H:%M", time.gmtime())
