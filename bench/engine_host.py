@@ -24,9 +24,10 @@ gives (c_step, c_call, c_row) for each clock. This run is never the predicted on
 model, other batches besides the workload's shape), as the machine constants never come from
 the workload either.
 
-Why not more terms: measured on the rlbench-tiny workload with cProfile, host work is ~0.03 CPU s
-of a ~0.19 s generate call; the reward (`RewardExecutor.score`, ~1 ms a step) and the prompts
-(~0.4 ms) are not part of the generate phase and too small to model.
+Why not more terms: on the rlbench-tiny workload (cProfile, and `bench.scale_validate`'s phase
+minus programs) host work is 4-16 ms of a ~0.2 s generate call on one device; the reward
+(`RewardExecutor.score`, ~1 ms a step) and the prompts (~0.4 ms) are not part of the generate
+phase and too small to model.
 """
 
 from __future__ import annotations
