@@ -679,9 +679,9 @@ def main(argv=None):
         f"(1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} -> "
         f"{'/'.join(f'{x:.1f}' for x in load_after)}, {len(os.sched_getaffinity(0))} CPU cores"
     )
-    name = "scale_validate_smoke" if args.smoke else "scale_validate"
-    print(write_results(name, phases, PHASE_COLUMNS, note))
-    print(write_results(name + "_programs", programs, PROGRAM_COLUMNS, note))
+    smoke = "_smoke" if args.smoke else ""  # *_smoke.* results are not kept (.gitignore)
+    print(write_results("scale_validate" + smoke, phases, PHASE_COLUMNS, note))
+    print(write_results("scale_validate_programs" + smoke, programs, PROGRAM_COLUMNS, note))
     return phases, programs
 
 
