@@ -108,6 +108,8 @@ class Kernel:
     flops: float
     bytes: float
     count: int
+    opcode: str = ""  # "fusion", or the lone instruction's opcode ("all-reduce", "dot", ...)
+    group: int = 0  # a collective's devices per group (0: all of them, or not a collective)
 
 
 def _dot_flops(instrs: list[_Instr]) -> float:
@@ -163,7 +165,7 @@ def kernels(text: str, default_trips: int = 1) -> list[Kernel]:
                 else:
                     flops = _dot_flops([i] + _operand_defs(i, shapes))
                     moved = _fusion_bytes(i, _as_body(i, shapes), shapes)
-                out.append(Kernel(i.name, flops, moved, times))
+                out.append(Kernel(i.name, flops, moved, times, i.opcode, _group(i)))
 
     walk(entry, 1)
     return out
@@ -221,6 +223,34 @@ def _as_body(instr: _Instr, shapes: dict[str, str]) -> list[_Instr]:
 def _operand_defs(instr: _Instr, shapes: dict[str, str]) -> list[_Instr]:
     """Stand-ins carrying the operands' shapes (for a dot outside a fusion)."""
     return [_Instr(o, shapes.get(o, ""), "parameter", [], "") for o in instr.operands]
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def _group(instr: _Instr) -> int:
+    """Devices per group of a collective: `replica_groups={{0,1},{2,3}}` (listed) or
+    `replica_groups=[4,2]<=[8]` (iota: 4 groups of 2); a collective-permute pairs devices (2);
+    0 for all devices (`{}`) and for anything that is not a collective."""
+    if instr.opcode.removesuffix("-start") not in COLLECTIVES:
+        return 0
+    if instr.opcode.startswith("collective-permute"):
+        return 2
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", instr.attrs)
+    if iota:
+        return int(iota.group(2))
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", instr.attrs)
+    return len(listed.group(1).split(",")) if listed else 0
+
+
+def collectives(ks: list[Kernel]) -> tuple[tuple[int, int], ...]:
+    """(devices per group, executions) of a run's collectives, by group size (an async pair
+    `*-start` / `*-done` counts once)."""
+    counts: dict[int, int] = {}
+    for k in ks:
+        if k.opcode.removesuffix("-start") in COLLECTIVES:
+            counts[k.group] = counts.get(k.group, 0) + k.count
+    return tuple(sorted(counts.items()))
 
 
 def totals(ks: list[Kernel]) -> tuple[float, float, int]:

@@ -1,6 +1,8 @@
 """The speed-up model (`bench.scale`): its arithmetic, and the HLO walk it reads programs with
 (`bench.hlo_cost`) against XLA's own cost analysis and hand counts."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -100,3 +102,64 @@ def test_hlo_walk_counts_slices_and_in_place_updates_as_xla_does():
         _, bytes_, _ = hlo_cost.totals(hlo_cost.kernels(compiled.as_text()))
         assert bytes_ == pytest.approx(compiled.cost_analysis()["bytes accessed"], rel=0.01)
         assert bytes_ < 16 * 1024  # the touched rows, not the whole buffer
+
+
+def test_collectives_are_counted_by_group_size_and_priced_per_group():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+
+    def f(x):  # 3 all-reduces over pairs ("b", 2 devices), 1 over quads ("a", 4)
+        for _ in range(3):
+            x = jax.lax.psum(x, "b") * 0.5
+        return jax.lax.psum(x, "a")
+
+    spec = P(("a", "b"))
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.device_put(jnp.ones((64,)), NamedSharding(mesh, spec))
+    ks = hlo_cost.kernels(fn.lower(x).compile().as_text())
+    assert hlo_cost.collectives(ks) == ((2, 3), (4, 1))
+    m = Machine(1e9, 1e9, collective_s=((2, 1e-4), (8, 5e-4)))
+    cost = ProgramCost((), collectives=((2, 3), (4, 1), (0, 2)))
+    # a group of 4 costs what the next measured size (8) costs; 0 (all devices) the largest
+    assert program_seconds(cost, m) == pytest.approx(3e-4 + 5e-4 + 2 * 5e-4)
+
+
+def test_host_fit_recovers_the_constants_of_a_synthetic_schedule():
+    from bench.engine_host import BATCHES, HostCost, fit
+
+    true = HostCost(step_s=1e-3, call_s=6e-4, row_s=2e-5)
+    counts = [(5, 128), (2, 32), (5, 32), (2, 128)]  # the engine's schedule of `BATCHES`
+    assert len(counts) == len(BATCHES)
+    got = fit([(c, r, true.seconds(c, r)) for c, r in counts])
+    for a, b in zip(dataclasses.astuple(got), dataclasses.astuple(true), strict=True):
+        assert a == pytest.approx(b, rel=1e-9)
+    assert true.seconds(5, 128) == pytest.approx(1e-3 + 5 * 6e-4 + 128 * 2e-5)
+    # negative control: extra cost per device call lands in call_s, not in the row term
+    skewed = fit([(c, r, true.seconds(c, r) + 1e-3 * c) for c, r in counts])
+    assert skewed.call_s == pytest.approx(1.6e-3) and skewed.row_s == pytest.approx(2e-5)
+
+
+def test_rows_of_a_device_call():
+    from bench.engine_host import rows_of
+
+    assert rows_of("decode", (), {"active": 32, "span": 48}) == 32
+    assert rows_of("sample", (None, jnp.zeros((64, 16))), {}) == 64
+    assert rows_of("prefill", (), {}) == 0
+
+
+def test_recorder_keys_arrays_by_shape_and_static_args_by_value():
+    from bench.scale_validate import _signature
+
+    class Loud:  # an array-like whose printing would be the cost the old key paid
+        shape, dtype = (4, 8), jnp.float32
+
+        def __repr__(self):
+            raise AssertionError("an array argument was printed")
+
+    assert _signature(Loud()) == ((4, 8), jnp.float32)
+    assert _signature(32) != _signature(48)  # static args (span, active) tell programs apart
+    assert _signature(jnp.zeros((2, 3), jnp.int32)) == ((2, 3), jnp.dtype("int32"))
