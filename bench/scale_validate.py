@@ -551,7 +551,7 @@ def run(steps: int, smoke: bool, settings: tuple[str, ...]) -> tuple[list[dict],
         programs += program_rows(measured["mode"] + ": trainer", t_out, steps)
         programs += program_rows(measured["mode"] + ": generator", g_out, steps)
     if "fake8" in settings:
-        for mode in rl.FAKE8_MODES[:2]:
+        for mode in rl.FAKE8_MODES:
             sync = mode.generator is None
             out = rl.Spawned(controller_row, mode, steps, smoke, sync, devices=8).result()
             # Async: the roles' threads share the process, so no phase has its CPU clock alone,
