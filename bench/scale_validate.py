@@ -1,6 +1,6 @@
 """The speed-up model (`bench.scale`, `bench.engine_host`) against this machine's `bench.rl` rows,
 measured side by side in one run: the CPU proxy's (pinned processes, one device each) and the
-8-fake-device setting's sync and async fixed-lag rows (`bench.rl.FAKE8_MODES[:2]`).
+8-fake-device setting's sync, async fixed-lag and free-running rows (`bench.rl.FAKE8_MODES`).
 
 Each row runs in its own process, as `bench.rl` runs it (`run_mode` / the proxy's trainer and
 generator loops, unchanged; the CPU proxy's processes pinned to their cores, the 8-device rows'
