@@ -34,8 +34,9 @@ criteria: streaming within 3 points of fixed lag, both >= +15 points over the SF
     python -m bench.rl_streaming_learning --workdir W --sft_dir W/sft_run/sft --no_launch \
         --until_step 120    # re-summarise the runs in W (e.g. stopped ones) at a common step
 
-Measured 2026-12-02 (README, "Learning: streaming vs fixed lag on chain sums"): from a 200-step
-SFT start at 12.5% greedy, 160 steps at lr 2e-4, accuracy fell under every schedule.
+Measured 2026-12-02 (README, "Learning: streaming vs fixed lag on chain sums"): from the
+config's 600-step SFT start at 48% greedy, 300 steps at lr 1e-4 (and earlier from a 200-step
+start, 160 steps at lr 2e-4), accuracy fell under every schedule.
 """
 
 from __future__ import annotations
