@@ -272,6 +272,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--eval_size", type=int, default=512)
     parser.add_argument("--eval_samples", type=int, default=1, help="T=1 draws per prompt")
     parser.add_argument("--learning_rate", type=float, default=0.0, help="0: the config's")
+    parser.add_argument(
+        "--gin_param", action="append", default=[], help="a binding added to every RL run"
+    )
     parser.add_argument("--parallel", type=int, default=2, help="runs at once")
     parser.add_argument("--name", default="", help="results name (default by mode)")
     parser.add_argument("--until_step", type=int, default=0, help="summarise steps <= this")
@@ -305,6 +308,7 @@ def main(argv=None) -> list[dict]:
     ]  # fmt: skip
     if args.learning_rate:
         params.append(f"OptimizerConfig.learning_rate = {args.learning_rate}")
+    params += args.gin_param
     workdirs = {run: os.path.join(root, run) for run in runs}
     load = {"before": os.getloadavg()[0]}
 
