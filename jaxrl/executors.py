@@ -260,15 +260,16 @@ def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules, base: boo
     """The params' shardings on the generator mesh (same pure-dict tree as the trainer's): the
     trained params (LoRA: the adapters; LoRA-FA: the B's), or with `base` the full model's
     (LoRA-FA: with the frozen A's)."""
+    frozen = {}
+    if trainer.lora is not None:
+        _, abstract = lora_lib.abstract_lora(trainer.model_config, trainer.lora)
+        adapters = nnx.to_pure_dict(param_shardings(abstract, mesh, rules))
+        if not base:
+            return lora_lib.trained_part(adapters, trainer.lora)
+        frozen = lora_lib.frozen_part(adapters, trainer.lora)  # LoRA-FA: the A's ride with it
     model = nnx.eval_shape(lambda: Transformer(trainer.model_config, rngs=nnx.Rngs(0)))
     full = nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
-    if trainer.lora is None:
-        return full
-    _, abstract = lora_lib.abstract_lora(trainer.model_config, trainer.lora)
-    adapters = nnx.to_pure_dict(param_shardings(abstract, mesh, rules))
-    if base:  # LoRA-FA: the frozen A's travel with the base
-        return lora_lib.combine(full, lora_lib.frozen_part(adapters, trainer.lora))
-    return lora_lib.trained_part(adapters, trainer.lora)
+    return lora_lib.combine(full, frozen)
 
 
 class GeneratorWeights:
