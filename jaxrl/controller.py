@@ -82,7 +82,9 @@ class RLConfig:
     oversample: dynamic sampling (DAPO). Each batch samples `num_prompts * oversample` prompts
       and trains on `num_prompts` of them, those whose completions got different rewards first
       (`jaxrl.rl.select_groups`: a group with one reward for all its samples has zero advantage
-      and adds no gradient). 1 trains on every sampled prompt.
+      and adds no gradient). 1 trains on every sampled prompt. Under "streaming" a group with
+      one reward is left out as it finishes (counted), as long as the groups left out stay
+      within `oversample - 1` per group queued (`GroupQueue.filter`): the same sampling budget.
 
     Async mode (`mode="async"`, the generator on its own mesh):
       schedule: "fixed_lag" (reproducible: batch k sampled by version max(k - lag, 0)) or
@@ -148,11 +150,10 @@ class RLConfig:
             )
         if self.kv_on_update not in ("keep", "recompute"):
             raise ValueError(f"kv_on_update={self.kv_on_update!r}; use 'keep' or 'recompute'")
-        if self.schedule == "streaming" and (self.mode != "async" or self.oversample != 1):
+        if self.schedule == "streaming" and self.mode != "async":
             raise ValueError(
-                f"schedule='streaming' with mode={self.mode!r}, oversample={self.oversample}: "
-                "streaming is an async schedule (mode='async') that trains on the groups in the "
-                "order they finish (oversample=1; dynamic sampling is not implemented for it)"
+                f"schedule='streaming' with mode={self.mode!r}: streaming is an async schedule "
+                "(mode='async')"
             )
         if self.queue_size < 1 or not self.stall_timeout_s > 0:
             raise ValueError("queue_size must be >= 1 and stall_timeout_s > 0")
@@ -584,6 +585,8 @@ def _queue_metrics(stats: QueueStats) -> dict[str, float]:
         "async/dropped_batches": float(stats.dropped_batches),
         "async/dropped_samples": float(stats.dropped_samples),
     }
+    if stats.filtered_batches:
+        metrics["data/filtered_groups"] = float(stats.filtered_batches)
     for staleness, count in sorted(stats.staleness_counts.items()):
         metrics[f"async/staleness_count/{staleness}"] = float(count)
     return metrics

@@ -110,6 +110,7 @@ class QueueStats:
     """Cumulative counts of a run (checkpointed, so a resumed run continues them).
 
     staleness_counts: consumed batches by staleness `v_t - v_g`.
+    filtered_batches: groups a streaming run's dynamic sampling left out (`GroupQueue.filter`).
     """
 
     consumed_batches: int = 0
@@ -117,6 +118,7 @@ class QueueStats:
     dropped_on_admission: int = 0  # batches
     dropped_on_consumption: int = 0  # batches
     dropped_samples: int = 0
+    filtered_batches: int = 0  # streaming dynamic sampling: one reward for the whole group
     staleness_counts: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property

@@ -17,6 +17,9 @@ waits for a batch's longest completion, and a weight push waits for the batch in
   per-token behaviour log-probs, so a trajectory spanning versions needs no special maths. On a
   swap the running rows' KV is kept, or recomputed with the new weights
   (`RLConfig.kv_on_update`; see `jaxrl.generation.engine`).
+* **Dynamic sampling** (`RLConfig.oversample > 1`): a group whose samples all got one reward
+  (no advantage, no gradient) is left out as it finishes and counted
+  (`data/filtered_groups`), within the budget of `oversample - 1` groups per group queued.
 * **Staleness per token; the bound on the oldest.** A token's staleness is the trainer's
   version minus the version that sampled it. A group whose oldest token is more than
   `max_staleness` versions old is dropped and counted (on admission to the queue, or on
@@ -28,9 +31,9 @@ scored groups still queued (in full: sampled by versions the saved weights canno
 the prompt indices in flight (submitted, not yet queued: their partial tokens are dropped and
 the prompts re-issued first on resume, sampled afresh with the restored weights), the next
 prompt index and the cumulative counts. So every prompt of the stream is trained once, dropped
-(counted) or still pending, and no group is trained twice. A streaming run is not reproducible
-bit for bit: which version samples which token follows the timing. Fixed lag stays the
-reproducible mode.
+or filtered (counted) or still pending, and no group is trained twice. A streaming run is not
+reproducible bit for bit: which version samples which token follows the timing. Fixed lag stays
+the reproducible mode.
 
 Metrics per step: `stream/tokens_at_staleness/<k>` (the trained batch's completion tokens by
 staleness; a TensorBoard histogram too), `stream/token_staleness_mean|max`,
@@ -67,8 +70,9 @@ class GroupQueue(_ClosableQueue):
     prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
     index, `policy_version` the version of the group's oldest token.
 
-    Every issued prompt is exactly one of: in flight, queued, consumed, or dropped (counted in
-    `stats`, by admission or consumption). `snapshot()` takes all of it at once, under one lock.
+    Every issued prompt is exactly one of: in flight, queued, consumed, dropped (counted in
+    `stats`, by admission or consumption) or filtered (dynamic sampling, counted). `snapshot()`
+    takes all of it at once, under one lock.
 
     Args:
       capacity: groups held at once (the generator waits in `put` beyond it).
@@ -129,6 +133,23 @@ class GroupQueue(_ClosableQueue):
                     self._cond.notify_all()
                     return True
                 wait_until(self._cond, deadline, "room in the group queue")
+
+    def filter(self, group: ScoredBatch, oversample: int) -> bool:
+        """Dynamic sampling: leaves a group whose samples all got one reward out of the queue
+        (True: counted in `stats.filtered_batches`, no longer in flight) while the groups left
+        out stay within `oversample - 1` per group put so far (plus one); False: queue it."""
+        if oversample <= 1 or len({r.reward for r in group.rollouts}) > 1:
+            return False
+        with self._cond:
+            if group.batch_index not in self._in_flight:
+                raise ValueError(f"group of prompt {group.batch_index} was never issued")
+            s = self.stats
+            put = s.consumed_batches + len(self._items) + s.dropped_batches
+            if s.filtered_batches >= (oversample - 1) * (put + 1):
+                return False
+            s.filtered_batches += 1
+            self._in_flight.discard(group.batch_index)
+            return True
 
     # --- trainer side -------------------------------------------------------------------------
 
@@ -290,7 +311,7 @@ class _StreamProducer:
             batch_index=group.request_id,
             seconds=0.0,
         )
-        rollouts, metrics = ctl.score(generated)
+        rollouts, metrics = ctl.rewarder.score(generated)  # one group: filtered in `_run`
         rollouts = [
             dataclasses.replace(r, token_versions=v.astype(np.int32))
             for r, v in zip(rollouts, versions, strict=True)
@@ -325,7 +346,8 @@ class _StreamProducer:
                     self._counters.recompute_tokens += now[2] - last[2]
                 last = now
                 self.timeline.end(time.perf_counter())
-                self.queue.put(scored)  # waits while the queue is full: generator idle
+                if not self.queue.filter(scored, ctl.config.oversample):
+                    self.queue.put(scored)  # waits while the queue is full: generator idle
                 self.timeline.begin(time.perf_counter())
                 self._submit(outstanding)
         except QueueClosed:
@@ -455,8 +477,10 @@ def _group_metrics(groups: list[ScoredBatch]) -> dict[str, float]:
     """Reward and length figures of the trained groups (each group scored on its own)."""
     rewards = [r.reward for g in groups for r in g.rollouts]
     lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
+    spread = [len({r.reward for r in g.rollouts}) > 1 for g in groups]
     return {
         "reward/mean": float(np.mean(rewards)),
+        "data/informative_trained": float(np.mean(spread)),
         "completion/mean_tokens": float(np.mean(lengths)),
         "completion/max_tokens": float(np.max(lengths)),
         "time/reward_s": float(sum(g.metrics.get("time/reward_s", 0.0) for g in groups)),

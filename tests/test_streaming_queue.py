@@ -1,9 +1,11 @@
 """`GroupQueue` (jaxrl/streaming.py): the oldest token bounds a group's staleness (dropped and
 counted on admission or consumption), every issued prompt is in flight, queued, consumed or
-dropped, and a snapshot restores to the same ledger (in-flight prompts re-issued first)."""
+dropped (or filtered by dynamic sampling, within its budget), and a snapshot restores to the
+same ledger (in-flight prompts re-issued first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -122,3 +124,35 @@ def test_dropping_stale_groups_on_take_wakes_a_generator_waiting_for_room():
     assert [g.batch_index for g in taken] == [2]
     producer.join(timeout=10.0)
     assert out["put"] is True and queue.stats.dropped_on_consumption == 2
+
+
+def test_filter_leaves_out_one_reward_groups_within_the_oversample_budget():
+    queue = GroupQueue(capacity=8, max_staleness=4)
+    for _ in range(7):
+        queue.issue()
+
+    def scored(index: int, rewards: list[float]) -> ScoredBatch:
+        group = _group(index, [[0]] * len(rewards))
+        rollouts = [
+            dataclasses.replace(r, reward=reward)
+            for r, reward in zip(group.rollouts, rewards, strict=True)
+        ]
+        return dataclasses.replace(group, rollouts=rollouts)
+
+    assert not queue.filter(scored(0, [0.0, 1.0]), oversample=2)  # a spread: queued as is
+    assert not queue.filter(scored(0, [1.0, 1.0]), oversample=1)  # no dynamic sampling
+    # oversample 2: one group left out per group put (plus one before the first).
+    assert queue.filter(scored(0, [1.0, 1.0]), oversample=2)
+    assert not queue.filter(scored(1, [0.0, 0.0]), oversample=2)  # over the budget: queue it
+    assert queue.put(scored(1, [0.0, 0.0]))
+    assert queue.filter(scored(2, [0.0, 0.0]), oversample=2)  # one group put: room for one more
+    assert not queue.filter(scored(3, [1.0, 1.0]), oversample=2)
+    assert queue.filter(scored(3, [1.0, 1.0]), oversample=4)  # a larger budget
+    assert queue.stats.filtered_batches == 3
+    with pytest.raises(ValueError, match="never issued"):
+        queue.filter(scored(0, [1.0, 1.0]), oversample=4)  # already left out
+    # The ledger: issued = in flight + queued + filtered.
+    snap = queue.snapshot()
+    assert snap["in_flight_prompts"] == [4, 5, 6] and len(snap["pending_groups"]) == 1
+    restored = GroupQueue.restore(8, 4, 0, snap)
+    assert restored.stats.filtered_batches == 3

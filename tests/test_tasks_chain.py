@@ -74,3 +74,26 @@ def test_reward_parses_and_never_evaluates(completion, reward):
 
 def test_parse_rejects_non_strings():
     assert parse_chain_answer(None) is None
+
+
+@pytest.mark.parametrize(
+    "prompt, completion, reward",
+    [
+        ("3+5+9+2=", "8,17,19", 1.0),
+        ("3+5+9+2=", "19", 1.0),  # a right answer is 1 however it was reached
+        ("3+5+9+2=", "8,17,20", 0.5 * 2 / 3),
+        ("3+5+9+2=", "8,16,20", 0.5 * 1 / 3),
+        ("3+5+9+2=", "9,17,19,", 0.0),  # not a chain
+        ("3+5+9+2=", "8,17,19,22", 0.5 * 2 / 3),  # all sums right, then more: under 0.5
+        ("3+5+9+2=", "8<eos>,17,19", 0.5 * 1 / 3),
+        ("3+5+9+2=", "__import__('os')", 0.0),
+        ("3+5=", "7", 0.0),
+        ("3+x=", "3", 1.0),  # the reference decides a right answer,
+        ("3+x=", "9", 0.0),  # the prompt's chain the partial credit: none here
+    ],
+)
+def test_partial_credit_stays_under_a_right_answer(prompt, completion, reward):
+    answer = str(sum(int(d) for d in prompt[:-1].split("+") if d.isdigit()))
+    got = compute_rewards("chain_sum_partial", [prompt], [completion], [answer])[0]
+    assert got == pytest.approx(reward)
+    assert (got > 0.5) == (chain_reward(completion, answer) == 1.0)  # evaluations unchanged

@@ -16,6 +16,8 @@ the held-out split is the set of problems whose hash (keyed by the seed only) fa
 Reward (`chain_reward`): 1.0 when the completion, up to `<eos>` and stripped, is comma-separated
 ASCII integers (at most `MAX_COMPLETION_CHARS` characters) whose last one equals the sum, else
 0.0. The partial sums are the model's written work: not checked, never evaluated as code.
+`chain_partial_reward` ("chain_sum_partial") also credits the right leading partial sums of a
+wrong answer (under 0.5: evaluations, which count a reward > 0.5 as correct, are unchanged).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ SPLITS = ("train", "heldout")
 MAX_OPERANDS = 32
 MAX_COMPLETION_CHARS = 256
 _CHAIN = re.compile(r"[0-9]{1,8}(,[0-9]{1,8}){0,63}")
+_PROMPT = re.compile(rf"[0-9](\+[0-9]){{1,{MAX_OPERANDS - 1}}}=")
 _MAX_ATTEMPTS = 10_000
 
 
@@ -174,3 +177,27 @@ def chain_reward(completion: str, answer: str) -> float:
     """1.0 if the chain's last number equals the reference sum, else 0.0."""
     predicted = parse_chain_answer(completion)
     return float(predicted is not None and str(predicted) == answer.strip())
+
+
+def chain_partial_reward(prompt: str, completion: str, answer: str) -> float:
+    """`chain_reward`, with partial credit for the written work when the answer is wrong:
+    0.5 x (leading partial sums that are right) / (partial sums the prompt needs), so always
+    under 0.5, and a reward > 0.5 (what evaluations count as correct) is exactly a right answer.
+
+    The partial sums come from the prompt's operands (`"3+5+9+2="`, parsed as digits, never
+    evaluated); a prompt that is not a chain, or a completion that is not one, earns 0.0."""
+    if chain_reward(completion, answer):
+        return 1.0
+    if not isinstance(prompt, str) or not _PROMPT.fullmatch(prompt.strip()):
+        return 0.0
+    if parse_chain_answer(completion) is None:
+        return 0.0
+    want = ChainProblem(tuple(int(d) for d in prompt.strip()[:-1].split("+"))).partial_sums
+    head = completion[:MAX_COMPLETION_CHARS].split(EOS_TOKEN, 1)[0].strip()
+    right = 0
+    for got, expected in zip(head.split(","), want, strict=False):
+        if int(got) != expected:
+            break
+        right += 1
+    # A wrong answer has at most all but the last partial sum right (more were written after).
+    return 0.5 * min(right, len(want) - 1) / len(want)

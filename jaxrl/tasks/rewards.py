@@ -21,8 +21,10 @@ completion, or a `RewardError` naming the reward. Built-in rewards only parse te
 `jaxrl.tasks.answers`); nothing in this package evaluates model output.
 
 Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`), "chain_sum_exact"
-(the last partial sum of a chain, `jaxrl.tasks.chain`) and "math_answer" (final answer of a
-GSM8K / MATH completion equals the reference after numeric normalisation).
+(the last partial sum of a chain, `jaxrl.tasks.chain`), "chain_sum_partial" (the same, with
+partial credit under 0.5 for the right leading partial sums of a wrong answer) and
+"math_answer" (final answer of a GSM8K / MATH completion equals the reference after numeric
+normalisation).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 
 from jaxrl.tasks.answers import answers_match, extract_answer
 from jaxrl.tasks.arithmetic import arithmetic_reward
-from jaxrl.tasks.chain import chain_reward
+from jaxrl.tasks.chain import chain_partial_reward, chain_reward
 from jaxrl.tasks.math_jsonl import reference_answer
 
 
@@ -164,3 +166,4 @@ def _math_answer(prompt: str, completion: str, reference: str | None) -> float:
 register_reward("arithmetic_exact", lambda p, c, r: arithmetic_reward(c, r), per_sample=True)
 register_reward("math_answer", _math_answer, per_sample=True)
 register_reward("chain_sum_exact", lambda p, c, r: chain_reward(c, r), per_sample=True)
+register_reward("chain_sum_partial", chain_partial_reward, per_sample=True)
