@@ -11,8 +11,8 @@ queue and the device-to-device weight push are replaced, by two pipes:
 
 - weights (trainer -> generator): `("weights", version, host params, push time, removed)` after
   each step and `("removed", n)` right after each take, `removed` the cumulative count of queue
-  items (groups or batches) the trainer took or dropped: the generator holds at most the
-  queue's capacity unremoved (the library's generator waits in `put` on a full queue); then
+  items (groups or batches) the trainer took or dropped, from which the generator applies the
+  queue's bounds (fixed lag: `put` waits on a full queue; streaming: `issue` waits); then
   `("stop",)`. `_PipeWeights` is `GeneratorWeights`' interface over it: `newest` polls the pipe
   without blocking (the engine's `update` hook between decode calls), `acquire` blocks.
 - rollouts (generator -> trainer): each scored group (streaming) or batch (fixed lag) as it is
@@ -196,31 +196,59 @@ class _PipeWeights:
 
 
 class _PipeQueue:
-    """The generator's side of the rollout queue: `put` sends, waiting (idle, recorded) while
-    the trainer holds `capacity` items it has not removed yet."""
+    """The generator's side of the rollout queue, counted from what it sent and what the trainer
+    reports removed. Fixed lag (`max_in_flight=None`): `put` sends, waiting (idle, recorded)
+    while the trainer holds `capacity` batches it has not removed. Streaming: `issue` follows
+    `GroupQueue.issue`'s rule (no prompt while `capacity` groups are held, or held + in flight
+    reach `capacity + max_in_flight`), `put` never waits, `filter` is `GroupQueue.filter`'s."""
 
-    def __init__(self, conn, weights: _PipeWeights, capacity: int):
+    def __init__(self, conn, weights: _PipeWeights, capacity: int, max_in_flight=None):
         self.conn, self.weights, self.capacity = conn, weights, capacity
-        self.sent = self.next_prompt = 0
+        self.max_in_flight = max_in_flight
+        self.sent = self.next_prompt = self.filtered = 0
         self.error: BaseException | None = None
 
     @property
     def closed(self) -> bool:
         return self.weights._stopped
 
-    def issue(self) -> int:
+    def _wait(self, full) -> bool:
+        """Reads the pipe until `full()` is False (idle, recorded), or once without blocking;
+        True when there is room."""
+        start = time.perf_counter()
+        self.weights.drain(block=False)
+        while full():
+            self.weights.drain(block=True)
+        if time.perf_counter() - start > 1e-3:
+            self.weights.idle.append((start, time.perf_counter()))
+        return True
+
+    def issue(self, block: bool = True, timeout: float | None = None) -> int | None:
+        def full():
+            held = self.sent - self.weights.removed
+            in_flight = self.next_prompt - self.sent - self.filtered
+            return held >= self.capacity or (held + in_flight >= self.capacity + self.max_in_flight)
+
+        self.weights.drain(block=False)
+        if full() and not block:
+            return None
+        self._wait(full)
         index, self.next_prompt = self.next_prompt, self.next_prompt + 1
         return index
 
     def put(self, item, timeout: float | None = None) -> bool:
-        start = time.perf_counter()
-        self.weights.drain(block=False)
-        while self.sent - self.weights.removed >= self.capacity:
-            self.weights.drain(block=True)
-        if time.perf_counter() - start > 1e-3:
-            self.weights.idle.append((start, time.perf_counter()))
+        if self.max_in_flight is None:  # fixed lag: wait for room for the batch
+            self._wait(lambda: self.sent - self.weights.removed >= self.capacity)
         self.conn.send(item)
         self.sent += 1
+        return True
+
+    def filter(self, group, oversample: int) -> bool:
+        from jaxrl.streaming import leave_out
+
+        if not leave_out(group, oversample, self.filtered, self.sent):
+            return False
+        self.filtered += 1
         return True
 
     def close(self, error: BaseException | None = None) -> None:
@@ -237,8 +265,10 @@ def proxy_generator(spec: dict, weights_in, rollouts_out) -> dict:
     ctl, _ = build(spec, spec["schedule"], with_state=False)
     ctl.weights = _PipeWeights(weights_in)
     if spec["schedule"] == "streaming":
+        from jaxrl.streaming import groups_in_flight
+
         capacity = ctl.config.queue_size * ctl.config.num_prompts  # groups, as run_streaming
-        pipe = _PipeQueue(rollouts_out, ctl.weights, capacity)
+        pipe = _PipeQueue(rollouts_out, ctl.weights, capacity, groups_in_flight(ctl))
         producer = _StreamProducer(ctl, pipe)
     else:
         pipe = _PipeQueue(rollouts_out, ctl.weights, ctl.config.queue_size)  # batches

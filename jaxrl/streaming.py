@@ -5,8 +5,12 @@ waits for a batch's longest completion, and a weight push waits for the batch in
 (`RLConfig.schedule = "streaming"`, after AReaL / PipelineRL / verl fully-async):
 
 * **The generator keeps the engine full.** Its thread submits prompt `i` of the task's stream as
-  engine request `i` (G samples, one prefill) whenever fewer than `slots / G + queue capacity`
-  requests are outstanding, and scores each group the moment its last sample stops.
+  engine request `i` (G samples, one prefill) and scores each group the moment its last sample
+  stops. Back-pressure is on admission, never on decoding: a prompt is issued only while fewer
+  than `queue capacity` groups are queued and fewer than `capacity + slots / G` are queued or
+  in flight; a finished group always goes into the queue. An engine that waited on a full queue
+  would hold its running rows still while versions go by, so long completions, which run
+  through more such waits, would grow staler and be dropped more: a bias against them.
 * **Groups, not batches.** A scored group goes into the `GroupQueue`; each trainer step takes
   the next `num_prompts` groups, in the order they finished.
 * **In-flight weight updates.** After each optimizer step the trainer pushes its weights into
@@ -39,8 +43,9 @@ Metrics per step: `stream/tokens_at_staleness/<k>` (the trained batch's completi
 staleness; a TensorBoard histogram too), `stream/token_staleness_mean|max`,
 `stream/mixed_version_rows` (fraction of rows sampled by more than one version),
 `stream/engine_utilisation` (kept tokens / decode slot-steps since the last step),
-`time/trainer_idle_s`, `time/generator_idle_s` (the generator blocked on a full queue or on
-weights), `stream/push_to_use_s` (from a push to the engine's first decode step with it),
+`time/trainer_idle_s`, `time/generator_idle_s` (the engine drained, waiting for room to issue
+a prompt; a partly filled engine shows in the utilisation instead), `stream/push_to_use_s`
+(from a push to the engine's first decode step with it),
 `stream/swaps`, and the ids of the trained prompts (`stream/trained_prompt/<j>`, for audits).
 """
 
@@ -65,6 +70,15 @@ from jaxrl.tasks.source import encode_prompts
 from jaxrl.trainer import TrainState
 
 
+def leave_out(group: ScoredBatch, oversample: int, filtered: int, put: int) -> bool:
+    """Streaming's dynamic sampling rule: a group whose samples all got one reward (zero
+    advantage, no gradient) is left out while the groups left out (`filtered`) stay within
+    `oversample - 1` per group put into the queue so far (`put`), plus one."""
+    if oversample <= 1 or len({r.reward for r in group.rollouts}) > 1:
+        return False
+    return filtered < (oversample - 1) * (put + 1)
+
+
 class GroupQueue(_ClosableQueue):
     """Scored groups between the streaming generator and the trainer, and the ledger of the
     prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
@@ -75,8 +89,10 @@ class GroupQueue(_ClosableQueue):
     takes all of it at once, under one lock.
 
     Args:
-      capacity: groups held at once (the generator waits in `put` beyond it).
+      capacity: queued groups beyond which no prompt is issued (`issue` waits).
       max_staleness: largest `v_t - v_oldest_token` a consumed group may have.
+      max_in_flight: the most groups in flight once the queue is empty: a prompt is issued only
+        while queued + in flight < capacity + max_in_flight (0: capacity alone bounds it).
       trainer_version, next_prompt, pending, reissue, stats: a resumed run's state (`reissue`:
         the prompts that were in flight, issued again first).
     """
@@ -86,16 +102,21 @@ class GroupQueue(_ClosableQueue):
         capacity: int,
         max_staleness: int,
         *,
+        max_in_flight: int = 0,
         trainer_version: int = 0,
         next_prompt: int = 0,
         pending: list[ScoredBatch] = (),
         reissue: list[int] = (),
         stats: QueueStats | None = None,
     ):
-        if capacity < 1 or max_staleness < 0:
-            raise ValueError(f"capacity={capacity} >= 1 and max_staleness={max_staleness} >= 0")
+        if capacity < 1 or max_staleness < 0 or max_in_flight < 0:
+            raise ValueError(
+                f"need capacity={capacity} >= 1, max_staleness={max_staleness} >= 0 and "
+                f"max_in_flight={max_in_flight} >= 0"
+            )
         super().__init__(pending)
         self.capacity, self.max_staleness = capacity, max_staleness
+        self.max_in_flight = max_in_flight
         self._reissue = collections.deque(reissue)
         self._in_flight: set[int] = set()
         self._trainer_version, self._next_prompt = trainer_version, next_prompt
@@ -103,10 +124,22 @@ class GroupQueue(_ClosableQueue):
 
     # --- generator side -----------------------------------------------------------------------
 
-    def issue(self) -> int:
-        """The next prompt index to submit (re-issued ones first), now in flight."""
+    def issue(self, block: bool = True, timeout: float | None = None) -> int | None:
+        """The next prompt index to submit (re-issued ones first), now in flight. Waits while
+        the queue holds `capacity` groups or queued + in flight reach `capacity + max_in_flight`
+        (`block=False`: None at once)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            self._raise_if_closed()
+            while True:
+                self._raise_if_closed()
+                held = len(self._items)
+                if held < self.capacity and (
+                    held + len(self._in_flight) < self.capacity + self.max_in_flight
+                ):
+                    break
+                if not block:
+                    return None
+                wait_until(self._cond, deadline, "room to issue a prompt")
             if self._reissue:
                 index = self._reissue.popleft()
             else:
@@ -114,41 +147,35 @@ class GroupQueue(_ClosableQueue):
             self._in_flight.add(index)
             return index
 
-    def put(self, group: ScoredBatch, timeout: float | None = None) -> bool:
-        """Queues a scored group (True), or drops it as too stale (False); waits while full."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def put(self, group: ScoredBatch) -> bool:
+        """Queues a scored group (True), or drops it as too stale (False). Never waits: room
+        was taken when its prompt was issued."""
         with self._cond:
+            self._raise_if_closed()
             if group.batch_index not in self._in_flight:
                 raise ValueError(f"group of prompt {group.batch_index} was never issued")
-            while True:
-                self._raise_if_closed()
-                if self._stale(group):
-                    self.stats.dropped_on_admission += 1
-                    self.stats.dropped_samples += group.num_samples
-                    self._in_flight.discard(group.batch_index)
-                    return False
-                if len(self._items) < self.capacity:
-                    self._items.append(group)
-                    self._in_flight.discard(group.batch_index)
-                    self._cond.notify_all()
-                    return True
-                wait_until(self._cond, deadline, "room in the group queue")
+            self._in_flight.discard(group.batch_index)
+            self._cond.notify_all()  # room to issue, or a group to take
+            if self._stale(group):
+                self.stats.dropped_on_admission += 1
+                self.stats.dropped_samples += group.num_samples
+                return False
+            self._items.append(group)
+            return True
 
     def filter(self, group: ScoredBatch, oversample: int) -> bool:
-        """Dynamic sampling: leaves a group whose samples all got one reward out of the queue
-        (True: counted in `stats.filtered_batches`, no longer in flight) while the groups left
-        out stay within `oversample - 1` per group put so far (plus one); False: queue it."""
-        if oversample <= 1 or len({r.reward for r in group.rollouts}) > 1:
-            return False
+        """Dynamic sampling (`leave_out`): True when the group is left out of the queue
+        (counted in `stats.filtered_batches`, no longer in flight); False: queue it."""
         with self._cond:
             if group.batch_index not in self._in_flight:
                 raise ValueError(f"group of prompt {group.batch_index} was never issued")
             s = self.stats
             put = s.consumed_batches + len(self._items) + s.dropped_batches
-            if s.filtered_batches >= (oversample - 1) * (put + 1):
+            if not leave_out(group, oversample, s.filtered_batches, put):
                 return False
             s.filtered_batches += 1
             self._in_flight.discard(group.batch_index)
+            self._cond.notify_all()
             return True
 
     # --- trainer side -------------------------------------------------------------------------
@@ -196,10 +223,13 @@ class GroupQueue(_ClosableQueue):
             }
 
     @classmethod
-    def restore(cls, capacity: int, max_staleness: int, step: int, blob: dict) -> GroupQueue:
+    def restore(
+        cls, capacity: int, max_staleness: int, step: int, blob: dict, max_in_flight: int = 0
+    ) -> GroupQueue:
         return cls(
             capacity,
             max_staleness,
+            max_in_flight=max_in_flight,
             trainer_version=step,
             next_prompt=int(blob["next_prompt"]),
             pending=[ScoredBatch.from_json(g) for g in blob["pending_groups"]],
@@ -228,6 +258,26 @@ class _GeneratorCounters:
     recompute_tokens: int = 0
 
 
+def streaming_engine(ctl: Controller):
+    """The generator's `Engine`, checked for a streaming run."""
+    sampler = ctl.generator.sampler
+    if type(sampler) is not EngineSampler:
+        raise ValueError(
+            f"schedule='streaming' needs the engine as the generator (rl_main.generator = "
+            f"'engine', a single-process generator mesh, no LoRA); got {type(sampler).__name__}"
+        )
+    g = ctl.config.samples_per_prompt
+    if sampler.engine.num_slots < g:
+        raise ValueError(f"{sampler.engine.num_slots} engine slots < samples_per_prompt={g}")
+    return sampler.engine
+
+
+def groups_in_flight(ctl: Controller) -> int:
+    """`GroupQueue.max_in_flight` of a streaming run: the groups the engine's slots hold, so an
+    empty queue gets every slot refilled at once."""
+    return streaming_engine(ctl).num_slots // ctl.config.samples_per_prompt
+
+
 class _StreamProducer:
     """The generator thread: keeps the engine full, swaps weights in between device calls,
     scores each group as it finishes and queues it. Its failure closes the queue and the weight
@@ -235,18 +285,7 @@ class _StreamProducer:
 
     def __init__(self, controller: Controller, queue: GroupQueue):
         self.controller, self.queue = controller, queue
-        sampler = controller.generator.sampler
-        if type(sampler) is not EngineSampler:
-            raise ValueError(
-                f"schedule='streaming' needs the engine as the generator (rl_main.generator = "
-                f"'engine', a single-process generator mesh, no LoRA); got {type(sampler).__name__}"
-            )
-        self.engine = sampler.engine
-        g = controller.config.samples_per_prompt
-        if self.engine.num_slots < g:
-            raise ValueError(f"{self.engine.num_slots} engine slots < samples_per_prompt={g}")
-        # Enough requests that every slot is refilled at once and the queue can fill up.
-        self.outstanding_target = self.engine.num_slots // g + queue.capacity
+        self.engine = streaming_engine(controller)
         self.version: int | None = None
         self.timeline = BusyTimeline()
         self._counters = _GeneratorCounters()
@@ -283,10 +322,13 @@ class _StreamProducer:
         self.version = newer.version
         return newer.version, newer.params
 
-    def _submit(self, outstanding: set[int]) -> None:
+    def _submit(self, outstanding: set[int], block: bool = False) -> None:
+        """Submits prompts while the queue gives room; with `block`, waits for the first."""
         ctl = self.controller
-        while len(outstanding) < self.outstanding_target:
-            index = self.queue.issue()
+        while True:
+            index = self.queue.issue(block=block and not outstanding)
+            if index is None:
+                return
             item = ctl.source.item(index)
             ids = encode_prompts(ctl.tokenizer, [item], ctl.chat_formatted)[0]
             self.engine.submit(
@@ -321,35 +363,36 @@ class _StreamProducer:
     def _run(self) -> None:
         ctl, engine = self.controller, self.engine
         try:
-            first = ctl.weights.acquire(None)
-            self.version = first.version
             outstanding: set[int] = set()
-            self._submit(outstanding)
             stats = engine.stats
             last = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
-            self.timeline.begin(time.perf_counter())
             # Noise keyed by (seed, prompt index, sample, token): the request id is the index.
             key = sampling_key(ctl.config.seed, 0, 0)
-            for group in engine.run(
-                first.params,
-                key,
-                version=first.version,
-                update=self._update,
-                kv_on_update=ctl.config.kv_on_update,
-            ):
-                outstanding.discard(group.request_id)
-                scored = self._score(group)
-                now = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
-                with self._lock:
-                    self._counters.slot_steps += now[0] - last[0]
-                    self._counters.kept_tokens += now[1] - last[1]
-                    self._counters.recompute_tokens += now[2] - last[2]
-                last = now
-                self.timeline.end(time.perf_counter())
-                if not self.queue.filter(scored, ctl.config.oversample):
-                    self.queue.put(scored)  # waits while the queue is full: generator idle
+            while True:
+                # The engine has drained (or not started): idle until a prompt may be issued.
+                self._submit(outstanding, block=True)
                 self.timeline.begin(time.perf_counter())
-                self._submit(outstanding)
+                current = ctl.weights.acquire(None)  # the newest version; frees older ones
+                self.version = current.version
+                for group in engine.run(
+                    current.params,
+                    key,
+                    version=current.version,
+                    update=self._update,
+                    kv_on_update=ctl.config.kv_on_update,
+                ):
+                    outstanding.discard(group.request_id)
+                    scored = self._score(group)
+                    now = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
+                    with self._lock:
+                        self._counters.slot_steps += now[0] - last[0]
+                        self._counters.kept_tokens += now[1] - last[1]
+                        self._counters.recompute_tokens += now[2] - last[2]
+                    last = now
+                    if not self.queue.filter(scored, ctl.config.oversample):
+                        self.queue.put(scored)
+                    self._submit(outstanding)  # as much as the queue gives room for
+                self.timeline.end(time.perf_counter())
         except QueueClosed:
             return  # stopped by the trainer
         except BaseException as error:
@@ -383,9 +426,9 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
     """The trainer's loop of a streaming run (see the module docstring)."""
     c = ctl.config
     step = int(state.step)
-    capacity = c.queue_size * c.num_prompts
+    capacity, in_flight = c.queue_size * c.num_prompts, groups_in_flight(ctl)
     if step == 0:
-        queue = GroupQueue(capacity, c.max_staleness)
+        queue = GroupQueue(capacity, c.max_staleness, max_in_flight=in_flight)
         ctl.io.log(0, ctl.evaluate(state.params), {})
     else:
         saved = {k: (extra or {}).get(k) for k in ("mode", "schedule")}
@@ -394,7 +437,7 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
                 f"the checkpoint at step {step} was written by a run with {saved}, not a "
                 "streaming one; continue it with its own config, or start a fresh workdir"
             )
-        queue = GroupQueue.restore(capacity, c.max_staleness, step, extra)
+        queue = GroupQueue.restore(capacity, c.max_staleness, step, extra, in_flight)
     ctl._publish(state.params, step, 0)
     producer = _StreamProducer(ctl, queue)
     clock = _StepClock(producer.timeline)

@@ -1,6 +1,7 @@
 """`GroupQueue` (jaxrl/streaming.py): the oldest token bounds a group's staleness (dropped and
-counted on admission or consumption), every issued prompt is in flight, queued, consumed or
-dropped (or filtered by dynamic sampling, within its budget), and a snapshot restores to the
+counted on admission or consumption); a prompt is issued only while the queued and in-flight
+groups leave room, and a finished group never waits; every issued prompt is in flight, queued,
+consumed, dropped or filtered (dynamic sampling, within its budget); a snapshot restores to the
 same ledger (in-flight prompts re-issued first)."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _group(index: int, versions_per_row: list[list[int]]) -> ScoredBatch:
 
 
 def test_oldest_token_bounds_staleness_and_every_prompt_is_accounted_for():
-    queue = GroupQueue(capacity=4, max_staleness=1)
+    queue = GroupQueue(capacity=4, max_staleness=1, max_in_flight=2)
     issued = [queue.issue() for _ in range(6)]
     assert issued == list(range(6))
     queue.advance(3)
@@ -61,7 +62,7 @@ def test_oldest_token_bounds_staleness_and_every_prompt_is_accounted_for():
 
 
 def test_take_waits_for_enough_groups_and_close_wakes_it():
-    queue = GroupQueue(capacity=2, max_staleness=0)
+    queue = GroupQueue(capacity=2, max_staleness=0, max_in_flight=1)
     for _ in range(3):
         queue.issue()
     out = {}
@@ -79,20 +80,32 @@ def test_take_waits_for_enough_groups_and_close_wakes_it():
     queue.put(_group(1, [[0]]))
     thread.join(timeout=30.0)
     assert [g.batch_index for g in out["taken"]] == [0, 1]
-    # A full queue blocks the generator until the trainer takes or the run closes it.
+    # A full queue stops new prompts (until the trainer takes or the run closes it), never a
+    # finished group: put does not wait.
     queue.put(_group(2, [[0]]))
     queue.issue()
     queue.issue()
     queue.put(_group(3, [[0]]))
-    blocked = threading.Thread(
-        target=lambda: pytest.raises(QueueClosed, queue.put, _group(4, [[0]]))
-    )
+    assert queue.issue(block=False) is None  # 2 queued: full
+    blocked = threading.Thread(target=lambda: pytest.raises(QueueClosed, queue.issue))
     blocked.start()
     blocked.join(timeout=0.2)
     assert blocked.is_alive()
     queue.close()
     blocked.join(timeout=30.0)
     assert not blocked.is_alive()
+
+
+def test_issue_bounds_queued_plus_in_flight_and_put_never_waits():
+    queue = GroupQueue(capacity=2, max_staleness=4, max_in_flight=2)
+    assert [queue.issue() for _ in range(4)] == [0, 1, 2, 3]
+    assert queue.issue(block=False) is None  # 0 queued + 4 in flight = 2 + 2
+    assert queue.put(_group(0, [[0]]))  # 1 queued + 3 in flight: still no room
+    assert queue.issue(block=False) is None
+    assert queue.put(_group(1, [[0]])) and queue.put(_group(2, [[0]]))  # over capacity: queued
+    assert queue.depth == 3 and queue.issue(block=False) is None  # full: no new prompt
+    queue.take(2, timeout=1.0)  # 1 queued + 1 in flight
+    assert [queue.issue(block=False) for _ in range(3)] == [4, 5, None]
 
 
 def test_token_staleness_metrics_count_every_token():
@@ -108,22 +121,23 @@ def test_token_staleness_metrics_count_every_token():
 
 def test_dropping_stale_groups_on_take_wakes_a_generator_waiting_for_room():
     """A full queue whose groups all turn over-stale: `take` drops them, and the generator
-    blocked in `put` (waiting for room) must be woken, else both wait forever (a lost wake-up
+    blocked in `issue` (waiting for room) must be woken, else both wait forever (a lost wake-up
     seen as a hung streaming run when the trainer outran the generator)."""
-    queue = GroupQueue(capacity=2, max_staleness=0)
+    queue = GroupQueue(capacity=2, max_staleness=0, max_in_flight=1)
     for _ in range(3):
         queue.issue()
     assert queue.put(_group(0, [[0]])) and queue.put(_group(1, [[0]]))
     queue.advance(1)  # groups 0 and 1 are now over-stale, still queued; group 2 will be fresh
     out = {}
-    producer = threading.Thread(target=lambda: out.setdefault("put", queue.put(_group(2, [[1]]))))
+    producer = threading.Thread(target=lambda: out.setdefault("issued", queue.issue()))
     producer.start()
     producer.join(timeout=0.2)
     assert producer.is_alive()  # full (of stale groups): waiting for room
+    assert queue.put(_group(2, [[1]]))
     taken = queue.take(1, timeout=10.0)
     assert [g.batch_index for g in taken] == [2]
     producer.join(timeout=10.0)
-    assert out["put"] is True and queue.stats.dropped_on_consumption == 2
+    assert out["issued"] == 3 and queue.stats.dropped_on_consumption == 2
 
 
 def test_filter_leaves_out_one_reward_groups_within_the_oversample_budget():
