@@ -63,15 +63,16 @@ TWO_DEVICES = [
     "generator/MeshConfig.first_device = 1",
     "generator/MeshConfig.num_devices = 1",
 ]
+# Labels; a row's name adds the loss its config.gin binds (`run_label`).
 RUNS = {
-    "fixed_lag": ("fixed lag 1 (AIPO)", ["RLConfig.schedule = 'fixed_lag'", "RLConfig.lag = 1"]),
-    "streaming": ("streaming, keep (AIPO)", []),
-    # The config binds AIPO's rho, which the plain policy gradient does not take.
+    "fixed_lag": ("fixed lag 1", ["RLConfig.schedule = 'fixed_lag'", "RLConfig.lag = 1"]),
+    "streaming": ("streaming, keep", []),
+    # rho None: in case the config binds AIPO's, which the plain policy gradient does not take.
     "streaming_no_is": (
         "streaming, keep, no correction",
         ["LossConfig.name = 'pg_no_is'", "LossConfig.rho = None"],
     ),
-    "streaming_recompute": ("streaming, recompute (AIPO)", ["RLConfig.kv_on_update = 'recompute'"]),
+    "streaming_recompute": ("streaming, recompute", ["RLConfig.kv_on_update = 'recompute'"]),
 }
 DEFAULT_RUNS = "fixed_lag,streaming,streaming_no_is"
 SMOKE = [
@@ -167,15 +168,31 @@ def read_until(metrics_path: str, until_step: int = 0) -> list[dict]:
     return [r for r in records if r["step"] <= until_step] if until_step > 0 else records
 
 
+def run_label(run: str, workdir: str) -> str:
+    """The run's label with the loss its config.gin binds, e.g. "fixed lag 1 (ppo_clip)"."""
+    import re
+
+    path = os.path.join(workdir, "config.gin")
+    text = open(path).read() if os.path.exists(path) else ""
+    loss = re.search(r"^LossConfig\.name = '(\w+)'", text, re.M)
+    return f"{RUNS[run][0]} ({loss.group(1) if loss else 'aipo'})"
+
+
 def summarise(
-    run: str, metrics_path: str, seconds: float, samples_per_prompt: int, until_step: int = 0
+    run: str,
+    metrics_path: str,
+    seconds: float,
+    samples_per_prompt: int,
+    until_step: int = 0,
+    num_prompts: int = 16,
 ) -> dict:
     """One table row from a run's metrics.jsonl (step 0: the evaluation of the SFT start)."""
     records = read_until(metrics_path, until_step)
     evals = [r for r in records if "eval/accuracy" in r]
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
     last = steps[-1]
-    row = {"run": run, "name": RUNS[run][0], "steps": last["step"], "seconds": round(seconds)}
+    label = run_label(run, os.path.dirname(metrics_path))
+    row = {"run": run, "name": label, "steps": last["step"], "seconds": round(seconds)}
     for key, short in (("eval/accuracy", "greedy"), ("eval/accuracy_t1", "t1")):
         row[f"{short}_start"] = evals[0].get(key, float("nan"))
         row[f"{short}_end"] = evals[-1].get(key, float("nan"))
@@ -186,11 +203,15 @@ def summarise(
         row["token_staleness_max"] = max(r["stream/token_staleness_max"] for r in steps)
         row["mixed_rows"] = _mean(r["stream/mixed_version_rows"] for r in steps)
         row["dropped_groups"] = last["stream/dropped_groups"]
+        row["filtered_groups"] = last.get("data/filtered_groups", 0.0)
     else:  # fixed lag: every token of a batch has the batch's staleness
         row["token_staleness"] = _mean(r["async/staleness"] for r in steps)
         row["token_staleness_max"] = max(r["async/staleness"] for r in steps)
         row["mixed_rows"] = 0.0
         row["dropped_groups"] = last.get("async/dropped_samples", 0.0) / samples_per_prompt
+        # Dynamic sampling: the sampled groups not trained (oversample - 1 per trained one).
+        trained = last["step"] * num_prompts
+        row["filtered_groups"] = last.get("data/prompts_seen", trained) - trained
     row["completion_tokens"] = _mean(r["completion/mean_tokens"] for r in steps)
     row["reward_last50"] = _mean(r["reward/mean"] for r in steps[-50:])
     row["s_per_step"] = statistics.median(
@@ -237,7 +258,7 @@ def plot_curves(workdirs: dict[str, str], path: str, until_step: int = 0) -> str
         start = evals[0]["eval/accuracy"] if start is None else start
         for ax, key in zip(axes, ("eval/accuracy", "eval/accuracy_t1"), strict=True):
             ax.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o",
-                    label=RUNS[run][0])  # fmt: skip
+                    label=run_label(run, workdir))  # fmt: skip
     for ax, title in zip(axes, ("greedy", "temperature 1"), strict=True):
         ax.set_title(f"chain sums, held-out accuracy, {title}")
         ax.set_xlabel("trainer step")
@@ -255,7 +276,8 @@ COLUMNS = [
     ("greedy_end", "greedy end"), ("greedy_last3", "greedy (last 3)"),
     ("greedy_gain_pts", "gain (pts)"), ("t1_start", "T=1 start"), ("t1_last3", "T=1 (last 3)"),
     ("token_staleness", "token staleness"), ("mixed_rows", "mixed-version rows"),
-    ("dropped_groups", "dropped groups"), ("completion_tokens", "mean completion"),
+    ("dropped_groups", "dropped groups"), ("filtered_groups", "filtered groups"),
+    ("completion_tokens", "mean completion"),
     ("reward_last50", "reward (last 50)"), ("s_per_step", "s/step"), ("seconds", "wall s"),
 ]  # fmt: skip
 
@@ -329,10 +351,15 @@ def main(argv=None) -> list[dict]:
     import launch.rl  # noqa: F401  (registers rl_main, which the config binds)
     from bench.common import RESULTS_DIR, gin_values, write_results
 
-    spp = gin_values(CONFIG, [], "RLConfig.samples_per_prompt")["RLConfig.samples_per_prompt"]
+    shape = gin_values(CONFIG, [], "RLConfig.samples_per_prompt", "RLConfig.num_prompts")
     rows = {
         run: summarise(
-            run, os.path.join(workdirs[run], "metrics.jsonl"), seconds[run], spp, args.until_step
+            run,
+            os.path.join(workdirs[run], "metrics.jsonl"),
+            seconds[run],
+            shape["RLConfig.samples_per_prompt"],
+            args.until_step,
+            shape["RLConfig.num_prompts"],
         )
         for run in runs
     }

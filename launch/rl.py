@@ -144,11 +144,13 @@ def rl_main(
     prompt's G samples share one prefill, finished rows free their slots at once) or "static"
     (the left-padded `Sampler`); meshes spanning several processes always use the static one.
     `engine_slots`: the engine's decode slots (0: the rows of one generate call,
-    num_prompts x oversample x samples_per_prompt). `engine_steps_per_call`: decode steps per
-    device call (capped at max_new_tokens). `engine_max_len`: the engine's cache length, the
-    longest prompt + max_new_tokens it takes (0: the model's context). The engine holds one
-    cache of slots x engine_max_len x layers x 2 x kv_heads x head_dim values for the run, so
-    bound both on a large model (e.g. 256 slots x 4096 on Llama 3 8B in bf16: 128 GiB)."""
+    num_prompts x oversample x samples_per_prompt; streaming: num_prompts x samples_per_prompt,
+    one step's groups in flight, however many dynamic sampling leaves out).
+    `engine_steps_per_call`: decode steps per device call (capped at max_new_tokens).
+    `engine_max_len`: the engine's cache length, the longest prompt + max_new_tokens it takes
+    (0: the model's context). The engine holds one cache of slots x engine_max_len x layers x 2
+    x kv_heads x head_dim values for the run, so bound both on a large model (e.g. 256 slots x
+    4096 on Llama 3 8B in bf16: 128 GiB)."""
     if generator not in GENERATORS:
         raise SystemExit(f"rl_main.generator={generator!r}; expected one of {GENERATORS}")
     if engine_slots < 0 or engine_steps_per_call < 1 or engine_max_len < 0:
@@ -232,7 +234,10 @@ def rl_main(
     run_dir.save_model_spec(workdir, model_config, tokenizer)
     engine = {
         "generator": generator,
-        "num_slots": engine_slots or rl.num_prompts * rl.oversample * rl.samples_per_prompt,
+        "num_slots": engine_slots
+        or rl.samples_per_prompt
+        * rl.num_prompts
+        * (1 if rl.schedule == "streaming" else rl.oversample),
         "steps_per_call": min(engine_steps_per_call, rl.max_new_tokens),
         "max_total_len": engine_max_len or None,
     }
