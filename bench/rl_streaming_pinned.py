@@ -47,8 +47,8 @@ def build(spec: dict, schedule: str, with_state: bool):
     """(controller, train state or None) of `spec`'s config on this process's one device.
 
     `schedule`: "sync" (colocated), "fixed_lag" or "streaming" (the generator side gets a
-    `_PipeWeights` later: `controller.weights`). The engine has one slot per sample of a batch
-    (num_prompts x samples_per_prompt), as launch.rl's default."""
+    `_PipeWeights` later: `controller.weights`). The engine has one slot per sample of a step's
+    groups (num_prompts x samples_per_prompt), as launch.rl's streaming default."""
     import dataclasses
 
     from flax import nnx

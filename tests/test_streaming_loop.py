@@ -30,6 +30,7 @@ TINY = [
     "RLConfig.save_every_steps = 2",
     "RLConfig.keep_last_n = 4",
     "RLConfig.max_staleness = 8",  # > STEPS: nothing is dropped, so the ledger is exact
+    "RLConfig.oversample = 1",  # nor left out by dynamic sampling (tests/test_streaming_queue.py)
     "RLConfig.queue_size = 2",
     "rl_main.engine_slots = 16",
     "rl_main.engine_steps_per_call = 4",
