@@ -98,7 +98,8 @@ class RLConfig:
         `num_prompts` groups to finish, new weights are swapped into the running engine between
         decode steps (a trajectory may span versions), `max_staleness` bounds the oldest token
         of a group (staler groups are dropped and counted), `queue_size` counts batches of
-        `num_prompts` groups. Not reproducible bit for bit (timing decides versions).
+        `num_prompts` groups (no prompt is issued while that many are queued; a finished group
+        never waits). Not reproducible bit for bit (timing decides versions).
       kv_on_update (streaming): on a swap, "keep" the running rows' KV or "recompute" it with
         the new weights.
 
