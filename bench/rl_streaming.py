@@ -38,6 +38,8 @@ seconds unreliable (the table says so).
     python -m bench.rl_streaming --steps 12 --warmup 4 --settings 8dev
     python -m bench.rl_streaming --settings pinned --sft_dir RUN/sft --steps 16 --warmup 4
     python -m bench.rl_streaming --smoke   # pinned rows, random weights, 3 steps (a test runs it)
+    python -m bench.rl_streaming --settings pinned --sft_dir RUN/sft \
+        --gin_param "RLConfig.queue_size = 2" --name rl_streaming_queue2   # a variant, apart
 
 Rows of settings not run are kept in bench/results/rl_streaming.{json,md} (with their note).
 """
@@ -168,6 +170,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sft_dir", default="", help="an existing SFT run dir to start from")
     parser.add_argument("--modes_2dev", default="sync,fixed_lag,streaming_keep")
     parser.add_argument(
+        "--gin_param", action="append", default=[], help="a binding added to every row"
+    )
+    parser.add_argument(
+        "--name", default="", help="results name; given, the rows are not merged with earlier ones"
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="the pinned setting only, random weights, 4 prompts x 4 samples, 8 new tokens, "
@@ -186,7 +194,9 @@ def main(argv=None) -> list[dict]:
 
             cores = sorted(os.sched_getaffinity(0))
             modes = args.modes_2dev.split(",")
-            for row in pinned_rows(CONFIG, sft, args.steps, args.warmup, args.smoke, modes, cores):
+            for row in pinned_rows(
+                CONFIG, sft, args.steps, args.warmup, args.smoke, modes, cores, args.gin_param
+            ):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             continue
@@ -196,7 +206,7 @@ def main(argv=None) -> list[dict]:
             params = COMMON + s["params"] + MODES[mode] + [
                 "rl_main.sft = None", f"PolicySpec.init_from = '{sft}'",
                 f"RLConfig.total_steps = {args.steps}",
-            ]  # fmt: skip
+            ] + args.gin_param  # fmt: skip
             load = os.getloadavg()[0]
             seconds = _launch(workdir, params, s["devices"], s["cores"])
             records = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))
@@ -211,12 +221,13 @@ def main(argv=None) -> list[dict]:
         ("python -m bench.rl_streaming --smoke" if args.smoke else
          f"python -m bench.rl_streaming --steps {args.steps} --warmup {args.warmup} "
          f"--sft_steps {args.sft_steps} --settings {','.join(settings)}"
-         + (f" --sft_dir {args.sft_dir}" if args.sft_dir else ""))
+         + (f" --sft_dir {args.sft_dir}" if args.sft_dir else "")
+         + "".join(f" --gin_param {p!r}" for p in args.gin_param))
         + f"; {cores} cores"
         + ("; LOADED MACHINE (load average above the core count): seconds unreliable"
            if loaded else "")
     )  # fmt: skip
-    if not args.smoke:
+    if not args.smoke and not args.name:
         earlier, earlier_note = _earlier_rows(settings)
         rows, note = earlier + rows, note + earlier_note
     columns = [
@@ -229,7 +240,7 @@ def main(argv=None) -> list[dict]:
         ("token_staleness_max", "max token staleness"), ("train_s", "train s"),
         ("load_after", "load after"),
     ]  # fmt: skip
-    name = "rl_streaming_smoke" if args.smoke else "rl_streaming"
+    name = args.name or ("rl_streaming_smoke" if args.smoke else "rl_streaming")
     print(write_results(name, rows, columns, note))
     return rows
 

@@ -40,6 +40,7 @@ SMOKE_PARAMS = [  # random weights, a small batch: checks the plumbing, not the 
     "RLConfig.num_prompts = 4",
     "RLConfig.samples_per_prompt = 4",
     "RLConfig.max_new_tokens = 8",
+    "RLConfig.oversample = 2",  # still left-out groups (random weights: one reward), half the work
 ]
 
 
@@ -492,18 +493,22 @@ def finish_row(mode: str, started, warmup: int, load: float) -> dict:
     return row | {"load_before": load, "load_after": os.getloadavg()[0]}
 
 
-def pinned_rows(config, sft, steps, warmup, smoke, modes, cores) -> list[dict]:
+def pinned_rows(config, sft, steps, warmup, smoke, modes, cores, extra=()) -> list[dict]:
     """The pinned setting's rows, one after the other (they would compete for the cores). The
     smoke run's rows share a persistent compilation cache (it checks the plumbing, not the
     timing; the full run compiles in each fresh process, in the warm-up steps)."""
     if len(cores) < 2:
         raise SystemExit(f"the pinned setting needs 2 cores; this process may use {cores}")
-    params = [
-        "RLConfig.eval_size = 0",
-        f"RLConfig.total_steps = {steps}",
-        "RLConfig.lag = 1",
-        "RLConfig.kv_on_update = 'keep'",
-    ] + (SMOKE_PARAMS if smoke else [])
+    params = (
+        [
+            "RLConfig.eval_size = 0",
+            f"RLConfig.total_steps = {steps}",
+            "RLConfig.lag = 1",
+            "RLConfig.kv_on_update = 'keep'",
+        ]
+        + (SMOKE_PARAMS if smoke else [])
+        + list(extra)
+    )
     spec = {"config": config, "params": params, "sft": None if smoke else sft, "steps": steps}
     import tempfile
 

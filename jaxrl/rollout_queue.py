@@ -118,8 +118,8 @@ class QueueStats:
     dropped_on_admission: int = 0  # batches
     dropped_on_consumption: int = 0  # batches
     dropped_samples: int = 0
-    filtered_batches: int = 0  # streaming dynamic sampling: one reward for the whole group
     staleness_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+    filtered_batches: int = 0  # streaming dynamic sampling: one reward for the whole group
 
     @property
     def dropped_batches(self) -> int:
