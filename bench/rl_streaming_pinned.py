@@ -49,7 +49,9 @@ def build(spec: dict, schedule: str, with_state: bool):
 
     `schedule`: "sync" (colocated), "fixed_lag" or "streaming" (the generator side gets a
     `_PipeWeights` later: `controller.weights`). The engine has one slot per sample of a step's
-    groups (num_prompts x samples_per_prompt), as launch.rl's streaming default."""
+    groups (num_prompts x samples_per_prompt), as launch.rl's streaming default, and with
+    `spec["precompile"]` compiles all its programs before its first batch (`Engine.precompile`,
+    as the config's `rl_main.engine_precompile`)."""
     import dataclasses
 
     from flax import nnx
@@ -100,6 +102,7 @@ def build(spec: dict, schedule: str, with_state: bool):
         tokenizer,
         num_slots=rl.num_prompts * rl.samples_per_prompt,
         steps_per_call=min(8, rl.max_new_tokens),
+        precompile=spec.get("precompile", False),
     )
     ctl = Controller(
         rl,
@@ -496,7 +499,10 @@ def finish_row(mode: str, started, warmup: int, load: float) -> dict:
 def pinned_rows(config, sft, steps, warmup, smoke, modes, cores, extra=()) -> list[dict]:
     """The pinned setting's rows, one after the other (they would compete for the cores). The
     smoke run's rows share a persistent compilation cache (it checks the plumbing, not the
-    timing; the full run compiles in each fresh process, in the warm-up steps)."""
+    timing); the full run's engines precompile all their programs before the first batch (in
+    the warm-up steps), so no compile stalls a measured step: lazily compiled, each new decode
+    or prefill shape stalled the generator 0.7-1.9 s, and the trainer with it, well into the
+    measured steps."""
     if len(cores) < 2:
         raise SystemExit(f"the pinned setting needs 2 cores; this process may use {cores}")
     params = (
@@ -509,7 +515,8 @@ def pinned_rows(config, sft, steps, warmup, smoke, modes, cores, extra=()) -> li
         + (SMOKE_PARAMS if smoke else [])
         + list(extra)
     )
-    spec = {"config": config, "params": params, "sft": None if smoke else sft, "steps": steps}
+    spec = {"config": config, "params": params, "sft": None if smoke else sft, "steps": steps,
+            "precompile": not smoke}  # fmt: skip
     import tempfile
 
     rows = []

@@ -100,6 +100,11 @@ class RLConfig:
         of a group (staler groups are dropped and counted), `queue_size` counts batches of
         `num_prompts` groups (no prompt is issued while that many are queued; a finished group
         never waits). Not reproducible bit for bit (timing decides versions).
+      stream_in_flight (streaming): how far the generator may run ahead of the queue, in
+        groups: a prompt is issued only while queued + in flight < `queue_size x num_prompts`
+        + this. -1: the engine's groups (slots / samples_per_prompt), the engine refilled whole
+        whenever the queue is empty. Smaller values keep fewer finished groups waiting (lower
+        token staleness) at the cost of a partly filled engine while a step's groups finish.
       kv_on_update (streaming): on a swap, "keep" the running rows' KV or "recompute" it with
         the new weights.
 
@@ -131,6 +136,7 @@ class RLConfig:
     stall_timeout_s: float = 900.0
     pack_length: int = 0
     kv_on_update: str = "keep"
+    stream_in_flight: int = -1
 
     def validate(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -155,6 +161,11 @@ class RLConfig:
             raise ValueError(
                 f"schedule='streaming' with mode={self.mode!r}: streaming is an async schedule "
                 "(mode='async')"
+            )
+        if self.stream_in_flight < -1:
+            raise ValueError(
+                f"RLConfig.stream_in_flight={self.stream_in_flight}; use -1 (the engine's "
+                "groups) or a count of groups >= 0"
             )
         if self.queue_size < 1 or not self.stall_timeout_s > 0:
             raise ValueError("queue_size must be >= 1 and stall_timeout_s > 0")

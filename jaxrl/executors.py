@@ -199,12 +199,14 @@ def mesh_sampler(
     generator: str = "engine",
     num_slots: int = 256,
     steps_per_call: int = 8,
+    precompile: bool = False,
 ) -> Sampler | EngineSampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
     `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
-    `steps_per_call` decode steps per device call) or "static" (`Sampler`); see `make_sampler`.
+    `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
+    first use) or "static" (`Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
     (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
@@ -216,6 +218,7 @@ def mesh_sampler(
         trainer.model_config,
         num_slots=num_slots,
         steps_per_call=steps_per_call,
+        precompile=precompile,
         cls_static=AdapterSampler if lora else Sampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
         pad_id=tokenizer.pad_token_id,
@@ -249,7 +252,7 @@ def colocated_sampler(
     """A sampler on the trainer's own mesh and rules (colocated generation: sync mode, evals):
     `sampler.generate(state.params, prompt_ids, SamplingConfig(...), key)` samples from the
     trainer's current params with no copy. `generator`: `mesh_sampler`'s generator, num_slots,
-    steps_per_call."""
+    steps_per_call, precompile."""
     return mesh_sampler(
         trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len, prompt_buckets,
         **generator,

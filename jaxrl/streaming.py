@@ -7,8 +7,10 @@ waits for a batch's longest completion, and a weight push waits for the batch in
 * **The generator keeps the engine full.** Its thread submits prompt `i` of the task's stream as
   engine request `i` (G samples, one prefill) and scores each group the moment its last sample
   stops. Back-pressure is on admission, never on decoding: a prompt is issued only while fewer
-  than `queue capacity` groups are queued and fewer than `capacity + slots / G` are queued or
-  in flight; a finished group always goes into the queue. An engine that waited on a full queue
+  than `queue capacity` groups are queued and fewer than `capacity + RLConfig.stream_in_flight`
+  (default the engine's groups, `slots / G`) are queued or in flight; a finished group always
+  goes into the queue. A smaller margin keeps fewer finished groups waiting for the trainer,
+  so fewer versions go by between sampling and training. An engine that waited on a full queue
   would hold its running rows still while versions go by, so long completions, which run
   through more such waits, would grow staler and be dropped more: a bias against them.
 * **Groups, not batches.** A scored group goes into the `GroupQueue`; each trainer step takes
@@ -273,9 +275,11 @@ def streaming_engine(ctl: Controller):
 
 
 def groups_in_flight(ctl: Controller) -> int:
-    """`GroupQueue.max_in_flight` of a streaming run: the groups the engine's slots hold, so an
-    empty queue gets every slot refilled at once."""
-    return streaming_engine(ctl).num_slots // ctl.config.samples_per_prompt
+    """`GroupQueue.max_in_flight` of a streaming run: `RLConfig.stream_in_flight`, or (-1) the
+    groups the engine's slots hold, so an empty queue gets every slot refilled at once."""
+    engine_groups = streaming_engine(ctl).num_slots // ctl.config.samples_per_prompt
+    lead = ctl.config.stream_in_flight
+    return engine_groups if lead < 0 else lead
 
 
 class _StreamProducer:
@@ -374,6 +378,12 @@ class _StreamProducer:
                 self.timeline.begin(time.perf_counter())
                 current = ctl.weights.acquire(None)  # the newest version; frees older ones
                 self.version = current.version
+                ctl.generator.sampler.warm_up(  # once (rl_main.engine_precompile)
+                    current.params,
+                    ctl.generator.sampling,
+                    ctl.config.samples_per_prompt,
+                    recompute=ctl.config.kv_on_update == "recompute",
+                )
                 for group in engine.run(
                     current.params,
                     key,

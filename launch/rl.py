@@ -124,6 +124,7 @@ def rl_main(
     engine_slots: int = 0,
     engine_steps_per_call: int = 8,
     engine_max_len: int = 0,
+    engine_precompile: bool = False,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -150,7 +151,13 @@ def rl_main(
     `engine_max_len`: the engine's cache length, the longest prompt + max_new_tokens it takes
     (0: the model's context). The engine holds one cache of slots x engine_max_len x layers x 2
     x kv_heads x head_dim values for the run, so bound both on a large model (e.g. 256 slots x
-    4096 on Llama 3 8B in bf16: 128 GiB)."""
+    4096 on Llama 3 8B in bf16: 128 GiB).
+    `engine_precompile`: the generator's engine compiles every program it can call (each decode
+    span x active-slot bucket, prefill batch x prompt-length bucket, slot move) before its first
+    batch, instead of one at a time when a new shape first comes up: a streaming run otherwise
+    stalls its generator, and then its trainer, for each compile during its first hundred or
+    so steps. Costs their compile time once at the start (about 30 s on a CPU core for
+    configs/rl/chain_tiny_streaming.gin)."""
     if generator not in GENERATORS:
         raise SystemExit(f"rl_main.generator={generator!r}; expected one of {GENERATORS}")
     if engine_slots < 0 or engine_steps_per_call < 1 or engine_max_len < 0:
@@ -241,10 +248,11 @@ def rl_main(
         "steps_per_call": min(engine_steps_per_call, rl.max_new_tokens),
         "max_total_len": engine_max_len or None,
     }
+    generator_engine = engine | {"precompile": engine_precompile}  # evals compile lazily
     if layout is not None:
         return _run_roles(
             workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
-            policy, task, sft, mesh, loss, optimizer, model_config, engine,
+            policy, task, sft, mesh, loss, optimizer, model_config, generator_engine,
         )  # fmt: skip
     if lora is not None:
         if initial_source(workdir, policy, sft) is None:
@@ -277,12 +285,13 @@ def rl_main(
 
         weights = None
         if generator_mesh is None:
-            sampler = colocated_sampler(trainer, tokenizer, **engine)
+            sampler = colocated_sampler(trainer, tokenizer, **generator_engine)
         else:
             gen_dtype = resolve_generator_dtype(generator_dtype, gen_mesh)
             sampler = mesh_sampler(
-                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype, **engine
-            )
+                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype,
+                **generator_engine,
+            )  # fmt: skip
             sync = make_weight_sync(
                 trainer.param_shardings,
                 generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
@@ -366,7 +375,7 @@ def _run_roles(
             trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype, **engine
         )
     else:  # evaluations, on the trainer's devices
-        sampler = colocated_sampler(trainer, tokenizer, **engine)
+        sampler = colocated_sampler(trainer, tokenizer, **(engine | {"precompile": False}))
     generator = GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed)
     rewarder = RewardExecutor(
         reward, tokenizer, shuffle_seed=rl.seed if rl.shuffle_rewards else None

@@ -203,6 +203,54 @@ def test_compiled_programs_are_bounded_by_the_buckets(tiny_model):
     assert engine.stats.num_traces <= 3 * 2 + 1, engine.stats.num_traces
 
 
+def test_precompiled_programs_serve_the_whole_run_with_the_same_tokens(tiny_model):
+    """`precompile` compiles every program a run can call (decode per span x active bucket,
+    prefill per prompt-batch x length bucket, moves; recompute's re-prefills): a run with a swap
+    (KV recomputed), slot moves and refills then traces nothing more, and its tokens and
+    log-probs are the lazily compiled run's, bitwise."""
+    kv_on_update = "recompute"
+    sampling = SamplingConfig(32, temperature=1.0)
+    prompts = PROMPTS + [[1, 3, 4], [1, 50, 51, 52, 53], [1, 7]]
+    budgets = BUDGETS + [5, 31, 12]
+    requests = _requests(sampling, prompts, budgets, samples=2)
+    other = Transformer(tiny_model.config, rngs=nnx.Rngs(1), init_std=0.3)
+    _, newer = nnx.split(other)
+
+    def run(precompile: bool):
+        engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=16,
+                                          steps_per_call=4, prompt_buckets=(8,),
+                                          span_buckets=(64,))  # fmt: skip
+        compiled = 0
+        if precompile:
+            compiled = engine.precompile(params, sampling, samples_per_request=2,
+                                         max_prompt_len=8, recompute=True)  # fmt: skip
+        traced = engine.stats.num_traces
+        for r in requests:
+            engine.submit(r)
+        calls = []
+
+        def update(version):  # one swap, at the third device call
+            calls.append(version)
+            return (1, newer) if len(calls) == 3 else None
+
+        out = {g.request_id: g for g in engine.run(params, jax.random.key(3), update=update,
+                                                   kv_on_update=kv_on_update)}  # fmt: skip
+        return out, compiled, engine.stats.num_traces - traced, engine.stats
+
+    lazy, _, lazy_traces, _ = run(precompile=False)
+    ahead, compiled, ahead_traces, stats = run(precompile=True)
+    assert lazy_traces > 0 and ahead_traces == 0, (lazy_traces, ahead_traces)
+    # Spans 64 and the capacity 128 x active buckets 8, 16: 4 decodes, 2 moves; prefills of
+    # (1, 2, 4, 8 prompts) x width 8, and recompute's re-prefills of (1, 2, 4, 8, 16 rows) x
+    # widths (8, 128) less the 4 already there.
+    assert compiled == 4 + 2 + 4 + (5 * 2 - 4), compiled
+    assert stats.swaps == 1 and stats.moved_rows > 0 and stats.recompute_tokens > 0, stats
+    for rid, g in lazy.items():
+        np.testing.assert_array_equal(ahead[rid].tokens_gn, g.tokens_gn)
+        np.testing.assert_array_equal(ahead[rid].logprobs_gn, g.logprobs_gn)
+        np.testing.assert_array_equal(ahead[rid].versions_gn, g.versions_gn)
+
+
 def test_bad_input_is_refused_and_cancelled_requests_free_their_slots(tiny_model):
     engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
                                       max_total_len=40)  # fmt: skip

@@ -34,6 +34,7 @@ TINY = [
     "RLConfig.queue_size = 2",
     "rl_main.engine_slots = 16",
     "rl_main.engine_steps_per_call = 4",
+    "rl_main.engine_precompile = False",  # tests/test_generation_engine.py covers it
     "OptimizerConfig.learning_rate = 1e-2",
     "OptimizerConfig.warmup_steps = 0",
 ]

@@ -108,6 +108,31 @@ def test_issue_bounds_queued_plus_in_flight_and_put_never_waits():
     assert [queue.issue(block=False) for _ in range(3)] == [4, 5, None]
 
 
+def test_stream_in_flight_sets_the_groups_issued_beyond_the_queue():
+    """RLConfig.stream_in_flight is GroupQueue.max_in_flight: -1 the engine's groups (slots /
+    samples_per_prompt), else the count given; below -1 is refused by name."""
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from jaxrl.controller import RLConfig
+    from jaxrl.generation.engine_sampler import EngineSampler
+    from jaxrl.models.config import ModelConfig
+    from jaxrl.models.transformer import Transformer
+    from jaxrl.streaming import groups_in_flight
+
+    with pytest.raises(ValueError, match="stream_in_flight=-2"):
+        RLConfig(mode="async", schedule="streaming", stream_in_flight=-2).validate()
+    model = Transformer(ModelConfig("llama", 16, 8, 16, 1, 2, 2, 4), rngs=nnx.Rngs(0))
+    sampler, _ = EngineSampler.for_model(model, num_slots=32)
+    for lead, expected in ((-1, 32 // 4), (0, 0), (3, 3)):
+        config = RLConfig(mode="async", schedule="streaming", samples_per_prompt=4,
+                          stream_in_flight=lead)  # fmt: skip
+        config.validate()
+        ctl = SimpleNamespace(config=config, generator=SimpleNamespace(sampler=sampler))
+        assert groups_in_flight(ctl) == expected
+
+
 def test_token_staleness_metrics_count_every_token():
     rollouts = _group(0, [[3, 4, 4], [4]]).rollouts
     metrics, staleness = token_staleness_metrics(rollouts, 5)

@@ -47,8 +47,10 @@ class EngineSampler:
     `num_traces`) that decodes with one `Engine` of `num_slots` slots, kept across calls.
 
     Args: as for `Sampler`, plus the engine's `num_slots` (rounded up to a multiple of the
-    data-parallel size) and `steps_per_call`. A call's prompts may outnumber the slots (they
-    queue), but its `num_samples` may not.
+    data-parallel size) and `steps_per_call`; `precompile`: compile every program the engine
+    can call for a sampling config before its first use of it (`warm_up`, `Engine.precompile`)
+    instead of one by one mid-run. A call's prompts may outnumber the slots (they queue), but
+    its `num_samples` may not.
     """
 
     def __init__(
@@ -64,8 +66,11 @@ class EngineSampler:
         steps_per_call: int = 8,
         mesh: jax.sharding.Mesh | None = None,
         rules: ax.LogicalRules | None = None,
+        precompile: bool = False,
     ):
         self.graphdef, self.model_config = graphdef, model_config
+        self.precompile = precompile
+        self._warm: set[tuple] = set()
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
         self.max_total_len = max_total_len or model_config.max_position_embeddings
         # Kept whole: the RL controller pads train batches to these buckets.
@@ -97,6 +102,25 @@ class EngineSampler:
         kwargs.setdefault("eos_ids", c.eos_token_ids)
         return cls(graphdef, c, **kwargs), params
 
+    def warm_up(
+        self, params, sampling: SamplingConfig, num_samples: int, *, recompute: bool = False
+    ) -> None:
+        """With `precompile`, compiles the engine's programs for requests of `sampling` with
+        `num_samples` samples (`recompute`: and kv_on_update="recompute"'s re-prefills), once
+        per such kind; prompts are bounded by `max_total_len - max_new_tokens`. Else nothing."""
+        kind = (self.engine._static_sampling(sampling), num_samples, recompute)
+        if not self.precompile or kind in self._warm:
+            return
+        self._warm.add(kind)
+        self.engine.precompile(
+            params,
+            sampling,
+            samples_per_request=num_samples,
+            max_prompt_len=self.max_total_len - sampling.max_new_tokens,
+            recompute=recompute,
+            progress=lambda line: print(line, flush=True) if jax.process_index() == 0 else None,
+        )
+
     @property
     def num_traces(self) -> int:
         return self.engine.stats.num_traces
@@ -124,6 +148,7 @@ class EngineSampler:
                 "slots; a group's samples decode side by side, so raise the slot count "
                 "(rl_main.engine_slots) to at least the samples per prompt"
             )
+        self.warm_up(params, sampling, num_samples)
         requests = [
             Request(i, tuple(int(t) for t in p), num_samples, sampling)
             for i, p in enumerate(prompts)
@@ -162,8 +187,10 @@ def make_sampler(
                 flush=True,
             )
         kind = "static"
+    precompile = kwargs.pop("precompile", False)
     if kind == "static":
         return cls_static(graphdef, model_config, **kwargs)
     return cls_engine(
-        graphdef, model_config, num_slots=num_slots, steps_per_call=steps_per_call, **kwargs
-    )
+        graphdef, model_config, num_slots=num_slots, steps_per_call=steps_per_call,
+        precompile=precompile, **kwargs,
+    )  # fmt: skip
