@@ -8,8 +8,8 @@ process, or `--sft_dir`), with `init_from`; only the schedule and the loss diffe
 
 1. fixed_lag: `RLConfig.schedule = 'fixed_lag'`, lag 1 (the baseline the config comment names):
    batch k sampled whole by version k - 1, the engine drained after each batch.
-2. streaming: the config as is (kv_on_update "keep", max_staleness 2, queue_size 1, PPO clip,
-   dynamic sampling at oversample 4).
+2. streaming: the config as is (kv_on_update "keep", max_staleness 2, queue_size 1,
+   stream_in_flight 4, PPO clip, dynamic sampling at oversample 4).
 3. streaming_no_is: the same streaming run with the importance correction off: loss "pg_no_is"
    (bench.rl_async_learning's `PlainPGLoss`: AIPO with min(pi/mu, rho) replaced by 1), at the
    same staleness bound, so the same staleness distribution (measured, reported).
