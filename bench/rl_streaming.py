@@ -22,7 +22,7 @@ fixed lag 1 and streaming keep: the trainer on core 0, the generator on core 1),
 sent host to host through a pipe, every scored group (streaming) or batch (fixed lag) sent back
 through another as it is done. The library's own loops run in those processes (the engine with
 in-flight swaps, `_StreamProducer` / `_Producer`, `GroupQueue`'s staleness bound and drops,
-AIPO's `rl_step`); only the queue and the device-to-device push are pipes. (A role-split job,
+the loss's `rl_step`); only the queue and the device-to-device push are pipes. (A role-split job,
 `jaxrl.roles`, runs fixed lag only, hence the proxy.) In the pinned rows, sync's trainer idle
 is the share of each step spent generating and scoring (the same core does both), and its
 generator idle the share spent training.
