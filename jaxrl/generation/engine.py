@@ -628,7 +628,7 @@ class Engine:
         otherwise compiles each the first time it is needed, which stalls the generator
         mid-run (seconds per program on a CPU core). Nothing is executed: the programs are
         lowered for `params`, the cache and host arrays of the shapes and placements `run`
-        passes. Returns how many programs were compiled; `progress` gets one line per kind."""
+        passes. Returns how many programs were compiled; `progress` gets a one-line summary."""
         if self._cache is None:
             self._cache = self._call(self._init_cache)
         config = self._static_sampling(sampling)
