@@ -305,6 +305,7 @@ class Engine:
             self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
         )
         self._move = jax.jit(self._move_impl, static_argnames=("span",), donate_argnums=(0,))
+        self._jitted = {"prefill": self._prefill, "decode": self._decode, "move": self._move}
         # Programs compiled ahead by `precompile`, by (name, static args); `run` uses them
         # (jit's own cache is not filled by an ahead-of-time compile).
         self._compiled: dict[tuple, Any] = {}
@@ -596,9 +597,6 @@ class Engine:
 
     # --- device side --------------------------------------------------------------------------
 
-    def _jitted(self, name: str):
-        return {"prefill": self._prefill, "decode": self._decode, "move": self._move}[name]
-
     @staticmethod
     def _program_key(name: str, args, static: dict) -> tuple:
         shapes = tuple(np.shape(a) for a in args[2:4]) if name == "prefill" else ()
@@ -609,7 +607,7 @@ class Engine:
         compiled = self._compiled.get(self._program_key(name, args, static))
         if compiled is not None:
             return self._call(compiled, *args)
-        return self._call(self._jitted(name), *args, **static)
+        return self._call(self._jitted[name], *args, **static)
 
     def precompile(
         self,
@@ -640,7 +638,7 @@ class Engine:
         batches = sorted({_bucket(k, _pow2_buckets(1, n), n) for k in range(1, most + 1)})
         prefills = [(b, w) for b in batches for w in widths]
         if recompute:  # every running row's prefix (up to the capacity), one row per slot
-            all_widths = [b for b in self.prompt_buckets] + [self.capacity]
+            all_widths = [*self.prompt_buckets, self.capacity]
             rows = sorted({_bucket(k, _pow2_buckets(1, n), n) for k in range(1, n + 1)})
             prefills += [(b, w) for b in rows for w in all_widths if (b, w) not in prefills]
         index = np.zeros(n, np.int32)
@@ -665,7 +663,7 @@ class Engine:
             key = self._program_key(name, args, static)
             if key in self._compiled:
                 continue
-            lowered = self._call(self._jitted(name).lower, *args, **static)
+            lowered = self._call(self._jitted[name].lower, *args, **static)
             self._compiled[key] = lowered.compile()
             done += 1
         if progress is not None:
