@@ -122,6 +122,35 @@ def _check_model(config: ModelConfig) -> None:
         )
 
 
+class _RestoredOriginals(dict):
+    """qwix's table of the functions it patched, name -> original, answering a name it no longer
+    holds with the function now at that path (the original, restored).
+
+    qwix patches a function process-wide while any thread runs an intercepted forward pass
+    (`jnp.asarray`, `lax.dot_general`, ...), and a call from another thread is sent through the
+    patch to the original it looks up in this table. The async loops trace in two threads at
+    once: when the generator's forward pass ends and qwix removes the patch (and the entry)
+    after the trainer's call has entered the patched function but before it looked the entry
+    up, that lookup raised `KeyError: 'jax.numpy.asarray.__code__'` (qwix 0.1.8). The missing
+    entry means the patch is gone, so the function at the path is the original again."""
+
+    def __missing__(self, name: str):
+        from qwix._src import interception
+
+        owner, attr = interception._resolve_path(name)
+        return owner if attr == "__code__" else getattr(owner, attr)
+
+
+def _guard_qwix_threads() -> None:
+    """Installs `_RestoredOriginals` as qwix's table (once, keeping its entries)."""
+    from qwix._src import interception
+
+    manager = interception.interception_manager
+    with manager._lock:
+        if not isinstance(manager._original_fns, _RestoredOriginals):
+            manager._original_fns = _RestoredOriginals(manager._original_fns)
+
+
 def _provider(lora: LoraConfig):
     """qwix's `LoraProvider` for `lora`'s modules, restricted to the kernels `target_kernels`
     names. qwix selects by module path only (its rules carry no parameter name), so the
@@ -131,6 +160,7 @@ def _provider(lora: LoraConfig):
     from qwix._src.providers import ptq
     from qwix._src.utils import flax_util
 
+    _guard_qwix_threads()
     kernels = re.compile(lora.target_kernels)
 
     class KernelLoraProvider(qwix.LoraProvider):

@@ -5,6 +5,7 @@ is the base bit for bit, merged / PEFT exports match the unmerged model (against
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -294,3 +295,57 @@ def test_adapter_bytes_within_two_percent_of_the_model():
         full = nnx.state(nnx.eval_shape(lambda c=config: Transformer(c, rngs=nnx.Rngs(0))))
         fraction = config.num_layers * per_layer / lora_lib.count_params(full)
         assert fraction <= 0.02, (config.num_layers, fraction)
+
+
+def test_a_call_from_another_thread_survives_qwix_removing_its_patch():
+    """The async loops trace the LoRA model in one thread while another calls JAX: qwix patches
+    `jnp.asarray` process-wide during the forward pass and removes the patch when it ends. A call
+    that entered the patched function just before the removal must still reach the original."""
+    from qwix._src import interception
+
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                         scan_layers=False)  # fmt: skip
+    lora = lora_lib.LoraConfig(rank=2, alpha=4.0)
+    graphdef, _ = lora_lib.abstract_lora(config, lora)
+    params = nnx.to_pure_dict(nnx.state(lora_lib.lora_model(config, lora)))
+    tokens = jnp.ones((1, 4), jnp.int32)
+    trace = lambda: jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens))(params)
+
+    # The window itself: the forward pass is over, so the patch and its table entry are gone,
+    # and a call that had entered the patch looks the original up (qwix 0.1.8 raised KeyError).
+    trace()
+    name = "jax.numpy.asarray.__code__"
+    manager = interception.interception_manager
+    assert name not in manager._original_fns
+    out = manager._on_intercepted_called(name, (np.arange(3, dtype=np.int32),), {})
+    np.testing.assert_array_equal(np.asarray(out), [0, 1, 2])
+
+    # And the race as it happens: one thread tracing, one calling, for a few seconds (without
+    # the guard this raised within 1-11 s).
+    stop, errors, calls = threading.Event(), [], [0]
+
+    def tracing():
+        try:
+            while not stop.is_set():
+                trace()
+        except Exception as e:  # noqa: BLE001 - the failure is what is recorded
+            errors.append(e)
+
+    def calling():
+        try:
+            while not stop.is_set():
+                assert int(jnp.asarray(np.int32(calls[0]))) == calls[0]
+                calls[0] += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=tracing), threading.Thread(target=calling)]
+    for t in threads:
+        t.start()
+    stop.wait(3.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert calls[0] > 10
