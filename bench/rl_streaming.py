@@ -12,10 +12,14 @@ row runs in a fresh `launch.rl` process:
 - streaming (keep / recompute): async, the engine never drains, weights swapped in between decode
   steps (`RLConfig.kv_on_update`).
 
-Three settings: "8 devices" (trainer FSDP 2 x TP 2 on devices 0-3, generator 2 x TP 2 on 4-7, as
-the config); "2 devices, 2 cores" (one device per role in one `launch.rl` process pinned to
-cores 0-1 with `os.sched_setaffinity`: both roles' threads share the two cores, since XLA:CPU
-cannot pin one process's threads per role); and "pinned" (`--settings pinned`,
+Settings: "8 devices" (`8dev`: trainer FSDP 2 x TP 2 on devices 0-3, generator 2 x TP 2 on 4-7,
+as the config); `8dev_gen1` (the same with the generator on device 4 alone: XLA:CPU runs one
+multi-device program at a time in a process, so `8dev`'s generator makes no progress while a
+train step runs and the roles take turns, while a one-device generator runs beside the trainer;
+`python -m bench.scale_validate --turns` measures it); "2 devices, 2 cores" (one device per role
+in one `launch.rl` process pinned to cores 0-1 with `os.sched_setaffinity`: both roles' threads
+share the two cores, since XLA:CPU cannot pin one process's threads per role); and "pinned"
+(`--settings pinned`,
 `bench/rl_streaming_pinned.py`), bench/rl's one-core-per-role CPU proxy, labelled a proxy: each
 role its own process pinned to its own core with one CPU device (sync: one process on core 0;
 fixed lag 1 and streaming keep: the trainer on core 0, the generator on core 1), the weights
@@ -35,7 +39,7 @@ shared; the load average is recorded with each row, and a load above the core co
 seconds unreliable (the table says so).
 
     python -m bench.rl_streaming                     # ~30 minutes on an idle 2-core CPU
-    python -m bench.rl_streaming --steps 12 --warmup 4 --settings 8dev
+    python -m bench.rl_streaming --steps 30 --warmup 5 --settings 8dev,8dev_gen1
     python -m bench.rl_streaming --settings pinned --sft_dir RUN/sft --steps 16 --warmup 4
     python -m bench.rl_streaming --smoke   # pinned rows, random weights, 3 steps (a test runs it)
     python -m bench.rl_streaming --settings pinned --sft_dir RUN/sft \
@@ -73,6 +77,14 @@ MODES = {
 }
 SETTINGS = {
     "8dev": {"devices": 8, "cores": None, "params": []},
+    "8dev_gen1": {
+        "devices": 8,
+        "cores": None,
+        "params": [
+            "generator/MeshConfig.axis_sizes = (1, 1)",
+            "generator/MeshConfig.num_devices = 1",
+        ],
+    },
     "2dev": {
         "devices": 2,
         "cores": [0, 1],
@@ -164,7 +176,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sft_steps", type=int, default=300)
-    parser.add_argument("--settings", default="8dev,2dev,pinned")
+    parser.add_argument("--settings", default="8dev,8dev_gen1,pinned")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workdir", default="")
     parser.add_argument("--sft_dir", default="", help="an existing SFT run dir to start from")

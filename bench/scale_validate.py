@@ -565,9 +565,11 @@ def run(steps: int, smoke: bool, settings: tuple[str, ...]) -> tuple[list[dict],
 def turns_check(n: int = 512, reps: int = 40) -> dict:
     """Does this runtime run programs on disjoint devices side by side? A long program (`reps`
     dependent [n, n] matmuls a device) runs on devices 0-3 in a thread; 50 ms later a short one
-    runs on devices 4-7. Returns the seconds of each alone and of the short one issued during
-    the long one: if it waits for the long one to finish, the async roles of the 8-device
-    setting take turns (`phase_row`'s "turns")."""
+    runs on devices 4-7, then (in a second long run) on device 4 alone. Returns the seconds of
+    each alone and of each short one issued during the long one: if it waits for the long one
+    to finish, the async roles of the 8-device setting take turns (`phase_row`'s "turns").
+    XLA:CPU holds a multi-device program while another multi-device program runs, not a
+    one-device one: a one-device generator runs beside a multi-device trainer."""
     import threading
 
     import jax
@@ -591,19 +593,25 @@ def turns_check(n: int = 512, reps: int = 40) -> dict:
         return lambda: fn(x, w).block_until_ready()
 
     devices = jax.devices()
-    long, short = program(devices[:4], n, reps), program(devices[4:8], 64, 5)
+    long = program(devices[:4], n, reps)
+    shorts = {
+        "short": program(devices[4:8], 64, 5),
+        "one_device_short": program(devices[4:5], 64, 5),
+    }
 
     def timed(fn):
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
 
-    out = {"long_alone_s": timed(long), "short_alone_s": timed(short)}
-    thread = threading.Thread(target=long)
-    thread.start()
-    time.sleep(0.05)
-    out["short_during_long_s"] = timed(short)
-    thread.join()
+    out = {"long_alone_s": timed(long)}
+    for name, short in shorts.items():
+        out[f"{name}_alone_s"] = timed(short)
+        thread = threading.Thread(target=long)
+        thread.start()
+        time.sleep(0.05)
+        out[f"{name}_during_long_s"] = timed(short)
+        thread.join()
     return out
 
 
@@ -662,6 +670,9 @@ def main(argv=None):
     parser.add_argument("--turns", action="store_true", help=turns)
     args = parser.parse_args(argv)
     if args.turns:
+        from bench.cpu_devices import simulate
+
+        simulate(8)  # before JAX starts (without it, one CPU device and nothing on 4-7)
         print(json.dumps(turns_check()))
         return None
     steps = args.steps or (3 if args.smoke else 16)

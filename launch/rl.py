@@ -32,7 +32,7 @@ from jaxrl.executors import (
 from jaxrl.generation.engine_sampler import GENERATORS
 from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
-from jaxrl.infra.mesh import check_disjoint, make_mesh
+from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.run_io import RunIO
 from jaxrl.sft import rl_source_after_sft, run_sft
@@ -215,6 +215,9 @@ def rl_main(
     gen_mesh = make_mesh(generator_mesh) if generator_mesh is not None else None
     if gen_mesh is not None:
         check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
+        note = cpu_overlap_note(trainer_mesh, gen_mesh)
+        if note is not None and is_main_process():
+            print(note, flush=True)
     layout = None
     if split:
         from jaxrl.roles import RoleLayoutError, check_roles

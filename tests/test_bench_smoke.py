@@ -55,3 +55,12 @@ def test_bench_rl_step_smoke():
     assert row["step_s"] > 0 and row["train_s"] > 0 and row["generate_s"] > 0
     assert 0.75 <= row["xla_gflop"] / row["minimal_gflop"] <= 1.25, row
     assert row["matmul_peak_gflops"] > row["achieved_gflops"] > 0
+
+
+def test_bench_turns_check_times_a_short_program_on_4_devices_and_on_one():
+    from bench.scale_validate import turns_check
+
+    out = turns_check(n=128, reps=5)
+    shorts = [f"{s}_{w}_s" for s in ("short", "one_device_short") for w in ("alone", "during_long")]
+    assert sorted(out) == sorted(["long_alone_s", *shorts])
+    assert all(v > 0 for v in out.values())

@@ -9,7 +9,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.infra import sharding as sh
-from jaxrl.infra.mesh import MeshConfig, check_disjoint, make_mesh, mesh_device_ids
+from jaxrl.infra.mesh import (
+    MeshConfig,
+    check_disjoint,
+    cpu_overlap_note,
+    make_mesh,
+    mesh_device_ids,
+)
 
 
 class ToyLM(nnx.Module):
@@ -68,6 +74,15 @@ def test_disjoint_role_meshes():
         check_disjoint(
             {"trainer": trainer, "generator": make_mesh(MeshConfig(("dp", "tp"), (2, 2)))}
         )
+
+
+def test_cpu_overlap_note_only_for_two_multi_device_role_meshes():
+    trainer = make_mesh(MeshConfig(("fsdp", "tp"), (2, 2), num_devices=4))
+    generator = make_mesh(MeshConfig(("dp", "tp"), (2, 2), first_device=4))
+    one = make_mesh(MeshConfig(("dp", "tp"), (1, 1), first_device=4, num_devices=1))
+    note = cpu_overlap_note(trainer, generator)
+    assert note is not None and "4-device" in note and "axis_sizes = (1, 1)" in note
+    assert cpu_overlap_note(trainer, one) is None
 
 
 @pytest.mark.parametrize("role", sorted(sh.RULES_BY_ROLE))

@@ -165,6 +165,28 @@ def mesh_device_ids(mesh: Mesh) -> list[int]:
     return [d.id for d in mesh.devices.flat]
 
 
+def cpu_overlap_note(trainer: Mesh, generator: Mesh) -> str | None:
+    """A note when async roles on CPU devices of one process cannot run at the same time: XLA:CPU
+    runs one multi-device program at a time there (`python -m bench.scale_validate --turns`: a
+    4-device program called while another 4-device one runs waits for it to end; a one-device
+    program does not), so
+    a multi-device generator makes no progress during a multi-device train step, and the
+    trainer then waits for its groups. None when the roles can overlap (either mesh on one
+    device, not CPU, or one process per role)."""
+    devices = [*trainer.devices.flat, *generator.devices.flat]
+    if any(d.platform != "cpu" for d in devices):
+        return None
+    if len({d.process_index for d in devices}) > 1 or min(trainer.size, generator.size) < 2:
+        return None
+    return (
+        f"[mesh] note: on CPU devices of one process XLA runs one multi-device program at a "
+        f"time, so the generator's {generator.size}-device programs wait for each of the "
+        f"trainer's {trainer.size}-device steps (the roles do not overlap); a one-device "
+        "generator mesh (generator/MeshConfig.axis_sizes = (1, 1), num_devices = 1) overlaps "
+        "them. GPUs and TPUs run disjoint devices' programs at once."
+    )
+
+
 def check_disjoint(meshes: Mapping[str, Mesh]) -> None:
     """Raises if two role meshes share a device (colocated runs pass one mesh, not two)."""
     owner: dict[int, str] = {}
