@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# 8 simulated CPU devices, and LLVM's fast instruction scheduler (jaxrl/infra/xla_cpu.py).
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8 --xla_backend_extra_options=-pre-RA-sched=fast
 export JAX_PLATFORMS ?= cpu
 
 .PHONY: demo test lint install install-test clean

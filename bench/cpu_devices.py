@@ -7,7 +7,7 @@ import os
 
 
 def simulate(count: int = 8) -> None:
+    from jaxrl.infra.xla_cpu import cpu_xla_flags
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-        os.environ["XLA_FLAGS"] = flags.strip()
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), devices=count)

@@ -27,7 +27,8 @@ import tempfile
 
 _CHILD = r"""
 import json, os, sys, tracemalloc
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from jaxrl.infra.xla_cpu import cpu_xla_flags
+os.environ["XLA_FLAGS"] = cpu_xla_flags("", devices=8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 from flax import nnx

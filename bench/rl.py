@@ -51,6 +51,8 @@ import threading
 import time
 import traceback
 
+from jaxrl.infra.xla_cpu import cpu_xla_flags
+
 FAKE8 = "8 fake devices"
 PROXY = "CPU proxy: 1 core per executor (pinned processes)"
 PROMPT_LEN, NUM_PROMPTS, SAMPLES = 16, 8, 4
@@ -363,7 +365,7 @@ def summarise_proxy_async(trainer: list[dict], generator: list[dict], warmup: in
 
 def _child(fn, args, devices: int, cores, result) -> None:
     """A fresh process: its device count and cores set before JAX starts."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = cpu_xla_flags("", devices=devices)
     os.environ["JAX_PLATFORMS"] = "cpu"
     if cores is not None:
         os.sched_setaffinity(0, cores)

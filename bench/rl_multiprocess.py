@@ -26,6 +26,7 @@ import time
 
 from bench.common import RESULTS_DIR, write_results
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.infra.xla_cpu import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
     ]
     env = dict(os.environ, JAXRL_FAULT="")
     single_env = env | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": cpu_xla_flags("", devices=8),
         "JAX_PLATFORMS": "cpu",
     }
     env.pop("XLA_FLAGS", None)  # local_cluster sets each process's device count

@@ -42,6 +42,7 @@ import time
 
 from bench.common import write_results
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.infra.xla_cpu import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/rl/arith_tiny_roles.gin"
@@ -122,7 +123,7 @@ def main(argv=None) -> dict:
     rows, pairs = [], []
     for repeat in range(args.repeats):  # sync, roles, sync, roles, ...: the load drifts alike
         sync_dir = os.path.join(workdir, f"sync{repeat}")
-        sync_env = env | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+        sync_env = env | {"XLA_FLAGS": cpu_xla_flags("", devices=1)}
         wall, *loads = _launch(
             ["taskset", "-c", "0", *_rl(sync_dir, steps + ONE_DEVICE + SYNC)], sync_env, log
         )

@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from jaxrl.infra.xla_cpu import cpu_xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = (
     "import json, sys\n"
@@ -41,7 +43,7 @@ PHASES = ("step_s", "generate_s", "reward_s", "train_s")
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["XLA_FLAGS"] = cpu_xla_flags("", devices=1)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

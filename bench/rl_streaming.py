@@ -61,6 +61,7 @@ import time
 
 from bench.common import RESULTS_DIR, write_results
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.infra.xla_cpu import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/rl/chain_tiny_streaming.gin"
@@ -100,7 +101,7 @@ SETTINGS = {
 
 
 def _launch(workdir: str, params: list[str], devices: int, cores) -> float:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags("", devices=devices))
     env["PYTHONPATH"] = REPO
     flags = ["--gin_file", CONFIG, "--workdir", workdir]
     for p in params:

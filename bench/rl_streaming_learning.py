@@ -56,6 +56,8 @@ import sys
 import tempfile
 import time
 
+from jaxrl.infra.xla_cpu import cpu_xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/rl/chain_tiny_streaming.gin"
 DEVICES = 2
@@ -127,7 +129,7 @@ def child_main(flags: list[str]) -> None:
 def _launch(workdir: str, params: list[str]) -> float:
     """One `launch.rl` run in a child process on DEVICES simulated devices (its output in
     WORKDIR.log); returns its wall seconds."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags("", devices=DEVICES))
     env |= {"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     flags = ["--gin_file", CONFIG, "--workdir", workdir]
     for p in params:

@@ -16,11 +16,13 @@ import argparse
 import os
 import time
 
+from jaxrl.infra.xla_cpu import cpu_xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> None:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--rl_steps", type=int, default=400)

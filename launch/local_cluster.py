@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 
 from jaxrl.infra.distributed import DistributedConfig, free_port
+from jaxrl.infra.xla_cpu import cpu_xla_flags
 
 EXIT_TIMEOUT = 124
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -42,7 +43,7 @@ def process_env(
     env.update(config.to_env())
     flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
     count = f"--xla_force_host_platform_device_count={devices_per_process}"
-    env["XLA_FLAGS"] = f"{flags} {count}".strip()
+    env["XLA_FLAGS"] = cpu_xla_flags(f"{flags} {count}")
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
     return env

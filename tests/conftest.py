@@ -8,11 +8,12 @@ does not create one).
 
 import os
 
+from jaxrl.infra.xla_cpu import cpu_xla_flags  # noqa: E402 - imports no JAX
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+# 8 devices unless a count is set, and the CPU code-generation guard (jaxrl/infra/xla_cpu.py);
+# subprocesses the tests start inherit both.
+os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
 
 import jax  # noqa: E402
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import workdir as run_dir
+from jaxrl.infra.xla_cpu import cpu_xla_flags
 from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,7 +163,7 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
     assert staleness == [0, 1, 2, 2, 2, 2]
 
     single_dir = tmp_path / "one_process"
-    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = _env() | {"XLA_FLAGS": cpu_xla_flags("", devices=8)}
     single = _run(_rl_command("arith_tiny.gin", single_dir), env | {"JAX_PLATFORMS": "cpu"})
     assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
     one = {"metrics": _metrics(single_dir), "params": _saved_params(single_dir)}

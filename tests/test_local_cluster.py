@@ -11,6 +11,7 @@ import time
 from test_distributed_weight_sync import REPO
 
 from jaxrl.infra.distributed import DistributedConfig
+from jaxrl.infra.xla_cpu import CPU_SCHEDULER_FLAG
 from launch import local_cluster
 
 
@@ -28,7 +29,9 @@ def test_process_env_sets_the_job_and_keeps_other_xla_flags():
     config = DistributedConfig("127.0.0.1:9", 2, 1, transfer_address="127.0.0.1:10")
     base = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", "A": "b"}
     env = local_cluster.process_env(base, config, devices_per_process=3)
-    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3"
+    assert env["XLA_FLAGS"] == (
+        "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3 " + CPU_SCHEDULER_FLAG
+    )
     assert env["A"] == "b" and env["JAX_PLATFORMS"] == "cpu"
     assert DistributedConfig.from_env(env) == config
 
@@ -41,9 +44,13 @@ def test_outputs_are_prefixed_and_each_process_gets_its_id():
     )
     result = _launch(snippet, "--num_processes", "3", "--devices_per_process", "2")
     assert result.returncode == 0, result.stdout + result.stderr
-    for i in range(3):
-        line = f"[{i}] id {i} of 3 --xla_force_host_platform_device_count=2 True"
-        assert line in result.stdout.splitlines(), result.stdout
+    lines = sorted(result.stdout.splitlines())
+    assert len(lines) == 3, result.stdout
+    for i, line in enumerate(lines):
+        words = line.split()
+        assert words[:5] == [f"[{i}]", "id", str(i), "of", "3"] and words[-1] == "True", line
+        flags = {"--xla_force_host_platform_device_count=2", CPU_SCHEDULER_FLAG}
+        assert set(words[5:-1]) == flags, line
 
 
 def test_a_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):

@@ -36,6 +36,7 @@ from test_distributed_rl import (
 )
 
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
+from jaxrl.infra.xla_cpu import cpu_xla_flags
 
 CONFIG = "arith_tiny_roles.gin"
 LAG = MAX_STALENESS = 2  # configs/rl/arith_tiny.gin
@@ -81,7 +82,7 @@ def one_process(tmp_path_factory, xla_cache):
     """The same config on one process with 8 devices (roles are ignored there)."""
     workdir = tmp_path_factory.mktemp("roles") / "one_process"
     env = _cached(_env(), xla_cache)
-    env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env |= {"XLA_FLAGS": cpu_xla_flags("", devices=8), "JAX_PLATFORMS": "cpu"}
     result = _run(_command(workdir), env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run = {"metrics": _metrics(workdir), "params": _saved_params(workdir)}
