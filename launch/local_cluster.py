@@ -41,9 +41,8 @@ def process_env(
     """`base` plus the variables one local process needs."""
     env = dict(base)
     env.update(config.to_env())
-    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
-    count = f"--xla_force_host_platform_device_count={devices_per_process}"
-    env["XLA_FLAGS"] = cpu_xla_flags(f"{flags} {count}")
+    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = cpu_xla_flags(flags, devices=devices_per_process)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -169,10 +169,9 @@ def cpu_overlap_note(trainer: Mesh, generator: Mesh) -> str | None:
     """A note when async roles on CPU devices of one process cannot run at the same time: XLA:CPU
     runs one multi-device program at a time there (`python -m bench.scale_validate --turns`: a
     4-device program called while another 4-device one runs waits for it to end; a one-device
-    program does not), so
-    a multi-device generator makes no progress during a multi-device train step, and the
-    trainer then waits for its groups. None when the roles can overlap (either mesh on one
-    device, not CPU, or one process per role)."""
+    program does not), so a multi-device generator makes no progress during a multi-device
+    train step, and the trainer then waits for its groups. None when the roles can overlap
+    (either mesh on one device, not CPU, or one process per role)."""
     devices = [*trainer.devices.flat, *generator.devices.flat]
     if any(d.platform != "cpu" for d in devices):
         return None
