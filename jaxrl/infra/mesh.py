@@ -179,10 +179,10 @@ def cpu_overlap_note(trainer: Mesh, generator: Mesh) -> str | None:
         return None
     return (
         f"[mesh] note: on CPU devices of one process XLA runs one multi-device program at a "
-        f"time, so the generator's {generator.size}-device programs wait for each of the "
-        f"trainer's {trainer.size}-device steps (the roles do not overlap); a one-device "
-        "generator mesh (generator/MeshConfig.axis_sizes = (1, 1), num_devices = 1) overlaps "
-        "them. GPUs and TPUs run disjoint devices' programs at once."
+        f"time: the generator's {generator.size}-device programs wait while each of the "
+        f"trainer's {trainer.size}-device programs runs, so the roles' device work takes turns; "
+        "a one-device generator mesh (generator/MeshConfig.axis_sizes = (1, 1), num_devices = "
+        "1) runs beside the trainer. GPUs and TPUs run disjoint devices' programs at once."
     )
 
 
