@@ -29,10 +29,10 @@ import time
 from collections.abc import Sequence
 
 from jaxrl.infra.distributed import DistributedConfig, free_port
-from jaxrl.infra.xla_cpu import cpu_xla_flags
+from jaxrl.infra.xla_cpu import DEVICE_COUNT_FLAG, cpu_xla_flags
 
 EXIT_TIMEOUT = 124
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+_DEVICE_COUNT_RE = re.compile(re.escape(DEVICE_COUNT_FLAG) + r"=\S*")
 
 
 def process_env(
@@ -41,7 +41,7 @@ def process_env(
     """`base` plus the variables one local process needs."""
     env = dict(base)
     env.update(config.to_env())
-    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", ""))
+    flags = _DEVICE_COUNT_RE.sub("", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = cpu_xla_flags(flags, devices=devices_per_process)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
