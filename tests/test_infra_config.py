@@ -88,6 +88,15 @@ def test_launch_builds_configs_and_writes_config_gin(gin_file, tmp_path):
         ("toy_train.seed = 'x'", r"toy_train\.seed: expected int"),
         ("ToyOptimConfig.learning_rate = -1.0", r"ToyOptimConfig: learning_rate=-1\.0 must be > 0"),
         ("ToyRunConfig.num_steps = ", r"gin: "),  # a syntax error
+        (  # a bare string: gin's own error was Python's, `malformed node or string`
+            "ToyRunConfig.schedule = cosine",
+            r"--gin_param 'ToyRunConfig.schedule = cosine': strings need quotes(.*); "
+            r"write --gin_param=\"ToyRunConfig.schedule = 'cosine'\"$",
+        ),
+        (  # a keyword: `invalid syntax (<unknown>, line 1)`
+            "ToyRunConfig.schedule=async",
+            r"strings need quotes(.*)--gin_param=\"ToyRunConfig.schedule = 'async'\"$",
+        ),
     ],
 )
 def test_bad_bindings_end_the_launch_naming_them(gin_file, tmp_path, binding, message):
@@ -104,6 +113,17 @@ def test_wrong_type_in_an_unused_config_is_caught(gin_file, tmp_path):
         config_lib.launch(toy_train, ["--gin_file", str(unused), "--workdir", str(tmp_path / "r")])
 
 
+def test_unquoted_string_in_a_gin_file_names_its_line(gin_file, tmp_path):
+    path = tmp_path / "bare.gin"
+    path.write_text(f"include '{gin_file}'\nToyRunConfig.schedule = runs/x  # a path\n")
+    with pytest.raises(SystemExit) as exit_info:
+        config_lib.launch(toy_train, ["--gin_file", str(path), "--workdir", str(tmp_path / "r")])
+    assert str(exit_info.value) == (
+        f"config error: {path}, line 2: `ToyRunConfig.schedule = runs/x  # a path`: strings need "
+        "quotes in gin (its values are Python literals); write `ToyRunConfig.schedule = 'runs/x'`"
+    )
+
+
 def test_missing_required_binding(tmp_path):
     try:
         with pytest.raises(SystemExit, match=r"toy_train\.config is required"):
@@ -114,12 +134,14 @@ def test_missing_required_binding(tmp_path):
         gin.clear_config()
 
 
-def test_workdir_reuse_rules(gin_file, tmp_path):
+def test_workdir_reuse_rules(gin_file, tmp_path, caplog):
     workdir = tmp_path / "run"
     _launch(gin_file, workdir)
     changed = ("--gin_param", "ToyRunConfig.num_steps = 7")
-    # No checkpoint yet (the first launch failed early, say): a fixed config takes the workdir.
+    # No checkpoint yet (the first launch failed early, say): a fixed config takes the workdir,
+    # without a warning about an --overwrite that was not passed.
     _launch(gin_file, workdir, *changed)
+    assert "--overwrite" not in caplog.text
     assert "num_steps = 7" in (workdir / config_lib.CONFIG_FILE).read_text()
     _launch(gin_file, workdir, "--overwrite")
     (workdir / "checkpoints" / "1").mkdir(parents=True)

@@ -301,7 +301,37 @@ def parse_gin(
             f"PYTHONPATH{torch_hint(err)}"
         ) from err
     except (ValueError, SyntaxError, OSError) as err:
-        raise ConfigError(f"gin: {err}{_suggestion(str(err))}") from err
+        raise ConfigError(
+            _unquoted_string_fix(err) or f"gin: {err}{_suggestion(str(err))}"
+        ) from err
+
+
+def _parses(binding: str) -> bool:
+    try:
+        list(gin.config_parser.ConfigParser(binding, gin.config.ParserDelegate(skip_unknown=True)))
+    except (ValueError, SyntaxError):
+        return False
+    return True
+
+
+def _unquoted_string_fix(err: BaseException) -> str | None:
+    """The message for a binding whose value is a bare word or path (`TaskSpec.name = arithmetic`):
+    gin reads values as Python literals, so its own error is Python's about a name
+    (`malformed node or string`, or `invalid syntax` for a keyword such as `async`)."""
+    if not isinstance(err, SyntaxError) or not err.text:
+        return None
+    binding = err.text.strip()
+    key, sep, value = binding.partition("=")
+    value = value.split("#", 1)[0].strip()  # unquoted, so a # starts a comment
+    if not sep or not value or value[0] in "'\"@%([{":
+        return None
+    fixed = f"{key.strip()} = {value!r}"
+    if not _parses(fixed):
+        return None
+    why = "strings need quotes in gin (its values are Python literals)"
+    if err.filename:  # a gin file's line
+        return f"{err.filename}, line {err.lineno}: `{binding}`: {why}; write `{fixed}`"
+    return f"--gin_param '{binding}': {why}; write --gin_param=\"{fixed}\""
 
 
 # Scopes referenced by the gin files of the last `parse_gin` (before its --gin_param bindings).
@@ -512,15 +542,15 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
             # The earlier launch failed before its first checkpoint (a config fixed since):
             # nothing to resume or to lose, so the new config takes the workdir.
             print(f"[jaxrl] {path} holds no checkpoint yet: starting it with the new config")
-            overwrite = True
-        if not overwrite:
+        elif not overwrite:
             raise ConfigError(
                 f"--workdir {path} holds a run with a different config:\n"
                 f"{_config_diff(old, config_text)}\n"
                 "Pass --overwrite to replace that run (deletes its checkpoints and metrics) or "
                 "use a new --workdir."
             )
-        logger.warning("--overwrite: deleting the previous run in %s", path)
+        else:
+            logger.warning("--overwrite: deleting the previous run in %s", path)
         shutil.rmtree(path)
     elif path.exists() and any(path.iterdir()):
         raise ConfigError(
