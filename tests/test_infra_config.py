@@ -1,11 +1,14 @@
 """Gin launch helpers: errors name the binding, config.gin in the workdir, workdir reuse rules."""
 
 import dataclasses
+import logging
+import sys
 
 import gin
 import pytest
 
 from jaxrl.infra import config as config_lib
+from jaxrl.infra.errors import DataError
 
 
 @config_lib.register_config
@@ -36,6 +39,11 @@ CALLS = []
 def toy_train(workdir: str, config: ToyRunConfig = gin.REQUIRED, seed: int = 0):
     CALLS.append((workdir, config, seed))
     return config
+
+
+@gin.configurable
+def toy_read(workdir: str, config: ToyRunConfig = gin.REQUIRED):
+    raise DataError("train.jsonl:2: invalid JSON")
 
 
 BASE = """
@@ -122,6 +130,34 @@ def test_unquoted_string_in_a_gin_file_names_its_line(gin_file, tmp_path):
         f"config error: {path}, line 2: `ToyRunConfig.schedule = runs/x  # a path`: strings need "
         "quotes in gin (its values are Python literals); write `ToyRunConfig.schedule = 'runs/x'`"
     )
+
+
+def test_a_data_error_ends_the_launch_in_one_line(gin_file, tmp_path):
+    """Issue 35: a malformed data file ended the launch with a traceback."""
+
+    flags = ["--gin_file", gin_file, "--gin_param", "toy_read.config = @ToyRunConfig()"]
+    with pytest.raises(SystemExit) as exit_info:
+        config_lib.launch(toy_read, [*flags, "--workdir", str(tmp_path / "run")])
+    assert str(exit_info.value) == "data error: train.jsonl:2: invalid JSON"
+
+
+def test_keep_torch_out_drops_the_transformers_notice_it_causes(monkeypatch):
+    logger = logging.getLogger("transformers")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(logger, "handlers", [handler])
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # restored after the test
+    monkeypatch.delenv("JAXRL_ALLOW_TORCH", raising=False)
+    try:
+        config_lib.keep_torch_out()
+        assert sys.modules["torch"] is None
+    finally:
+        del sys.modules["torch"]
+    logger.warning("PyTorch was not found. Models won't be available and only tokenizers, ...")
+    logger.warning("another warning")
+    assert seen == ["another warning"]
 
 
 def test_missing_required_binding(tmp_path):

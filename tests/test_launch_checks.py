@@ -247,6 +247,18 @@ def test_ctrl_c_saves_and_a_resumed_run_keeps_one_record_per_step(
     assert len(list((workdir / "tensorboard").glob("events.out.tfevents.*"))) == 3
 
 
+def test_a_malformed_jsonl_ends_the_launch_in_one_line(tmp_path):
+    """Issue 35: a bad line in the task's data file ended the launch with a full traceback."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1", "answer": "#### 2"}\n{"question": "2+2"\n')
+    gsm8k = os.path.join(REPO, "configs", "rl", "gsm8k_tiny.gin")
+    with pytest.raises(SystemExit) as exit_info:
+        _rl(gsm8k, tmp_path / "run", f"TaskSpec.train_path = '{bad}'")
+    assert str(exit_info.value) == (
+        f"data error: {bad}:2: invalid JSON (Expecting ',' delimiter at column 1)"
+    )
+
+
 def test_too_few_devices_on_a_cpu_names_the_xla_flag():
     """The 8-device configs on a CPU without XLA_FLAGS said to start 8 processes, never how to
     simulate the devices in one."""

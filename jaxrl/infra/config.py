@@ -46,6 +46,7 @@ import gin
 import jax
 
 from jaxrl.infra import preemption
+from jaxrl.infra.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -579,6 +580,12 @@ def keep_torch_out() -> None:
     """
     if "torch" not in sys.modules and os.environ.get("JAXRL_ALLOW_TORCH") != "1":
         sys.modules["torch"] = None  # the import system's "not importable" marker
+        # transformers would then log "PyTorch was not found ..." on import, on every launch
+        logging.getLogger("transformers").addFilter(_drop_torch_notice)
+
+
+def _drop_torch_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("PyTorch was not found")
 
 
 def import_user_callable(name: str, what: str) -> Callable:
@@ -613,6 +620,16 @@ def torch_hint(error: BaseException) -> str:
     return ""
 
 
+def _without_gin_call_notes(error: BaseException) -> str:
+    """The message of `error` without the `In call to configurable 'X' (<function X at 0x..>)`
+    lines gin adds as it passes through configurables: the message names what is wrong."""
+    lines = str(error).splitlines()
+    return "\n".join(line for line in lines if not _GIN_CALL_NOTE.match(line))
+
+
+_GIN_CALL_NOTE = re.compile(r"^\s+In call to configurable '[^']*' \(<.*>\)$")
+
+
 def launch(
     launch_fn: Callable[..., T], argv: Sequence[str] | None = None, description: str | None = None
 ) -> T:
@@ -639,9 +656,11 @@ def launch(
 
             barrier(f"workdir:{flags.workdir}")
     except ConfigError as err:
-        raise SystemExit(f"config error: {err}") from err
+        raise SystemExit(f"config error: {_without_gin_call_notes(err)}") from err
     try:
         return launch_fn(workdir=flags.workdir, **kwargs)
+    except DataError as err:
+        raise SystemExit(f"data error: {_without_gin_call_notes(err)}") from None
     except preemption.StopRequested as stop:
         print(f"[jaxrl] {stop}", flush=True)
         raise SystemExit(0) from None

@@ -17,12 +17,13 @@ import json
 import os
 from collections.abc import Iterator
 
+from jaxrl.infra.errors import DataError
 from jaxrl.tasks.answers import MAX_ANSWER_CHARS, extract_boxed, extract_hash_answer
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-class JsonlFormatError(ValueError):
+class JsonlFormatError(DataError):
     """A malformed line in a problems file; the message starts with `path:line:`."""
 
 

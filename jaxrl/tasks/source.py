@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxrl.infra.errors import DataError
 from jaxrl.tasks.arithmetic import ArithmeticTask, demonstration, encode_demonstrations
 from jaxrl.tasks.chain import ChainTask, chain_demonstration, encode_chain_demonstrations
 from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION, format_prompt, load_math_jsonl
@@ -197,7 +198,7 @@ class JsonlMathSource:
         self.instruction = instruction or None
         self.examples = self._fitting(load_math_jsonl(train_path), train_path, max_prompt_tokens)
         if not self.examples:
-            raise ValueError(
+            raise DataError(
                 f"{train_path}: no training problems (the file is empty, or no prompt fits "
                 f"in {max_prompt_tokens} tokens); give a jsonl file with one "
                 '{"question": ..., "answer": ...} object per line'
