@@ -3,9 +3,11 @@ process id, and when one process fails the others are stopped (even one that ign
 as JAX processes do) and its exit status is the launcher's. Commands here are tiny Python
 snippets, so no JAX job is started."""
 
+import io
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from test_distributed_weight_sync import REPO
@@ -51,6 +53,16 @@ def test_outputs_are_prefixed_and_each_process_gets_its_id():
         assert words[:5] == [f"[{i}]", "id", str(i), "of", "3"] and words[-1] == "True", line
         flags = {"--xla_force_host_platform_device_count=2", CPU_SCHEDULER_FLAG}
         assert set(words[5:-1]) == flags, line
+
+
+def test_gloo_connection_lines_are_dropped_unless_a_peer_is_missing():
+    """Issue 35: a roles run printed 24 of these, one per rank of each gloo communicator."""
+    gloo = "[Gloo] Rank {} is connected to {} peer ranks. "
+    gloo += "Expected number of connected peer ranks is : 3\n"
+    text = gloo.format(0, 3) + "step 1\n" + gloo.format(1, 3) + gloo.format(2, 2) + "end"
+    out = io.StringIO()
+    local_cluster._pump(1, io.StringIO(text), threading.Lock(), out)
+    assert out.getvalue() == "[1] step 1\n[1] " + gloo.format(2, 2) + "[1] end\n"
 
 
 def test_a_failing_process_stops_the_others_and_sets_the_exit_status(tmp_path):
