@@ -13,7 +13,7 @@ import time
 from test_distributed_weight_sync import REPO
 
 from jaxrl.infra.distributed import DistributedConfig
-from jaxrl.infra.xla_cpu import CPU_SCHEDULER_FLAG
+from jaxrl.infra.xla_cpu import CPU_SCHEDULER_FLAG, set_cpu_xla_flags
 from launch import local_cluster
 
 
@@ -36,6 +36,26 @@ def test_process_env_sets_the_job_and_keeps_other_xla_flags():
     )
     assert env["A"] == "b" and env["JAX_PLATFORMS"] == "cpu"
     assert DistributedConfig.from_env(env) == config
+
+
+def test_launchers_add_the_cpu_scheduler_flag_on_cpu_only():
+    """Issue 35: `python -m launch.rl` left the flag to the user (the config headers omit it)."""
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    set_cpu_xla_flags(env)
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 " + CPU_SCHEDULER_FLAG
+    theirs = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_extra_options=-x"}
+    set_cpu_xla_flags(theirs)
+    assert theirs["XLA_FLAGS"] == "--xla_backend_extra_options=-x"
+    gpu = {"JAX_PLATFORMS": "cuda"}
+    set_cpu_xla_flags(gpu)
+    assert "XLA_FLAGS" not in gpu
+    # Importing the `launch` package sets it, before a launcher's JAX starts its backend.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    snippet = "import os, launch; print(os.environ['XLA_FLAGS'])"
+    result = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert result.stdout.split() == [CPU_SCHEDULER_FLAG], result.stderr
 
 
 def test_outputs_are_prefixed_and_each_process_gets_its_id():

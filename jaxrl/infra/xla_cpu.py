@@ -6,10 +6,16 @@ XLA:CPU compiles. The default list scheduler took unbounded time on one kernel o
 an AVX-512 Xeon), so a run or test that reached it never finished compiling; with this flag it
 compiles in seconds, and decode calls ran at the same speed (within 5%). It affects XLA:CPU
 only, and is set for the CPU runs this project starts (`make`, tests, benchmarks, local
-clusters, the demo); add it to XLA_FLAGS for CPU runs started by hand.
+clusters, the demo, and any `python -m launch.<job>` on a machine without a GPU or TPU, through
+`set_cpu_xla_flags` in `launch/__init__.py`).
 """
 
 from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from collections.abc import MutableMapping
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CPU_SCHEDULER_FLAG = "--xla_backend_extra_options=-pre-RA-sched=fast"
@@ -24,3 +30,30 @@ def cpu_xla_flags(flags: str, devices: int | None = None) -> str:
     if not any(f.startswith("--xla_backend_extra_options") for f in out):
         out.append(CPU_SCHEDULER_FLAG)
     return " ".join(out)
+
+
+def cpu_only(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether JAX will run on the CPU, judged before it starts a backend (XLA reads XLA_FLAGS
+    then): JAX_PLATFORMS names only cpu, or it is unset and neither a GPU plugin for JAX
+    (`jax_plugins`) nor a TPU (a Google PCI device, as JAX itself looks for one) is there."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return {p.strip() for p in platforms.split(",")} == {"cpu"}
+    if importlib.util.find_spec("jax_plugins") is not None:
+        return False
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == "0x1ae0":
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def set_cpu_xla_flags(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Adds `CPU_SCHEDULER_FLAG` to environ's XLA_FLAGS when JAX will run on the CPU (the
+    user's own flags kept; a --xla_backend_extra_options of theirs wins). Call it before JAX
+    starts a backend."""
+    if cpu_only(environ):
+        environ["XLA_FLAGS"] = cpu_xla_flags(environ.get("XLA_FLAGS", ""))
