@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 import gin
@@ -25,8 +26,9 @@ from jaxrl.infra.config import (
     parse_gin,
     register_config,
     resolve_bindings,
+    without_gin_call_notes,
 )
-from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes
 from jaxrl.infra.tpu import TopologyError, device_spec, parse_topology, topology_devices
 from jaxrl.models.presets import PRESETS, preset
 from jaxrl.planning import (
@@ -117,8 +119,22 @@ class PlanConfig:
         )
 
 
-def _mesh(topology: str, axes, sizes):
+def _mesh(role: str, topology: str, axes, sizes):
+    """The role's mesh over every device of `topology`: a mesh on part of the slice failed
+    later, and misleadingly (a 3-device FSDP axis: "pad the vocabulary" for an embedding of
+    4096), or planned a run that leaves chips idle."""
     devices = topology_devices(topology)
+    field = f"PlanConfig.{role}_axis_sizes={tuple(sizes)}"
+    try:
+        n = math.prod(resolve_axis_sizes(sizes, len(devices)))
+    except ValueError as err:
+        raise TopologyError(f"{field} on {topology!r}: {err}") from None
+    if n != len(devices):
+        raise TopologyError(
+            f"{field} (axes {tuple(axes)}) is a mesh of {n} devices, but {topology!r} has "
+            f"{len(devices)}: a plan's mesh spans its slice. Give sizes whose product is "
+            f"{len(devices)} (one may be -1: the rest), or another {role}_topology."
+        )
     return make_mesh(MeshConfig(tuple(axes), tuple(sizes)), devices), devices
 
 
@@ -169,7 +185,9 @@ def print_table(title: str, rows: list[list[str]]) -> None:
 
 
 def _trainer(config: PlanConfig, problems: list[str]) -> None:
-    mesh, devices = _mesh(config.trainer_topology, config.trainer_axes, config.trainer_axis_sizes)
+    mesh, devices = _mesh(
+        "trainer", config.trainer_topology, config.trainer_axes, config.trainer_axis_sizes
+    )
     spec = device_spec(devices)
     optimizer = OptimizerConfig(learning_rate=1e-6, grad_accum_steps=config.grad_accum_steps)
     rows = config.prompts * config.samples
@@ -212,7 +230,7 @@ def _trainer(config: PlanConfig, problems: list[str]) -> None:
 
 def _generator(config: PlanConfig, problems: list[str]) -> None:
     mesh, devices = _mesh(
-        config.generator_topology, config.generator_axes, config.generator_axis_sizes
+        "generator", config.generator_topology, config.generator_axes, config.generator_axis_sizes
     )
     spec = device_spec(devices)
     model_config = config.model_config("generator")
@@ -290,7 +308,7 @@ def main(argv=None) -> int:
             kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
         return plan_main(**kwargs)
     except (ConfigError, TopologyError) as err:
-        print(f"config error: {err}", file=sys.stderr)
+        print(f"config error: {without_gin_call_notes(err)}", file=sys.stderr)
         return 2
 
 

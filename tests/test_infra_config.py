@@ -8,6 +8,7 @@ import gin
 import pytest
 
 from jaxrl.infra import config as config_lib
+from jaxrl.infra import preemption
 from jaxrl.infra.errors import DataError
 
 
@@ -44,6 +45,11 @@ def toy_train(workdir: str, config: ToyRunConfig = gin.REQUIRED, seed: int = 0):
 @gin.configurable
 def toy_read(workdir: str, config: ToyRunConfig = gin.REQUIRED):
     raise DataError("train.jsonl:2: invalid JSON")
+
+
+@gin.configurable
+def toy_stopped(workdir: str, config: ToyRunConfig = gin.REQUIRED):
+    raise preemption.StopRequested("stopped by SIGINT after step 2")
 
 
 BASE = """
@@ -139,6 +145,15 @@ def test_a_data_error_ends_the_launch_in_one_line(gin_file, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         config_lib.launch(toy_read, [*flags, "--workdir", str(tmp_path / "run")])
     assert str(exit_info.value) == "data error: train.jsonl:2: invalid JSON"
+
+
+def test_a_stopped_run_says_so_in_one_line(gin_file, tmp_path, capsys):
+    """Issue 35: gin's `In call to configurable` line followed the message of a Ctrl-C."""
+    flags = ["--gin_file", gin_file, "--gin_param", "toy_stopped.config = @ToyRunConfig()"]
+    with pytest.raises(SystemExit) as exit_info:
+        config_lib.launch(toy_stopped, [*flags, "--workdir", str(tmp_path / "run")])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == "[jaxrl] stopped by SIGINT after step 2\n"
 
 
 def test_keep_torch_out_drops_the_transformers_notice_it_causes(monkeypatch):

@@ -620,7 +620,7 @@ def torch_hint(error: BaseException) -> str:
     return ""
 
 
-def _without_gin_call_notes(error: BaseException) -> str:
+def without_gin_call_notes(error: BaseException) -> str:
     """The message of `error` without the `In call to configurable 'X' (<function X at 0x..>)`
     lines gin adds as it passes through configurables: the message names what is wrong."""
     lines = str(error).splitlines()
@@ -656,13 +656,13 @@ def launch(
 
             barrier(f"workdir:{flags.workdir}")
     except ConfigError as err:
-        raise SystemExit(f"config error: {_without_gin_call_notes(err)}") from err
+        raise SystemExit(f"config error: {without_gin_call_notes(err)}") from err
     try:
         return launch_fn(workdir=flags.workdir, **kwargs)
     except DataError as err:
-        raise SystemExit(f"data error: {_without_gin_call_notes(err)}") from None
+        raise SystemExit(f"data error: {without_gin_call_notes(err)}") from None
     except preemption.StopRequested as stop:
-        print(f"[jaxrl] {stop}", flush=True)
+        print(f"[jaxrl] {without_gin_call_notes(stop)}", flush=True)
         raise SystemExit(0) from None
     except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal, or twice
         print(

@@ -22,6 +22,8 @@ import re
 
 import jax
 
+from jaxrl.infra.xla_cpu import tpu_attached
+
 GiB = 1024**3
 
 
@@ -101,6 +103,13 @@ def topology_devices(name: str) -> list[jax.Device]:
     # libtpu takes a machine-wide lock file for the TPU it expects to own; describing a topology
     # owns nothing, so concurrent planners (and test runs) must not block each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not tpu_attached():
+        # libtpu looks for this machine's TPU slice in the environment (the metadata server is
+        # skipped without a TPU) and logged 6 lines of errors about the accelerator type and
+        # worker hostnames it could not find. Describing one host of no TPUs silences them;
+        # the topology described, and what compiles for it, is the same.
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     try:
         from jax.experimental import topologies
 

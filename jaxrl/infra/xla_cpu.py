@@ -39,16 +39,20 @@ def cpu_only(environ: MutableMapping[str, str] = os.environ) -> bool:
     platforms = environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return {p.strip() for p in platforms.split(",")} == {"cpu"}
-    if importlib.util.find_spec("jax_plugins") is not None:
-        return False
+    return importlib.util.find_spec("jax_plugins") is None and not tpu_attached()
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has a TPU: a PCI device of Google's vendor id, which is how JAX
+    looks for one (`jax._src.hardware_utils`)."""
     for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(vendor) as f:
                 if f.read().strip() == "0x1ae0":
-                    return False
+                    return True
         except OSError:
             continue
-    return True
+    return False
 
 
 def set_cpu_xla_flags(environ: MutableMapping[str, str] = os.environ) -> None:
