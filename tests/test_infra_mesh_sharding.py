@@ -166,5 +166,16 @@ def test_sharding_errors_name_the_problem():
         sh.init_sharded(Bare, mesh, sh.TRAINER_RULES)
     _, state, _ = sh.init_sharded(Bare, mesh, sh.TRAINER_RULES, allow_unannotated=True)
     assert state["w"].get_value().sharding.spec == P()
+
+    class Odd(nnx.Module):  # issue 35: "pad ... (e.g. a vocabulary)" was said of any dimension
+        def __init__(self):
+            names = ("embed", "vocab")
+            self.w = nnx.Param(jnp.ones((6, 6)), out_sharding=names, eager_sharding=False)
+
+    with pytest.raises(ValueError, match=r"\('fsdp',\) \(4 devices\): give those axes") as info:
+        sh.init_sharded(Odd, mesh, sh.TRAINER_RULES)
+    assert "vocabulary" not in str(info.value)
+    with pytest.raises(ValueError, match=r"\(4 devices\): pad the vocabulary to a multiple of 4"):
+        sh.init_sharded(Odd, make_mesh(MeshConfig(("fsdp", "tp"), (1, 4))), sh.TRAINER_RULES)
     with pytest.raises(KeyError, match="no sharding rules for role 'reward'"):
         sh.rules_for_role("reward")

@@ -224,11 +224,16 @@ def _variable_sharding(
         )
         split = math.prod(mesh.shape[a] for a in axes)
         if size % split:
+            # Padding fixes a vocabulary (unused ids); other sizes are the model's own.
+            pad = (
+                f"pad the vocabulary to a multiple of {split} (unused ids), "
+                if name == VOCAB
+                else ""
+            )
             raise ValueError(
                 f"parameter {where} {shape}: dimension {dim} ({name!r}, size {size}) does not "
-                f"divide over mesh axes {tuple(axes)} ({split} devices). Pad it to a multiple of "
-                f"{split} (e.g. a vocabulary padded with unused ids), change the mesh, or map "
-                f"{name!r} to None in the rules."
+                f"divide over mesh axes {tuple(axes)} ({split} devices): {pad}give those axes "
+                f"sizes whose product divides {size}, or map {name!r} to None in the rules."
             )
     return variable.replace(NamedSharding(mesh, spec))
 
