@@ -219,7 +219,7 @@ def test_precompiled_programs_serve_the_whole_run_with_the_same_tokens(tiny_mode
     def run(precompile: bool):
         engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=16,
                                           steps_per_call=4, prompt_buckets=(8,),
-                                          span_buckets=(64,))  # fmt: skip
+                                          span_buckets=(64,), max_total_len=128)  # fmt: skip
         compiled = 0
         if precompile:
             compiled = engine.precompile(params, sampling, samples_per_request=2,

@@ -7,8 +7,9 @@ This engine removes those three wastes.
 Design
 ------
 * **Slots.** A fixed number `S` of decode rows share one KV cache `[S, C, K, D]` per layer
-  (`C = max_total_len`). Each slot holds one sample of one request. A host FIFO queue holds the
-  requests (prompt ids, G samples, per-request `max_new_tokens`, a `SamplingConfig`).
+  (`C = max_total_len`, or sized from the requests and grown as longer ones arrive). Each slot
+  holds one sample of one request. A host FIFO queue holds the requests (prompt ids, G
+  samples, per-request `max_new_tokens`, a `SamplingConfig`).
 * **One prefill per group.** When at least G slots are free, the head request is admitted: its
   prompt is run through the model once (prompts admitted together are prefilled together,
   right-padded into a `[P_bucket, L_bucket]` batch) and its keys/values are copied into each of its
@@ -89,6 +90,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
+from jaxrl.generation import kv_memory
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
 from jaxrl.generation.sampling import SamplingConfig, inverse_cdf_tokens, processed_logprobs
 from jaxrl.infra import sharding as ax
@@ -102,6 +104,8 @@ from jaxrl.models.transformer import (
 )
 
 KV_ON_UPDATE = ("keep", "recompute")
+# The shortest cache an engine that grows with its requests starts from.
+MIN_CAPACITY = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +230,11 @@ class Engine:
       graphdef, model_config: as for `Sampler`.
       num_slots: decode rows (S); a request's G must not exceed it.
       pad_id, eos_ids: as for `Sampler` (EOS ends a row unless `SamplingConfig.ignore_eos`).
-      max_total_len: cache capacity C, the longest prompt + completion (default: the model's
-        `max_position_embeddings`).
+      max_total_len: cache capacity C, the longest prompt + completion. None: the cache is
+        sized from the requests (`reserve`: the next power of two, at least `MIN_CAPACITY`,
+        above the longest prompt + max_new_tokens so far), growing up to the model's
+        `max_position_embeddings`. Either way a cache that would not fit in the devices' free
+        memory is refused before it is allocated (`jaxrl.generation.kv_memory`).
       steps_per_call: decode steps per device call between refills.
       prompt_buckets: allowed padded prompt lengths for prefill (capped at C).
       span_buckets: allowed attended prefixes for decode (default: powers of two from 32, and C).
@@ -270,15 +277,12 @@ class Engine:
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
-        self.capacity = int(max_total_len or model_config.max_position_embeddings)
-        self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
-        self.span_buckets = tuple(
-            sorted(
-                b
-                for b in (span_buckets or _pow2_buckets(min(32, self.capacity), self.capacity))
-                if b <= self.capacity
-            )
-        )
+        # The longest prompt + completion accepted; the cache spans `capacity <= max_capacity`
+        # positions, grown with the requests when no max_total_len is given.
+        self.max_capacity = int(max_total_len or model_config.max_position_embeddings)
+        self.grows = max_total_len is None
+        self._asked_buckets = (tuple(prompt_buckets), span_buckets)
+        self._set_buckets(min(MIN_CAPACITY, self.max_capacity) if self.grows else self.max_capacity)
         self.mesh, self.rules = mesh, rules
         if mesh is not None:
             batch_axes = dict(rules)[ax.ACT_BATCH]
@@ -309,6 +313,8 @@ class Engine:
         # Programs compiled ahead by `precompile`, by (name, static args); `run` uses them
         # (jit's own cache is not filled by an ahead-of-time compile).
         self._compiled: dict[tuple, Any] = {}
+        if not compile_only and not self.grows:
+            self._check_fits(self.capacity)
 
     @classmethod
     def for_model(cls, model: Transformer, **kwargs) -> tuple[Engine, nnx.State]:
@@ -318,6 +324,50 @@ class Engine:
         kwargs.setdefault("pad_id", c.pad_token_id if c.pad_token_id is not None else 0)
         kwargs.setdefault("eos_ids", c.eos_token_ids)
         return cls(graphdef, c, **kwargs), params
+
+    # --- the cache's length -------------------------------------------------------------------
+
+    def _set_buckets(self, capacity: int) -> None:
+        prompt_buckets, span_buckets = self._asked_buckets
+        self.capacity = int(capacity)
+        self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
+        spans = span_buckets or _pow2_buckets(min(32, self.capacity), self.capacity)
+        self.span_buckets = tuple(sorted(b for b in spans if b <= self.capacity))
+
+    def _check_fits(self, capacity: int) -> None:
+        devices = None if self.mesh is None else self.mesh.devices.flat
+        kv_memory.check_cache_fits(
+            self.model_config, self.num_slots, capacity, self.abstract_cache(capacity), devices
+        )
+
+    def reserve(self, positions: int | None = None) -> None:
+        """Grows the cache (an engine built without max_total_len) to hold requests of
+        `positions` prompt + completion tokens (default: the longest queued request), to the
+        next power of two (at least `MIN_CAPACITY`) up to `max_capacity`; refuses with the
+        figures when that cache cannot fit in memory. Running rows keep their keys and values;
+        the programs compiled for the old length are compiled again as they come up. Decode and
+        prefill shapes follow the rows, not the capacity, so a grown engine samples the same
+        tokens and log-probs. A no-op for a fixed-length engine or a cache already long enough.
+        """
+        if positions is None:
+            positions = max((len(r.prompt) + r.budget for r in self._queue), default=0)
+        if not self.grows or positions <= self.capacity:
+            return
+        capacity = min(self.max_capacity, max(MIN_CAPACITY, 1 << (int(positions) - 1).bit_length()))
+        self._check_fits(capacity)
+        if self._cache is not None:
+            axis = 2 if self.model_config.scan_layers else 1  # [L,] S, C, K, D
+            extra = capacity - self.capacity
+
+            def pad(cache):
+                widths = [(0, 0)] * cache.ndim
+                widths[axis] = (0, extra)
+                return jnp.pad(cache, widths)
+
+            grow = jax.jit(lambda c: constrain_cache(jax.tree.map(pad, c)), donate_argnums=0)
+            self._cache = self._call(grow, self._cache)
+        self._compiled.clear()
+        self._set_buckets(capacity)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -332,11 +382,11 @@ class Engine:
             )
         if request.budget < 1:
             raise ValueError(f"request {rid}: max_new_tokens={request.budget}; must be >= 1")
-        if n + request.budget > self.capacity:
+        if n + request.budget > self.max_capacity:
             raise ValueError(
                 f"request {rid}: prompt of {n} tokens + max_new_tokens={request.budget} exceeds "
-                f"the engine's context of {self.capacity} tokens; shorten or truncate the prompt, "
-                "lower max_new_tokens, or build the engine with a larger max_total_len"
+                f"the engine's context of {self.max_capacity} tokens; shorten or truncate the "
+                "prompt, lower max_new_tokens, or build the engine with a larger max_total_len"
             )
         if not 1 <= request.num_samples <= self.num_slots:
             raise ValueError(
@@ -397,6 +447,7 @@ class Engine:
             raise ValueError(f"kv_on_update={kv_on_update!r}; use one of {KV_ON_UPDATE}")
         s_count, n_steps = self.num_slots, self.steps_per_call
         key_data = np.asarray(jax.random.key_data(key))
+        self.reserve()
         if self._cache is None:
             self._cache = self._call(self._init_cache)
         # Host mirrors of the per-slot state (the device gets them each call: [S] int32 / bool).
@@ -441,6 +492,7 @@ class Engine:
                     break
                 if head.num_samples > len(free):
                     break
+                self.reserve(len(head.prompt) + head.budget)  # a request submitted mid-run
                 config = head_config
                 self._queue.popleft()
                 slots, free = free[: head.num_samples], free[head.num_samples :]
@@ -484,7 +536,10 @@ class Engine:
                     group = running[owner[b]]
                     group.slots[group.slots.index(a)] = b
             active = _bucket(int(np.flatnonzero(live).max()) + 1, self.active_buckets, s_count)
-            span = _bucket(int(pos[live].max()) + n_steps, self.span_buckets, self.capacity)
+            # Past each live row's last write this call (its budget may end sooner than
+            # n_steps): the span follows the rows, never the cache's length.
+            last = pos[live] + np.minimum(n_steps, budget[live] - index[live])
+            span = _bucket(int(last.max()), self.span_buckets, self.capacity)
             self._cache, new_state, out = self._program(
                 "decode",
                 params,
@@ -686,12 +741,13 @@ class Engine:
         spec = ax.logical_to_pspec((ax.ACT_BATCH,), self.rules)
         return ax.place_host(array, jax.sharding.NamedSharding(self.mesh, spec))
 
-    def cache_shardings(self):
-        """NamedShardings of the KV cache on the engine's mesh (None without a mesh)."""
+    def cache_shardings(self, positions: int | None = None):
+        """NamedShardings of the KV cache (of `positions`, default the capacity) on the engine's
+        mesh (None without a mesh)."""
         if self.mesh is None:
             return None
         abstract = jax.eval_shape(
-            lambda: init_cache(self.model_config, self.num_slots, self.capacity)
+            lambda: init_cache(self.model_config, self.num_slots, positions or self.capacity)
         )
         axes = (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)
         return jax.tree.map(
@@ -743,12 +799,13 @@ class Engine:
     def _replicated(self):
         return None if self.mesh is None else ax.replicated(self.mesh)
 
-    def abstract_cache(self):
-        """ShapeDtypeStructs of the KV cache, with its shardings on a mesh."""
+    def abstract_cache(self, positions: int | None = None):
+        """ShapeDtypeStructs of the KV cache (of `positions`, default the capacity), with its
+        shardings on a mesh."""
         abstract = jax.eval_shape(
-            lambda: init_cache(self.model_config, self.num_slots, self.capacity)
+            lambda: init_cache(self.model_config, self.num_slots, positions or self.capacity)
         )
-        shardings = self.cache_shardings()
+        shardings = self.cache_shardings(positions)
         if shardings is None:
             return abstract
         return ax.attach_shardings(abstract, shardings)

@@ -50,7 +50,10 @@ class EngineSampler:
     data-parallel size) and `steps_per_call`; `precompile`: compile every program the engine
     can call for a sampling config before its first use of it (`warm_up`, `Engine.precompile`)
     instead of one by one mid-run. A call's prompts may outnumber the slots (they queue), but
-    its `num_samples` may not.
+    its `num_samples` may not. `max_total_len` None (the default): prompts up to the model's
+    context are accepted and the KV cache is sized from the calls (the longest prompt +
+    max_new_tokens so far, see `Engine.reserve`), so a long-context model with the default 256
+    slots allocates what its requests need, not `256 x max_position_embeddings` positions.
     """
 
     def __init__(
@@ -72,6 +75,8 @@ class EngineSampler:
         self.precompile = precompile
         self._warm: set[tuple] = set()
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
+        # The longest prompt + completion a call may ask for; with None the engine's cache is
+        # sized from the calls (`Engine.reserve`), not this.
         self.max_total_len = max_total_len or model_config.max_position_embeddings
         # Kept whole: the RL controller pads train batches to these buckets.
         self.prompt_buckets = tuple(sorted(prompt_buckets))
@@ -88,7 +93,7 @@ class EngineSampler:
             steps_per_call=steps_per_call,
             pad_id=pad_id,
             eos_ids=eos_ids,
-            max_total_len=self.max_total_len,
+            max_total_len=max_total_len,
             prompt_buckets=prompt_buckets,
             mesh=mesh,
             rules=rules,
@@ -107,8 +112,12 @@ class EngineSampler:
     ) -> None:
         """With `precompile`, compiles the engine's programs for requests of `sampling` with
         `num_samples` samples (`recompute`: and kv_on_update="recompute"'s re-prefills), once
-        per such kind; prompts are bounded by `max_total_len - max_new_tokens`. Else nothing."""
+        per such kind and cache length; prompts are bounded by the cache's length (an engine
+        sized from its requests is first grown for the queued ones) less max_new_tokens. Else
+        nothing."""
+        self.engine.reserve()
         kind = (self.engine._static_sampling(sampling), num_samples, recompute)
+        kind += (self.engine.capacity,)
         if not self.precompile or kind in self._warm:
             return
         self._warm.add(kind)
@@ -116,7 +125,7 @@ class EngineSampler:
             params,
             sampling,
             samples_per_request=num_samples,
-            max_prompt_len=self.max_total_len - sampling.max_new_tokens,
+            max_prompt_len=self.engine.capacity - sampling.max_new_tokens,
             recompute=recompute,
             progress=lambda line: print(line, flush=True) if jax.process_index() == 0 else None,
         )
@@ -148,6 +157,7 @@ class EngineSampler:
                 "slots; a group's samples decode side by side, so raise the slot count "
                 "(rl_main.engine_slots) to at least the samples per prompt"
             )
+        self.engine.reserve(max(len(p) for p in prompts) + sampling.max_new_tokens)
         self.warm_up(params, sampling, num_samples)
         requests = [
             Request(i, tuple(int(t) for t in p), num_samples, sampling)
