@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -192,6 +192,54 @@ def init_state(params: Params, optimizer: optax.GradientTransformation) -> Train
     )
 
 
+# --- mixed precision (docs/precision.md) ---------------------------------------------------------
+
+
+class MasterWeightsState(NamedTuple):
+    """The optimizer state of `with_master_weights`: float32 copies of the params (`master`, the
+    params' tree and shapes, so they take the params' shardings) and the wrapped transformation's
+    state, built on the master copies (Adam's moments in float32)."""
+
+    master: Params
+    inner: Any
+
+
+def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` run on float32 master weights of low-precision (bf16 / fp16) params.
+
+    Per parameter, with master w (float32) and gradient g (any float dtype):
+
+        init:    w = float32(p);  inner = tx.init(w)
+        update:  u, inner = tx.update(float32(g), inner, w);  w <- w + u   (float32 add)
+
+    The trainer then sets p = cast(w, p.dtype) (`_apply`): an update smaller than half a bf16
+    ulp of p (|u| < 2^-9 |p|) still accumulates in w and reaches p once the sum crosses a
+    rounding boundary, where `p + u` in bf16 would drop it every step. The returned updates are
+    the float32 `u` (for metrics); applying them to p is not how p moves.
+    """
+
+    def init(params):
+        master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        return MasterWeightsState(master=master, inner=tx.init(master))
+
+    def update(grads, state, params=None):
+        del params
+        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), grads)
+        updates, inner = tx.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        return updates, MasterWeightsState(master=master, inner=inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def needs_master_weights(params: Any) -> bool:
+    """Whether any floating-point param is stored below float32 (bf16, fp16)."""
+    return any(
+        jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+        for x in jax.tree.leaves(params)
+    )
+
+
 def sequence_mask(valid_bs: jax.Array) -> jax.Array:
     """Causal attention mask `[B, S, S]` restricted to real tokens."""
     s = valid_bs.shape[-1]
@@ -210,16 +258,21 @@ def _split_micro(tree: Any, num: int) -> Any:
 def _accumulate(
     loss_fn: Callable, params: Params, micro_batches: Any, weights_m: jax.Array
 ) -> tuple[Any, dict]:
-    """Gradient of `sum_m weights_m * loss_fn(params, micro_m)`, one micro-batch at a time."""
+    """Gradient of `sum_m weights_m * loss_fn(params, micro_m)`, one micro-batch at a time.
+
+    Each micro-batch's gradient comes in the params' dtype; the sum is carried in float32 (at
+    least), so bf16 params accumulate without bf16 rounding at every micro-batch."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
     def body(acc, xs):
         micro, weight = xs
         grads, metrics = grad_fn(params, micro)
-        acc = jax.tree.map(lambda a, g: a + weight * g, acc, grads)
+        acc = jax.tree.map(lambda a, g: a + weight * g.astype(a.dtype), acc, grads)
         return acc, metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params
+    )
     grads, metrics_m = jax.lax.scan(body, zeros, (micro_batches, weights_m))
     metrics = jax.tree.map(lambda m: jnp.sum(m * weights_m), metrics_m)
     return grads, metrics
@@ -227,7 +280,10 @@ def _accumulate(
 
 def _apply(state: TrainState, grads, optimizer) -> tuple[TrainState, dict]:
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    if isinstance(opt_state, MasterWeightsState):  # the params are the master weights, cast
+        params = jax.tree.map(lambda w, p: w.astype(p.dtype), opt_state.master, state.params)
+    else:
+        params = optax.apply_updates(state.params, updates)
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new, {"grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates)}
 
@@ -418,6 +474,12 @@ class Trainer:
     optimizer state and checkpoints cover the adapters; the frozen base lives in
     `self.base_params` (laid out as a full model's params, set by `init` or `set_base`) and
     enters each step as an argument that is never donated or updated.
+
+    Precision (docs/precision.md): the forward and backward passes run on `state.params` as
+    stored (`ModelConfig.param_dtype`), computing in `ModelConfig.dtype`; gradients are summed
+    over micro-batches, clipped and fed to the optimizer in float32. Params stored below float32
+    (bf16) get float32 master weights in the optimizer state (`with_master_weights`,
+    `self.master_weights`): Adam and the update run on them and `state.params` is their cast.
     """
 
     def __init__(
@@ -440,7 +502,6 @@ class Trainer:
         self.pack_shards = ax.batch_split(mesh, rules)
         if lora is not None:
             optimizer = lora_lib.with_b_lr_ratio(optimizer, lora)
-        self.optimizer = optimizer
         self.loss = loss or LossConfig()
         self.lora = lora
         graphdef, abstract = nnx.split(
@@ -458,6 +519,10 @@ class Trainer:
             self.frozen_adapter_shardings = lora_lib.frozen_part(self.param_shardings, lora)
             self.abstract_params = lora_lib.trained_part(self.abstract_params, lora)
             self.param_shardings = lora_lib.trained_part(self.param_shardings, lora)
+        self.master_weights = needs_master_weights(self.abstract_params)
+        if self.master_weights:
+            optimizer = with_master_weights(optimizer)
+        self.optimizer = optimizer
         abstract_opt = jax.eval_shape(optimizer.init, self.abstract_params)
         self.state_shardings = TrainState(
             step=ax.replicated(mesh),
@@ -545,7 +610,8 @@ class Trainer:
     def init(self, params: Params | nnx.State | Transformer) -> TrainState:
         """A fresh state around `params` (placed into the trainer layout first): a pure dict of
         arrays, an `nnx.State` (`hf.load_params`) or a whole `Transformer` (`hf.load_model`),
-        whose config must be this trainer's."""
+        whose config must be this trainer's. The state's params are cast to the model's
+        `param_dtype`; float32 master weights (bf16 params) keep the given values."""
         if isinstance(params, Transformer):
             if params.config != self.model_config:
                 raise ValueError(
@@ -565,10 +631,17 @@ class Trainer:
                     out_shardings=self.param_shardings,
                 )()
         params = jax.device_put(params, self.param_shardings)
+        dtypes = jax.tree.map(lambda x: x.dtype, self.abstract_params)
+
+        def make(p):
+            # The state holds the params in their storage dtype; master weights take the given
+            # values (float32 ones in full).
+            cast = jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
+            opt_state = self.optimizer.init(p if self.master_weights else cast)
+            return TrainState(step=jnp.zeros((), jnp.int32), params=cast, opt_state=opt_state)
+
         with self._context():
-            return jax.jit(
-                lambda p: init_state(p, self.optimizer), out_shardings=self.state_shardings
-            )(params)
+            return jax.jit(make, out_shardings=self.state_shardings)(params)
 
     def set_base(self, params: Params) -> None:
         """The frozen base of a LoRA trainer (placed into the full model's trainer layout); with
