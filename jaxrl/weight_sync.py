@@ -17,11 +17,10 @@ What JAX 0.10.2 does (each point checked on CPU devices under the transfer guard
   single-device ones, so temporaries are freed with `Array.delete()`. `may_alias=False` is ignored
   when a destination device holds the slice already (colocated roles), so such leaves go through
   single-device copies, which honour it.
-- XLA:CPU collectives are slow next to plain d2d copies (an all-gather reshard of fp32 weights ran
-  at 0.2-2 GB/s on the 2-core box, a bf16 one at ~0.3 GB/s, against 4-7 GB/s for `device_put`),
-  and get worse when device threads outnumber cores. Fresh CPU buffers of 32 MB and more are
-  mmapped, so every push also pays page faults (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0` keeps
-  freed pages for reuse and made pushes ~2x faster here).
+- XLA:CPU collectives are slow next to plain d2d copies, and get worse when device threads
+  outnumber cores. Fresh CPU buffers of 32 MB and more are mmapped, so every push also pays page
+  faults (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0` keeps freed pages for reuse). Figures:
+  docs/benchmarks.md, "Measurements behind design choices".
 
 Two transports; both only ever copy device to device:
 

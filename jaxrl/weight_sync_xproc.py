@@ -60,8 +60,7 @@ device, one collective per chunk with no per-piece Python, while the JAX 0.10.2 
 (sockets through host memory, for backends without native cross-host transfers) would be the
 slow path. On CPU both are TCP through host memory; "device_put" is the default there because
 it sends each distinct block once, handles any device counts, and measured as fast or faster
-(bench/results/sync_xproc.md: 0.16 vs 0.15 GB/s trainer on one process and generator on the
-other, 0.43 vs 0.19 GB/s with both roles spanning both processes).
+(docs/benchmarks.md, "Measurements behind design choices"; bench/results/sync_xproc.md).
 """
 
 from __future__ import annotations

@@ -156,8 +156,8 @@ def rl_main(
     span x active-slot bucket, prefill batch x prompt-length bucket, slot move) before its first
     batch, instead of one at a time when a new shape first comes up: a streaming run otherwise
     stalls its generator, and then its trainer, for each compile during its first hundred or
-    so steps. Costs their compile time once at the start (for configs/rl/chain_tiny_streaming.gin
-    43 programs, 27-70 s on a 2-core CPU machine)."""
+    so steps. Costs their compile time once at the start (how many programs and seconds for
+    configs/rl/chain_tiny_streaming.gin: docs/benchmarks.md, "Engine precompile")."""
     if generator not in GENERATORS:
         raise SystemExit(f"rl_main.generator={generator!r}; expected one of {GENERATORS}")
     if engine_slots < 0 or engine_steps_per_call < 1 or engine_max_len < 0:

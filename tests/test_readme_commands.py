@@ -1,6 +1,8 @@
 """Every command of the README's Jobs section runs as written (issue 25, acceptance 1), in order,
 in a scratch directory that links the repository's configs/; then what a newcomer checks next,
-on the runs those commands made (bugs 1, 2, 4, 6 and 7 of issue 25, and acceptance 4).
+on the runs those commands made (bugs 1, 2, 4, 6 and 7 of issue 25, and acceptance 4). The
+README's "Your model, your data" recipe runs as written too (issue 35), on a tiny random HF model
+and a 20-line jsonl written here.
 
 The commands run in this process (`launch(...)` / `main(argv)`, as `python -m` would call them),
 so the launches share compiled programs (`disk_cache`). Arguments are appended to some commands
@@ -29,11 +31,11 @@ from jaxrl.infra.metrics import read_metrics
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_commands() -> list[str]:
-    """The shell lines of the first ```bash block of the README's "## Jobs" section, with
+def readme_commands(section: str = "Jobs") -> list[str]:
+    """The shell lines of the first ```bash block of the README's "## <section>", with
     continuation lines joined and comments left out."""
     text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    jobs = text[text.index("\n## Jobs\n") :]
+    jobs = text[text.index(f"\n## {section}\n") :]
     start = jobs.index("```bash\n") + len("```bash\n")
     block = jobs[start : jobs.index("```\n", start)].replace("\\\n", " ")
     return [" ".join(x.split()) for x in block.splitlines() if x.strip() and x[0] != "#"]
@@ -324,3 +326,94 @@ def test_the_exported_directory_generates_right_in_transformers(readme, tmp_path
     for row, want in enumerate(ours):
         theirs = generated[row, width:].tolist()
         assert theirs[: len(want)] == want, (prompts[row], theirs, want)
+
+
+# "Your model, your data": the rule for what is appended to the recipe's commands. Only the RL
+# launch is shrunk: 2 steps of 2 prompts x 4 samples, 8 new tokens, a 2-prompt evaluation, on one
+# device (the README's config spans every device JAX sees). Paths are the README's own, in a
+# scratch directory that links the repository's examples/.
+RECIPE_EXTRA = _gin(
+    "RLConfig.total_steps = 2",
+    "RLConfig.eval_every_steps = 2",
+    "RLConfig.save_every_steps = 2",
+    "RLConfig.num_prompts = 2",
+    "RLConfig.samples_per_prompt = 4",
+    "RLConfig.max_new_tokens = 8",
+    "RLConfig.eval_size = 2",
+    "RLConfig.eval_samples = 2",
+    "MeshConfig.num_devices = 1",
+)
+
+
+def _problem(i: int) -> str:
+    a, b = i + 2, 3 * i + 1
+    return json.dumps(
+        {
+            "question": f"tom has {a} apples and buys {b} more. how many apples does he have?",
+            "answer": f"{a} + {b} = {a + b}.\n#### {a + b}",
+        }
+    )
+
+
+def readme_python_blocks() -> list[str]:
+    import re
+
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.M | re.S)
+
+
+def _run_recipe_command(command: str) -> str:
+    if command.startswith("python examples/"):  # a script, as `python` would run it
+        import runpy
+
+        argv = shlex.split(command)[1:]
+        old_argv, sys.argv = sys.argv, argv
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                runpy.run_path(argv[0], run_name="__main__")
+        finally:
+            sys.argv = old_argv
+        return out.getvalue()
+    if "launch.rl" in command:
+        command += " " + " ".join(shlex.quote(x) for x in RECIPE_EXTRA)
+    return run_command(command)
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, jax_disk_cache):  # noqa: F811
+    """The README's "Your model, your data" block, run in order: (directory, outputs)."""
+    root = tmp_path_factory.mktemp("recipe")
+    os.symlink(os.path.join(REPO, "examples"), root / "examples")
+    (root / "my_prompts.jsonl").write_text("\n".join(_problem(i) for i in range(20)) + "\n")
+    (root / "my_eval.jsonl").write_text("\n".join(_problem(i) for i in range(20, 24)) + "\n")
+    (reward_block,) = readme_python_blocks()
+    assert reward_block.startswith("# my_rewards.py")
+    (root / "my_rewards.py").write_text(reward_block)
+    outputs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.syspath_prepend(str(root))  # `python -m` puts the working directory first
+        for command in readme_commands("Your model, your data"):
+            outputs[command] = _run_recipe_command(command)
+    return root, outputs
+
+
+def test_the_your_model_your_data_recipe_runs_as_written(recipe):
+    root, outputs = recipe
+    jobs = [c.split()[2] for c in outputs if c.startswith("python -m launch.")]
+    assert jobs == ["launch.rl", "launch.eval", "launch.export", "launch.generate"]
+    run = root / "runs" / "mine"
+    assert "my_rewards:score" in (run / "config.gin").read_text()
+    assert "starting from the HF checkpoint my_model" in _output(outputs, "launch.rl")
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if r["step"] > 0] == [1, 2]
+    assert all("reward/mean" in r for r in records if r["step"] > 0)
+    assert "2" in os.listdir(run / "checkpoints") and (run / "curves.png").exists()
+    evaluated = json.loads(_output(outputs, "launch.eval").strip().splitlines()[-1])
+    assert evaluated["step"] == 2 and evaluated["eval/num_prompts"] == 2
+    exported = root / "my_model_rl"
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (exported / name).exists(), name
+    (record,) = [json.loads(x) for x in (root / "out.jsonl").read_text().splitlines()]
+    assert record["prompt"].startswith("tom has 3 apples") and record["completion_ids"]

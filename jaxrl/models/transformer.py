@@ -325,9 +325,8 @@ def _host_decode_attention(q_b1hd, k_bskd, v_bskd, mask_b1s) -> jax.Array:
     The logits are one `[S, K*D] x [K*D, K*G]` matmul per row against a block-diagonal query
     (zero off its K diagonal blocks: K-fold redundant multiply-adds, cheap while K*D is small),
     and the output a multiply fused into its reduction over S. XLA:CPU runs the natural batched
-    matrix-vector products (one per row and KV head) 2-4x slower: on 64 rows x 256 positions x
-    4 KV heads of 32 dims, 0.63 ms for these logits against 1.6 ms as a batched dot (measured on
-    the 2-core development host). Accelerators keep `jax.nn.dot_product_attention`.
+    matrix-vector products (one per row and KV head) slower (figures: docs/benchmarks.md,
+    "Measurements behind design choices"). Accelerators keep `jax.nn.dot_product_attention`.
     """
     f32 = jnp.float32
     b, _, h, d = q_b1hd.shape
