@@ -16,6 +16,7 @@ import pytest
 
 from jaxrl import lora as lora_lib
 from jaxrl.executors import GeneratorWeights, generator_param_shardings
+from jaxrl.infra.checkpoint import CheckpointMismatchError
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.models.config import ModelConfig
@@ -32,6 +33,7 @@ from jaxrl.trainer import (
 )
 from jaxrl.weight_sync_xproc import make_weight_sync
 
+OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
 LOSS = LossConfig(kl_coef=0.05)  # AIPO with a KL term: the reference forward runs in bf16 too
 
 
@@ -47,9 +49,8 @@ def setup():
     """A bf16 trainer (FSDP over 2 devices, 2 micro-batches, AIPO + KL) and random bf16 params
     (host-drawn: no init program to compile)."""
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 1), num_devices=2))
-    optimizer = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
     trainer = Trainer(
-        CONFIG, mesh, TRAINER_RULES, optimizer.make(10), grad_accum_steps=2, loss=LOSS
+        CONFIG, mesh, TRAINER_RULES, OPTIMIZER.make(10), grad_accum_steps=2, loss=LOSS
     )
     rng = np.random.default_rng(0)
     params = jax.tree.map(
@@ -168,6 +169,10 @@ def test_bf16_resume_from_a_checkpoint_is_bitwise(setup, tmp_path):
     del state
     io = run_io()
     state, extra = io.restore(trainer.abstract_state())
+    fp32_config = dataclasses.replace(CONFIG, param_dtype="float32")
+    fp32 = Trainer(fp32_config, trainer.mesh, TRAINER_RULES, OPTIMIZER.make(10))
+    with pytest.raises(CheckpointMismatchError, match="param_dtype differs"):
+        io.restore(fp32.abstract_state())
     io.close()
     assert int(state.step) == 1 and extra["data_position"] == 1
     _check_master(state)  # the checkpoint holds the float32 master weights, not just their cast

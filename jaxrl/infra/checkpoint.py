@@ -162,9 +162,16 @@ def check_target_matches(saved_metadata: Any, abstract_target: Any, step: int) -
     wanted = _shapes_by_name(abstract_target)
     missing = sorted(set(wanted) - set(saved))
     if missing:
+        hint = ""
+        if any(".master." in n for n in set(wanted) ^ set(saved)):
+            hint = (
+                " One side has float32 master weights (opt_state.master) and the other not: the "
+                "run's param_dtype differs from the checkpoint's (docs/precision.md)."
+            )
         raise CheckpointMismatchError(
             f"checkpoint step {step} has no tensor(s) {missing[:10]}; it holds "
-            f"{sorted(saved)[:20]}. The restore target's structure differs from the saved state."
+            f"{sorted(saved)[:20]}. The restore target's structure differs from the saved "
+            f"state.{hint}"
         )
     wrong = [(n, saved[n], s) for n, s in sorted(wanted.items()) if saved[n] != s]
     if wrong:
