@@ -1,5 +1,5 @@
 """Shared output format of the benchmarks: one JSON line per measurement on stdout, and
-results files under bench/results/ (JSON list + markdown table) that the README quotes."""
+results files under bench/results/ (JSON list + markdown table) that docs/benchmarks.md quotes."""
 
 from __future__ import annotations
 

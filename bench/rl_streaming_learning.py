@@ -35,7 +35,7 @@ criteria: streaming within 3 points of fixed lag, both >= +15 points over the SF
     python -m bench.rl_streaming_learning --workdir W --sft_dir W/sft_run/sft --no_launch \
         --until_step 120    # re-summarise the runs in W (e.g. stopped ones) at a common step
 
-Measured 2026-12-02 (README, "Learning: streaming vs fixed lag on chain sums"): from the
+Measured 2026-12-02 (docs/benchmarks.md, "Learning: streaming vs fixed lag on chain sums"): from the
 config's 600-step SFT start at 44.5% greedy (512 problems), 2000 steps: fixed lag 70.2% (+25.7
 points, last 3 evaluations), streaming 69.7% (+25.2); without the correction 33.9% (-10.7) at
 step 1000. With the engine's 16 groups as the streaming margin (`stream_in_flight` -1) streaming

@@ -22,8 +22,8 @@ attention width A = heads x head_dim, KV bytes per token per row `kv` (2 L kv_he
                                            the split G_g (whole 8-GPU nodes) is the one that
                                            minimises the async step (what a planner would pick)
 
-Everything the paper's abstract does not give is a named guess (`SETTINGS`, `H100`); the README
-lists them. Run: `python -m bench.scale_llamarl`.
+Everything the paper's abstract does not give is a named guess (`SETTINGS`, `H100`);
+docs/benchmarks.md ("Speed-up model") lists them. Run: `python -m bench.scale_llamarl`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_hf_dir_to_trainer_then_one_rl_step(tmp_path, tokenizer):
         jax.tree.leaves(state.params), jax.tree.leaves(trainer.param_shardings), strict=True
     ):
         assert param.sharding == sharding
-    # The loader the README shows first: its Transformer goes straight into Trainer.init.
+    # The loader docs/API.md shows first: its Transformer goes straight into Trainer.init.
     from_model = trainer.init(hf.load_model(path))
     jax.tree.map(np.testing.assert_array_equal, from_model.params, state.params)
 

@@ -1,6 +1,6 @@
 """`python -m bench.rl --smoke` runs both settings end to end (8 fake devices through the
 library's Controller, and the CPU proxy's pinned processes) and its figures are self-consistent;
-the full run (`python -m bench.rl`) is the measurement quoted in the README."""
+the full run (`python -m bench.rl`) is the measurement quoted in docs/benchmarks.md."""
 
 from bench import rl
 

@@ -1,5 +1,5 @@
 """`python -m bench.sync --smoke` runs end to end and its figures are self-consistent (the full
-run, `python -m bench.sync`, is the ~100M-parameter measurement quoted in the README)."""
+run, `python -m bench.sync`, is the ~100M-parameter measurement quoted in docs/benchmarks.md)."""
 
 from bench import sync
 

@@ -74,7 +74,7 @@ def test_memory_analysis_params_and_optimizer_bytes_match_hand_count(v5e_mesh):
 
 def test_fix_for_a_trainer_that_does_not_fit():
     """8B replicated over v5e:2x2 (mesh dp=4), with the figures `launch.plan` reads from the
-    compiler (README): the fix names the sharding and the slice it needs."""
+    compiler (docs/scale.md): the fix names the sharding and the slice it needs."""
     gib = 1024**3
     mesh = jax.sharding.AbstractMesh((4, 1, 1), ("dp", "fsdp", "tp"))
     params = int(29.92 * gib)  # 8.03e9 float32 weights, replicated

@@ -2,7 +2,7 @@
 rl_streaming_pinned.py) runs end to end on the chain task (random weights, 4 prompts x 4 samples,
 3 steps) and its figures are self-consistent. The test runs the two two-process rows (fixed lag
 1 and streaming); the sync row is `Controller.run_sync` in one pinned process (the CLI smoke runs
-it too). The full run is the measurement quoted in the README."""
+it too). The full run is the measurement quoted in docs/benchmarks.md."""
 
 import math
 import os

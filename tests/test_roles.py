@@ -4,7 +4,7 @@ the trainer on its 4 devices, process 1 only the generator and the reward on its
 roles in one process, the same device positions):
 
 - fixed lag makes it the same computation: per-step rewards equal, losses and parameters within
-  the rounding README states (observed bitwise equal), with a generator made slow (its reward
+  the rounding docs/sync.md states (observed bitwise equal), with a generator made slow (its reward
   sleeps 1 s) that the trainer waits for: every trained batch is the one fixed lag names, never
   older than `max_staleness`, nothing dropped;
 - the generator process SIGKILLed mid-run, then (relaunched, resumed) the trainer process: each
