@@ -373,19 +373,30 @@ LORA_FILE = "lora.json"
 
 def save_run_lora(workdir: str, lora: LoraConfig, base: str) -> None:
     """Records a LoRA run's adapter config and where its frozen base comes from (a run workdir
-    or an HF directory), so that export can merge without being told."""
+    or an HF directory), so that export can merge without being told. A base inside the
+    workdir (the SFT stage's `sft/`) is recorded relative to it, so that a moved or copied
+    workdir still finds its own; any other base by its absolute path."""
     os.makedirs(workdir, exist_ok=True)
+    base = os.path.abspath(base)
+    inside = os.path.relpath(base, os.path.abspath(workdir))
+    if inside != os.pardir and not inside.startswith(os.pardir + os.sep):
+        base = inside
     with open(os.path.join(workdir, LORA_FILE), "w") as f:
-        json.dump(dataclasses.asdict(lora) | {"base": os.path.abspath(base)}, f, indent=2)
+        json.dump(dataclasses.asdict(lora) | {"base": base}, f, indent=2)
 
 
 def load_run_lora(workdir: str) -> tuple[LoraConfig, str] | None:
+    """(LoraConfig, base path) of the LoRA run in `workdir` (None: not a LoRA run). A relative
+    base is the workdir's own (see `save_run_lora`); an absolute one, as older runs recorded
+    every base, is returned as is."""
     path = os.path.join(workdir, LORA_FILE)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         record = json.load(f)
     base = record.pop("base")
+    if not os.path.isabs(base):
+        base = os.path.normpath(os.path.join(workdir, base))
     return LoraConfig(**record), base
 
 
@@ -412,7 +423,7 @@ def load_base(source: str, config: ModelConfig) -> Params:
     return nnx.to_pure_dict(params)
 
 
-def load_lora_policy(workdir: str, step=None):
+def load_lora_policy(workdir: str, step=None, **config_overrides: Any):
     """(step, merged plain Transformer, adapters, LoraConfig, base source, tokenizer) of a LoRA
     run: the base from where the run recorded it (`lora.json`), the adapters from the run's
     checkpoint."""
@@ -422,7 +433,13 @@ def load_lora_policy(workdir: str, step=None):
     if record is None:
         raise ValueError(f"{workdir} has no {LORA_FILE}: it is not a LoRA run")
     lora, source = record
-    config, tokenizer = run_dir.load_model_spec(workdir)
+    if not os.path.isdir(source):
+        raise FileNotFoundError(
+            f"{os.path.join(workdir, LORA_FILE)} records the run's frozen base at {source}, "
+            "which does not exist (moved or deleted?); put the base back there or edit "
+            "'base' in that file (a path relative to the workdir is the workdir's own)"
+        )
+    config, tokenizer = run_dir.load_model_spec(workdir, **config_overrides)
     step, adapters = restore_adapters(workdir, config, lora, step)
     adapters = whole_adapters(config, lora, adapters)  # LoRA-FA: checkpoints hold the B's
     merged = merge(load_base(source, config), adapters, lora)

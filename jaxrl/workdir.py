@@ -6,6 +6,7 @@ WORKDIR/
   model/              the policy's HF config.json and tokenizer (no weights)
   checkpoints/<step>/ Orbax: `state` = {"params": ..., "opt_state": ..., ...}, `extra` = JSON
   metrics.jsonl       one JSON object per logged step
+  lora.json           a LoRA run's adapter config and base (its checkpoints hold adapters only)
 ```
 
 `model/` makes a workdir self-describing: the architecture and tokenizer are read from it, the
@@ -115,7 +116,15 @@ def _restore_pure_params(workdir, step, abstract_params, shardings):
 
 def load_policy(workdir: str, *, step: int | None = None, **config_overrides: Any):
     """(step, Transformer, tokenizer) of a run: the architecture from `model/`, the weights from
-    the checkpoint."""
+    the checkpoint. A LoRA run's checkpoints hold adapters only: its policy is the base it
+    recorded (`lora.json`) with the checkpoint's adapters merged in."""
+    from jaxrl import lora as lora_lib
+
+    if lora_lib.load_run_lora(workdir) is not None:
+        step, model, _, _, _, tokenizer = lora_lib.load_lora_policy(
+            workdir, step, **config_overrides
+        )
+        return step, model, tokenizer
     config, tokenizer = load_model_spec(workdir, **config_overrides)
     step, params = restore_params(workdir, config, step=step)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))

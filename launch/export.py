@@ -12,8 +12,14 @@ A LoRA run (WORKDIR/lora.json) checkpoints adapters only:
     python -m launch.export --workdir=runs/arith_lora --peft_out=adapters/
 
 `--merge_lora` folds `W + (alpha / r) A @ B` into a plain HF directory (the base read from where
-the run recorded it); `--peft_out` writes the adapters alone in PEFT's layout
-(`adapter_config.json` + `adapter_model.safetensors`) for `peft.PeftModel.from_pretrained`.
+the run recorded it); `--peft_out` writes the adapters in PEFT's layout (`adapter_config.json` +
+`adapter_model.safetensors`). PEFT loads a base by the name or path its adapter config records,
+and a jaxrl workdir is not one transformers reads: a base that is a run (the SFT stage) is
+exported as an HF directory beside them, `PEFT_OUT/base/` (with the tokenizer), and recorded by
+its absolute path; an HF-directory base is recorded where it is. Either way
+`peft.AutoPeftModelForCausalLM.from_pretrained(PEFT_OUT)` loads base + adapters (after moving
+PEFT_OUT: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(PEFT_OUT/base),
+PEFT_OUT)`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import time
 from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.models import hf
+
+# Where --peft_out puts the base when the run's base is a jaxrl workdir (transformers reads none).
+PEFT_BASE_DIR = "base"
 
 
 def main(argv=None) -> int:
@@ -70,8 +79,19 @@ def main(argv=None) -> int:
             args.workdir, step=args.step
         )
         if args.peft_out:
-            lora_lib.save_peft(adapters, lora, args.peft_out, base_model=base)
-            print(f"wrote the adapters of step {step} to {os.path.abspath(args.peft_out)}")
+            peft_base = base
+            if os.path.isdir(run_dir.checkpoint_dir(base)):  # a jaxrl run: export it as HF
+                peft_base = os.path.abspath(os.path.join(args.peft_out, PEFT_BASE_DIR))
+            lora_lib.save_peft(adapters, lora, args.peft_out, base_model=peft_base)
+            if tokenizer is not None:  # AutoTokenizer.from_pretrained(PEFT_OUT) as well
+                tokenizer.save_pretrained(args.peft_out)
+            if peft_base != base:
+                _, base_model, base_tokenizer = run_dir.load_policy(base)
+                hf.save_hf(base_model, peft_base, tokenizer=base_tokenizer, dtype=args.dtype)
+            print(
+                f"wrote the adapters of step {step} to {os.path.abspath(args.peft_out)} (base: "
+                f"{peft_base}{', exported from ' + base if peft_base != base else ''})"
+            )
         if not args.out:
             return 0
     else:
