@@ -2,6 +2,9 @@
 
     python -m launch.eval --workdir=runs/arith_sync [--step=N]
     python -m launch.eval --hf_dir=exported/ --task=arithmetic --eval_size=512 --samples=8
+    python -m launch.eval --hf_dir=exported_chain/ --task=chain_sum
+
+--task takes any registered task (`jaxrl.tasks.source.list_tasks`) or "package.module:factory".
 
 A run is evaluated on its own task and settings (read from WORKDIR/config.gin). Prints one JSON
 line of metrics (eval/accuracy, eval/accuracy_t<temperature>, eval/pass_at_k).
@@ -20,7 +23,7 @@ from jaxrl.evaluation import evaluate
 from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.models import hf
 from jaxrl.specs import TaskSpec, build_source, reward_name
-from jaxrl.tasks.source import encode_prompts
+from jaxrl.tasks.source import encode_prompts, list_tasks
 
 
 def run_settings(workdir: str) -> tuple[TaskSpec, dict]:
@@ -63,6 +66,8 @@ TASK_FLAGS = {  # flag -> TaskSpec field
     "min_digits": "min_digits",
     "max_digits": "max_digits",
     "operators": "operators",
+    "min_operands": "min_operands",
+    "max_operands": "max_operands",
     "task_seed": "seed",
     "eval_path": "eval_path",
     "reward": "reward",
@@ -81,17 +86,29 @@ def main(argv=None) -> int:
     source.add_argument("--workdir", help="a jaxrl run (newest checkpoint unless --step)")
     source.add_argument("--hf_dir", help="a save_pretrained directory")
     p.add_argument("--step", type=int, default=None)
-    p.add_argument("--task", default=None, choices=("arithmetic", "math_jsonl"))
+    p.add_argument(
+        "--task",
+        default=None,
+        help=f"a registered task ({', '.join(list_tasks())}) or 'package.module:factory'",
+    )
     p.add_argument("--eval_path", default=None, help="jsonl of held-out problems (math_jsonl)")
     p.add_argument("--min_digits", type=int, default=None)
     p.add_argument("--max_digits", type=int, default=None)
     p.add_argument("--operators", default=None, help="arithmetic operators, e.g. '+-'")
+    p.add_argument("--min_operands", type=int, default=None, help="chain_sum: fewest operands")
+    p.add_argument("--max_operands", type=int, default=None, help="chain_sum: most operands")
     p.add_argument("--task_seed", type=int, default=None, help="the task's seed (its split)")
     p.add_argument("--reward", default=None, help="reward name (default: the task's own)")
     p.add_argument("--eval_size", type=int, default=None)
     p.add_argument("--samples", type=int, default=None, help="k of pass@k (draws at temperature)")
     p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--max_new_tokens", type=int, default=None)
+    p.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=None,
+        help="with --hf_dir: default the task's longest completion where it knows it (chain_sum), "
+        f"else {DEFAULTS['max_new_tokens']}",
+    )
     p.add_argument("--seed", type=int, default=None)
     args = p.parse_args(argv)
 
@@ -117,10 +134,17 @@ def main(argv=None) -> int:
             if args.workdir:
                 _note(f"--{flag}={value!r}; the run evaluated with {flag}={settings[flag]!r}")
             settings[flag] = value
-    task.validate()
+    try:
+        task.validate()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     # The prompts that fit the context, as in the run (jsonl problems that do not are left out).
     room = model.config.max_position_embeddings - settings["max_new_tokens"]
     source = build_source(task, tokenizer, max_prompt_tokens=room)
+    # A task whose completions are long (chain_sum: up to 52 tokens) says how long they get.
+    longest = getattr(getattr(source, "task", None), "max_completion_tokens", None)
+    if args.hf_dir and args.max_new_tokens is None and callable(longest):
+        settings["max_new_tokens"] = longest()
     items = source.eval_items(settings["eval_size"])
     if not items:
         raise SystemExit("no evaluation problems: pass --eval_path for a math_jsonl task")
