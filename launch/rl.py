@@ -149,9 +149,10 @@ def rl_main(
     one step's groups in flight, however many dynamic sampling leaves out).
     `engine_steps_per_call`: decode steps per device call (capped at max_new_tokens).
     `engine_max_len`: the engine's cache length, the longest prompt + max_new_tokens it takes
-    (0: the model's context). The engine holds one cache of slots x engine_max_len x layers x 2
-    x kv_heads x head_dim values for the run, so bound both on a large model (e.g. 256 slots x
-    4096 on Llama 3 8B in bf16: 128 GiB).
+    (0: sized from the prompts it gets, the next power of two above the longest prompt +
+    max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
+    that length x layers x 2 x kv_heads x head_dim values (e.g. 256 slots x 4096 on Llama 3 8B
+    in bf16: 128 GiB); one that cannot fit in free memory is refused before it is allocated.
     `engine_precompile`: the generator's engine compiles every program it can call (each decode
     span x active-slot bucket, prefill batch x prompt-length bucket, slot move) before its first
     batch, instead of one at a time when a new shape first comes up: a streaming run otherwise
