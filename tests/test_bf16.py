@@ -1,8 +1,9 @@
-"""Training with bf16 parameters (issue 35; docs/precision.md): SFT and RL steps (micro-batched,
-with a KL reference) train bf16 params through float32 master weights in the optimizer state, a
-checkpoint resumes bitwise, the weight push gives the generator the trainer's params in the dtype
-it asks for, LoRA trains bf16 adapters on a frozen bf16 base, and an update below bf16's
-resolution is kept by the master weights where a bf16 `p + u` drops it."""
+"""Training with bf16 parameters (issue 35; docs/precision.md): micro-batched SFT and RL steps
+train bf16 params through float32 master weights in the optimizer state, a checkpoint resumes
+bitwise (and one of the other param_dtype is refused by name), the weight push gives the
+generator the trainer's params in the dtype it asks for, LoRA trains bf16 adapters on a frozen
+bf16 base, and an update below bf16's resolution is kept by the master weights where a bf16
+`p + u` drops it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.run_io import RunIO
 from jaxrl.trainer import (
-    LossConfig,
     MasterWeightsState,
     OptimizerConfig,
     Trainer,
@@ -34,7 +34,6 @@ from jaxrl.trainer import (
 from jaxrl.weight_sync_xproc import make_weight_sync
 
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
-LOSS = LossConfig(kl_coef=0.05)  # AIPO with a KL term: the reference forward runs in bf16 too
 
 
 # One layer, E 64: every program compiles in a few seconds on CPU.
@@ -46,12 +45,10 @@ CONFIG = ModelConfig(
 
 @pytest.fixture(scope="module")
 def setup():
-    """A bf16 trainer (FSDP over 2 devices, 2 micro-batches, AIPO + KL) and random bf16 params
+    """A bf16 trainer (FSDP over 2 devices, 2 micro-batches, AIPO) and random bf16 params
     (host-drawn: no init program to compile)."""
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 1), num_devices=2))
-    trainer = Trainer(
-        CONFIG, mesh, TRAINER_RULES, OPTIMIZER.make(10), grad_accum_steps=2, loss=LOSS
-    )
+    trainer = Trainer(CONFIG, mesh, TRAINER_RULES, OPTIMIZER.make(10), grad_accum_steps=2)
     rng = np.random.default_rng(0)
     params = jax.tree.map(
         lambda a: (0.1 * rng.standard_normal(a.shape)).astype(a.dtype), trainer.abstract_params
@@ -111,10 +108,9 @@ def test_bf16_params_train_in_sft_and_rl_steps(setup):
     for step in range(2):
         state, metrics = trainer.sft_step(state, _sft_batch(step))
         assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
-    for step in range(2):  # KL to the initial bf16 params
-        state, metrics = trainer.rl_step(state, _rl_batch(step), ref_params=params0)
+    for step in range(2):
+        state, metrics = trainer.rl_step(state, _rl_batch(step))
         assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
-        assert float(metrics["kl"]) > 0
     assert int(state.step) == 4
     _check_master(state)
     before, after = _leaves(params0), _leaves(state.params)
