@@ -44,6 +44,15 @@ def process_env(
     flags = _DEVICE_COUNT_RE.sub("", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = cpu_xla_flags(flags, devices=devices_per_process)
     env.setdefault("JAX_PLATFORMS", "cpu")
+    # XLA:CPU sizes a process's thread pool max(cores, its devices), and some kernels split
+    # their work (and their float sums) by the pool's size: on a host with fewer cores than
+    # the job's devices, a process of M devices would compute other bits than one process of
+    # all N x M devices. Every process gets the one-process job's pool, so a program computes
+    # the same bits in either (a role-split job equals its one-process run, bit for bit).
+    env.setdefault(
+        "PJRT_NPROC",
+        str(max(len(os.sched_getaffinity(0)), config.num_processes * devices_per_process)),
+    )
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
