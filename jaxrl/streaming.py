@@ -36,8 +36,10 @@ Checkpoint (an exact continuation of the state, not of the timing): besides the 
 scored groups still queued (in full: sampled by versions the saved weights cannot reproduce),
 the prompt indices in flight (submitted, not yet queued: their partial tokens are dropped and
 the prompts re-issued first on resume, sampled afresh with the restored weights), the next
-prompt index and the cumulative counts. So every prompt of the stream is trained once, dropped
-or filtered (counted) or still pending, and no group is trained twice. A streaming run is not
+prompt index, the cumulative counts, and which prompts were dropped and which filtered
+(`dropped_prompts`, `filtered_prompts`: bitmaps, `ledger_indices`). So the checkpoint names
+each issued prompt's fate: trained (the rest of [0, next_prompt)), queued, in flight, dropped
+or filtered, exactly one of them, and no group is trained twice. A streaming run is not
 reproducible bit for bit: which version samples which token follows the timing. Fixed lag stays
 the reproducible mode.
 
@@ -53,10 +55,12 @@ a prompt; a partly filled engine shows in the utilisation instead), `stream/push
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import threading
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -81,22 +85,50 @@ def leave_out(group: ScoredBatch, oversample: int, filtered: int, put: int) -> b
     return filtered < (oversample - 1) * (put + 1)
 
 
+def ledger_bitmap(indices, size: int) -> str:
+    """Prompt indices in [0, size) as a checkpoint string: bit i of `np.packbits` order set for
+    prompt i, zlib-compressed, base64 (a few bytes for runs, size / 8 at most for any set)."""
+    bits = np.zeros(size, np.uint8)
+    bits[np.fromiter(indices, np.int64)] = 1
+    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 9)).decode()
+
+
+def ledger_indices(bitmap: str) -> list[int]:
+    """The prompt indices of a `ledger_bitmap` string, ascending."""
+    packed = np.frombuffer(zlib.decompress(base64.b64decode(bitmap)), np.uint8)
+    return np.flatnonzero(np.unpackbits(packed)).tolist()
+
+
+def prompt_ledger(blob: dict) -> dict[str, list[int]]:
+    """Each issued prompt's fate in a streaming checkpoint (`GroupQueue.snapshot`): the prompt
+    indices queued, in flight, dropped, filtered, and trained (the rest of [0, next_prompt))."""
+    ledger = {
+        "queued": sorted(int(g["batch_index"]) for g in blob["pending_groups"]),
+        "in_flight": sorted(int(i) for i in blob["in_flight_prompts"]),
+        "dropped": ledger_indices(blob["dropped_prompts"]),
+        "filtered": ledger_indices(blob["filtered_prompts"]),
+    }
+    elsewhere = {i for indices in ledger.values() for i in indices}
+    return ledger | {"trained": [i for i in range(blob["next_prompt"]) if i not in elsewhere]}
+
+
 class GroupQueue(_ClosableQueue):
     """Scored groups between the streaming generator and the trainer, and the ledger of the
     prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
     index, `policy_version` the version of the group's oldest token.
 
-    Every issued prompt is exactly one of: in flight, queued, consumed, dropped (counted in
-    `stats`, by admission or consumption) or filtered (dynamic sampling, counted). `snapshot()`
-    takes all of it at once, under one lock.
+    Every issued prompt is exactly one of: in flight, queued, consumed, dropped (by admission
+    or consumption) or filtered (dynamic sampling), each dropped and filtered one counted in
+    `stats` and named in `dropped` / `filtered`. `snapshot()` takes all of it at once, under
+    one lock.
 
     Args:
       capacity: queued groups beyond which no prompt is issued (`issue` waits).
       max_staleness: largest `v_t - v_oldest_token` a consumed group may have.
       max_in_flight: the most groups in flight once the queue is empty: a prompt is issued only
         while queued + in flight < capacity + max_in_flight (0: capacity alone bounds it).
-      trainer_version, next_prompt, pending, reissue, stats: a resumed run's state (`reissue`:
-        the prompts that were in flight, issued again first).
+      trainer_version, next_prompt, pending, reissue, stats, dropped, filtered: a resumed
+        run's state (`reissue`: the prompts that were in flight, issued again first).
     """
 
     def __init__(
@@ -110,6 +142,8 @@ class GroupQueue(_ClosableQueue):
         pending: list[ScoredBatch] = (),
         reissue: list[int] = (),
         stats: QueueStats | None = None,
+        dropped: set[int] = frozenset(),
+        filtered: set[int] = frozenset(),
     ):
         if capacity < 1 or max_staleness < 0 or max_in_flight < 0:
             raise ValueError(
@@ -123,6 +157,7 @@ class GroupQueue(_ClosableQueue):
         self._in_flight: set[int] = set()
         self._trainer_version, self._next_prompt = trainer_version, next_prompt
         self.stats = stats or QueueStats()
+        self.dropped, self.filtered = set(dropped), set(filtered)
 
     # --- generator side -----------------------------------------------------------------------
 
@@ -161,6 +196,7 @@ class GroupQueue(_ClosableQueue):
             if self._stale(group):
                 self.stats.dropped_on_admission += 1
                 self.stats.dropped_samples += group.num_samples
+                self.dropped.add(group.batch_index)
                 return False
             self._items.append(group)
             return True
@@ -176,6 +212,7 @@ class GroupQueue(_ClosableQueue):
             if not leave_out(group, oversample, s.filtered_batches, put):
                 return False
             s.filtered_batches += 1
+            self.filtered.add(group.batch_index)
             self._in_flight.discard(group.batch_index)
             self._cond.notify_all()
             return True
@@ -199,6 +236,7 @@ class GroupQueue(_ClosableQueue):
                     self._items.remove(group)
                     self.stats.dropped_on_consumption += 1
                     self.stats.dropped_samples += group.num_samples
+                    self.dropped.add(group.batch_index)
                 if stale:  # room freed: a generator waiting in `put` must see it
                     self._cond.notify_all()
                 if len(self._items) >= count:
@@ -215,19 +253,24 @@ class GroupQueue(_ClosableQueue):
 
     def snapshot(self) -> dict[str, Any]:
         """The queue's part of a checkpoint (JSON): queued groups, prompts in flight (to
-        re-issue), the next prompt index, the cumulative counts."""
+        re-issue), the next prompt index, the cumulative counts, the prompts dropped and
+        filtered (`ledger_bitmap`s; `prompt_ledger` reads it all back by prompt)."""
         with self._cond:
             return {
                 "pending_groups": [g.to_json() for g in self._items],
                 "in_flight_prompts": sorted(self._in_flight | set(self._reissue)),
                 "next_prompt": self._next_prompt,
                 "queue_stats": self.stats.to_json(),
+                "dropped_prompts": ledger_bitmap(self.dropped, self._next_prompt),
+                "filtered_prompts": ledger_bitmap(self.filtered, self._next_prompt),
             }
 
     @classmethod
     def restore(
         cls, capacity: int, max_staleness: int, step: int, blob: dict, max_in_flight: int = 0
     ) -> GroupQueue:
+        # A checkpoint written before the ledger named its prompts has counts only.
+        named = {k: set(ledger_indices(blob[k])) if k in blob else set() for k in _NAMED}
         return cls(
             capacity,
             max_staleness,
@@ -237,6 +280,8 @@ class GroupQueue(_ClosableQueue):
             pending=[ScoredBatch.from_json(g) for g in blob["pending_groups"]],
             reissue=[int(i) for i in blob["in_flight_prompts"]],
             stats=QueueStats.from_json(blob["queue_stats"]),
+            dropped=named["dropped_prompts"],
+            filtered=named["filtered_prompts"],
         )
 
     # --- both ---------------------------------------------------------------------------------
@@ -247,6 +292,9 @@ class GroupQueue(_ClosableQueue):
     def _raise_if_closed(self) -> None:
         if self._closed is not None:
             raise QueueClosed(self._closed.error)
+
+
+_NAMED = ("dropped_prompts", "filtered_prompts")
 
 
 @dataclasses.dataclass

@@ -14,7 +14,13 @@ import pytest
 
 from jaxrl.rl import Rollout
 from jaxrl.rollout_queue import QueueClosed, ScoredBatch
-from jaxrl.streaming import GroupQueue, token_staleness_metrics
+from jaxrl.streaming import (
+    GroupQueue,
+    ledger_bitmap,
+    ledger_indices,
+    prompt_ledger,
+    token_staleness_metrics,
+)
 
 
 def _group(index: int, versions_per_row: list[list[int]]) -> ScoredBatch:
@@ -54,11 +60,37 @@ def test_oldest_token_bounds_staleness_and_every_prompt_is_accounted_for():
     with pytest.raises(ValueError, match="never issued"):
         queue.put(_group(9, [[4]]))
 
+    # The ledger names each prompt's fate: 0 dropped on admission, 1 on consumption.
+    assert prompt_ledger(snap) == {
+        "queued": [],
+        "in_flight": [4, 5],
+        "dropped": [0, 1],
+        "filtered": [],
+        "trained": [2, 3],
+    }
+
     restored = GroupQueue.restore(4, 1, 4, snap)
     assert [restored.issue() for _ in range(3)] == [4, 5, 6]  # re-issued first, then new
     assert restored.stats.to_json() == s.to_json()
     assert restored.put(_group(5, [[4]]))
-    assert restored.snapshot()["in_flight_prompts"] == [4, 6]
+    assert not restored.put(_group(6, [[2]]))  # dropped after the resume: named with 0 and 1
+    after = restored.snapshot()
+    assert prompt_ledger(after) == {
+        "queued": [5],
+        "in_flight": [4],
+        "dropped": [0, 1, 6],
+        "filtered": [],
+        "trained": [2, 3],
+    }
+
+
+def test_ledger_bitmap_round_trips_and_stays_small():
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 9, 1000):
+        picked = sorted(set(rng.integers(0, max(size, 1), size // 3).tolist()) if size else [])
+        assert ledger_indices(ledger_bitmap(picked, size)) == picked
+    # 100k prompts, every fourth filtered: far under a list of the indices.
+    assert len(ledger_bitmap(range(0, 100_000, 4), 100_000)) < 200
 
 
 def test_take_waits_for_enough_groups_and_close_wakes_it():
@@ -193,5 +225,7 @@ def test_filter_leaves_out_one_reward_groups_within_the_oversample_budget():
     # The ledger: issued = in flight + queued + filtered.
     snap = queue.snapshot()
     assert snap["in_flight_prompts"] == [4, 5, 6] and len(snap["pending_groups"]) == 1
+    assert prompt_ledger(snap)["filtered"] == [0, 2, 3]
     restored = GroupQueue.restore(8, 4, 0, snap)
     assert restored.stats.filtered_batches == 3
+    assert restored.filtered == {0, 2, 3}
