@@ -1,7 +1,11 @@
 """The streaming schedule end to end through `launch.rl` (configs/rl/chain_tiny_streaming.gin,
-shrunk): a run killed with SIGKILL after step 3 (step 2 saved) and relaunched resumes from step 2,
-trains no group twice, trains the groups the checkpoint held queued first, re-issues the prompts
-that were in flight, and its counts add up (trained + queued + in flight + dropped = issued).
+shrunk, with dynamic sampling and a staleness bound that drop and filter groups): a run killed
+with SIGKILL after step 3 (step 2 saved), relaunched and killed after step 5 (step 4 saved), then
+relaunched to the end, resumes each time from its checkpoint, trains no group twice, trains the
+groups the checkpoint held queued first, re-issues the prompts that were in flight, and its
+ledger accounts for every issued prompt by index: trained, queued, in flight, dropped or
+filtered, exactly one of them at every checkpoint, each fate kept across the kills, the trained
+ones those the steps logged.
 
 Subprocesses share a persistent XLA compilation cache (only the first run compiles)."""
 
@@ -15,6 +19,7 @@ import sys
 from pathlib import Path
 
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.streaming import prompt_ledger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "chain_tiny_streaming.gin")
@@ -24,15 +29,15 @@ TINY = [
     "TaskSpec.reward = 'rewards_for_tests:even_length'",
     f"RLConfig.total_steps = {STEPS}",
     f"RLConfig.num_prompts = {PROMPTS}",
-    "RLConfig.samples_per_prompt = 4",
+    "RLConfig.samples_per_prompt = 2",  # a group of one reward is common: filtered
     "RLConfig.max_new_tokens = 12",
     "RLConfig.eval_size = 0",
     "RLConfig.save_every_steps = 2",
     "RLConfig.keep_last_n = 4",
-    "RLConfig.max_staleness = 8",  # > STEPS: nothing is dropped, so the ledger is exact
-    "RLConfig.oversample = 1",  # nor left out by dynamic sampling (tests/test_streaming_queue.py)
+    "RLConfig.max_staleness = 0",  # a group waiting in the queue over a step is dropped
+    "RLConfig.oversample = 2",  # dynamic sampling (tests/test_streaming_queue.py)
     "RLConfig.queue_size = 2",
-    "rl_main.engine_slots = 16",
+    "rl_main.engine_slots = 8",
     "rl_main.engine_steps_per_call = 4",
     "rl_main.engine_precompile = False",  # tests/test_generation_engine.py covers it
     "OptimizerConfig.learning_rate = 1e-2",
@@ -65,7 +70,21 @@ def _trained(record) -> list[int]:
     return [int(record[f"stream/trained_prompt/{j}"]) for j in range(PROMPTS)]
 
 
-def test_streaming_resumes_after_kill_without_training_a_group_twice(tmp_path):
+def _check_ledger(blob: dict, trained: list[int]) -> dict[str, list[int]]:
+    """The checkpoint's ledger, checked: each issued prompt has exactly one fate, the counts
+    agree with the names, and the trained prompts are `trained` (the logged steps')."""
+    ledger = prompt_ledger(blob)
+    named = [i for indices in ledger.values() for i in indices]
+    assert sorted(named) == list(range(blob["next_prompt"])), ledger  # exactly one fate each
+    stats = blob["queue_stats"]
+    assert len(ledger["dropped"]) == stats["dropped_on_admission"] + stats["dropped_on_consumption"]
+    assert len(ledger["filtered"]) == stats["filtered_batches"]
+    assert len(ledger["trained"]) == stats["consumed_batches"] == blob["prompts_trained"]
+    assert ledger["trained"] == sorted(trained)
+    return ledger
+
+
+def test_streaming_resumes_after_kills_and_accounts_for_every_prompt(tmp_path):
     cache = str(tmp_path / "xla_cache")
     run = tmp_path / "run"
     killed = _run(run, cache, fault="kill_at_step=3")
@@ -76,35 +95,39 @@ def test_streaming_resumes_after_kill_without_training_a_group_twice(tmp_path):
         "async", "streaming", 2 * PROMPTS,
     )  # fmt: skip
     queued = [g["batch_index"] for g in saved["pending_groups"]]
-    in_flight = saved["in_flight_prompts"]
     # Per-token versions travel with the queued groups.
     for group in saved["pending_groups"]:
         for r in group["rollouts"]:
             assert len(r["token_versions"]) == len(r["completion_ids"])
             assert min(r["token_versions"]) == group["policy_version"]
 
+    killed = _run(run, cache, fault="kill_at_step=5")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "resuming" in killed.stdout and "from step 2" in killed.stdout
     resumed = _run(run, cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming" in resumed.stdout and "from step 2" in resumed.stdout
+    assert "resuming" in resumed.stdout and "from step 4" in resumed.stdout
     by_step = {r["step"]: r for r in read_metrics(str(run / "metrics.jsonl"))}
-    assert sorted(by_step) == list(range(STEPS + 1))  # the redone step 3 logged once
+    assert sorted(by_step) == list(range(STEPS + 1))  # the redone steps logged once
     trained = {s: _trained(by_step[s]) for s in range(1, STEPS + 1)}
     flat = [i for s in sorted(trained) for i in trained[s]]
     assert len(flat) == len(set(flat)) == STEPS * PROMPTS  # no group trained twice
-    before = set(trained[1] + trained[2])
-    assert before.isdisjoint(queued) and before.isdisjoint(in_flight)
-    assert all(i < saved["next_prompt"] for i in before)
-    # The checkpoint's queued groups come first after the resume (FIFO, none stale).
+    # The checkpoint's queued groups come first after the resume (FIFO), those not dropped.
     after = [i for s in range(3, STEPS + 1) for i in trained[s]]
-    assert after[: len(queued)] == queued
-    # Counts add up at the end: every issued prompt is trained, queued or in flight (none was
-    # dropped: max_staleness exceeds the run), and the queue's counts continue across the kill.
-    final = _extra(run, STEPS)
-    left = [g["batch_index"] for g in final["pending_groups"]] + final["in_flight_prompts"]
-    stats = final["queue_stats"]
-    assert stats["dropped_on_admission"] == stats["dropped_on_consumption"] == 0
-    assert sorted(flat + left) == list(range(final["next_prompt"]))
-    assert stats["consumed_batches"] == STEPS * PROMPTS
-    assert final["prompts_trained"] == STEPS * PROMPTS
-    # The prompts in flight at the kill were re-issued: trained after the resume, or still open.
-    assert set(in_flight) <= set(after) | set(left)
+    fresh = [i for i in queued if i in after]
+    assert after[: len(fresh)] == fresh
+
+    # Prompt by prompt, at each checkpoint and across the kills.
+    ledgers = {
+        s: _check_ledger(_extra(run, s), [i for t in range(1, s + 1) for i in trained[t]])
+        for s in (2, 4, STEPS)
+    }
+    for a, b in ((2, 4), (4, STEPS)):
+        for fate in ("trained", "dropped", "filtered"):  # final: kept by every later one
+            assert set(ledgers[a][fate]) <= set(ledgers[b][fate]), (a, b, fate)
+        # A queued group is never sampled again: trained or dropped later, or still queued.
+        later = ledgers[b]["trained"] + ledgers[b]["dropped"] + ledgers[b]["queued"]
+        assert set(ledgers[a]["queued"]) <= set(later), (a, b)
+    final = ledgers[STEPS]
+    print({fate: len(indices) for fate, indices in final.items()})
+    assert final["dropped"] and final["filtered"], final  # both kinds occurred and are named
