@@ -38,6 +38,7 @@ def test_the_documented_colocated_sampler_on_a_long_context_model_fits(tmp_path)
     defaults (256 slots) on a model whose context is 2^20 tokens samples with a cache of the
     request's length (64 positions, 8 MiB), not 256 x 2^20 positions (512 GiB)."""
     from jaxrl.executors import colocated_sampler
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.models import hf
     from jaxrl.specs import PolicySpec, build_model_config
     from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
@@ -48,7 +49,8 @@ def test_the_documented_colocated_sampler_on_a_long_context_model_fits(tmp_path)
         build_model_config(PolicySpec(), tokenizer), max_position_embeddings=LONG_CONTEXT
     )
     hf.save_hf(Transformer(config, rngs=nnx.Rngs(0)), str(tmp_path), tokenizer=tokenizer)
-    trainer, state = Trainer.from_hf(str(tmp_path), OptimizerConfig(), total_steps=1)
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), num_devices=1))
+    trainer, state = Trainer.from_hf(str(tmp_path), OptimizerConfig(), total_steps=1, mesh=mesh)
     sampler = colocated_sampler(trainer, tokenizer)
     assert sampler.engine.num_slots == 256 and sampler.max_total_len == LONG_CONTEXT
     prompts = [tokenizer.encode("12+7="), tokenizer.encode("3+45=")]
