@@ -7,7 +7,9 @@ Each process gets the `JAXRL_*` variables that `jaxrl.infra.distributed.initiali
 reads (a free coordinator port on 127.0.0.1, the process count, its process id, its own
 transfer-server port, the timeouts), `JAX_PLATFORMS=cpu` (unless set) and `XLA_FLAGS` with
 `--xla_force_host_platform_device_count=M` (other XLA flags kept), so the job has N x M CPU
-devices; collectives between processes go over gloo (TCP). The command must call
+devices, and `PJRT_NPROC` (unless set) for the thread pool a one-process run of all N x M
+devices gets, so each program computes the same bits as there; collectives between processes
+go over gloo (TCP). The command must call
 `initialize_from_env()` before it touches a device, as the launchers do.
 
 Output lines are prefixed with the process id (`[1] ...`). When a process exits non-zero, the
