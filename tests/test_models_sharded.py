@@ -114,5 +114,5 @@ def test_export_is_atomic(tmp_path, qwen3_dir, monkeypatch):
 
 def test_indivisible_vocab_is_named(mesh, tmp_path):
     save_tiny_checkpoint(tmp_path, "llama3")  # vocab 97 cannot split over tp=2
-    with pytest.raises(ValueError, match=r"\['embedding'\].*'vocab', size 97.*Pad it"):
+    with pytest.raises(ValueError, match=r"\['embedding'\].*'vocab', size 97.*pad the vocabulary"):
         hf.load_model(str(tmp_path), mesh=mesh, rules=TRAINER_RULES)
