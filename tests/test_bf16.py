@@ -1,4 +1,4 @@
-"""Training with bf16 parameters (issue 35; docs/precision.md): micro-batched SFT and RL steps
+"""Training with bf16 parameters (docs/precision.md): micro-batched SFT and RL steps
 train bf16 params through float32 master weights in the optimizer state, a checkpoint resumes
 bitwise (and one of the other param_dtype is refused by name), the weight push gives the
 generator the trainer's params in the dtype it asks for, LoRA trains bf16 adapters on a frozen

@@ -66,7 +66,7 @@ RL_CONFIGS = [c for c in CONFIGS if os.path.basename(os.path.dirname(c)) == "rl"
 def test_rl_settings_stay_out_of_the_sft_stage(path):
     """Gin applies an unscoped `OptimizerConfig.b1 = ...` inside every scope that does not bind
     the field itself, so an RL-only setting also reached the SFT warm start's sft/OptimizerConfig
-    (issue 35: arith_tiny_lora.gin's b1 0.98 cut its SFT start from ~20% to 10.7% greedy). The
+    (arith_tiny_lora.gin's b1 0.98 cut its SFT start from ~20% to 10.7% greedy). The
     SFT stage's optimizer must be the defaults plus what the config binds under sft/ itself."""
     from jaxrl.trainer import OptimizerConfig
     from launch.rl import rl_main

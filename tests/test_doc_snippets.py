@@ -1,4 +1,4 @@
-"""The code in the README and docs/ runs as written (issue 35): every ```python block of
+"""The code in the README and docs/ runs as written: every ```python block of
 docs/API.md, in order, as one script; every ```python block of the README (each on its own).
 
 Each runs in a scratch directory (the blocks write files there: `tiny_hf`, `runs/...`) on the 8

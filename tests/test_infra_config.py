@@ -139,7 +139,7 @@ def test_unquoted_string_in_a_gin_file_names_its_line(gin_file, tmp_path):
 
 
 def test_a_data_error_ends_the_launch_in_one_line(gin_file, tmp_path):
-    """Issue 35: a malformed data file ended the launch with a traceback."""
+    """Regression: a malformed data file ended the launch with a traceback."""
 
     flags = ["--gin_file", gin_file, "--gin_param", "toy_read.config = @ToyRunConfig()"]
     with pytest.raises(SystemExit) as exit_info:
@@ -148,7 +148,7 @@ def test_a_data_error_ends_the_launch_in_one_line(gin_file, tmp_path):
 
 
 def test_a_stopped_run_says_so_in_one_line(gin_file, tmp_path, capsys):
-    """Issue 35: gin's `In call to configurable` line followed the message of a Ctrl-C."""
+    """Regression: gin's `In call to configurable` line followed the message of a Ctrl-C."""
     flags = ["--gin_file", gin_file, "--gin_param", "toy_stopped.config = @ToyRunConfig()"]
     with pytest.raises(SystemExit) as exit_info:
         config_lib.launch(toy_stopped, [*flags, "--workdir", str(tmp_path / "run")])

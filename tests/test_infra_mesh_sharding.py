@@ -167,7 +167,7 @@ def test_sharding_errors_name_the_problem():
     _, state, _ = sh.init_sharded(Bare, mesh, sh.TRAINER_RULES, allow_unannotated=True)
     assert state["w"].get_value().sharding.spec == P()
 
-    class Odd(nnx.Module):  # issue 35: "pad ... (e.g. a vocabulary)" was said of any dimension
+    class Odd(nnx.Module):  # before: "pad ... (e.g. a vocabulary)" was said of any dimension
         def __init__(self):
             names = ("embed", "vocab")
             self.w = nnx.Param(jnp.ones((6, 6)), out_sharding=names, eager_sharding=False)

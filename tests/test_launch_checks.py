@@ -248,7 +248,7 @@ def test_ctrl_c_saves_and_a_resumed_run_keeps_one_record_per_step(
 
 
 def test_a_malformed_jsonl_ends_the_launch_in_one_line(tmp_path):
-    """Issue 35: a bad line in the task's data file ended the launch with a full traceback."""
+    """Regression: a bad line in the task's data file ended the launch with a full traceback."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1", "answer": "#### 2"}\n{"question": "2+2"\n')
     gsm8k = os.path.join(REPO, "configs", "rl", "gsm8k_tiny.gin")

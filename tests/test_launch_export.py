@@ -142,7 +142,7 @@ def _hf_logits(path, tokens):
 
 
 def test_a_moved_lora_run_exports_from_its_own_base(tmp_path):
-    """Issue 35 bug 4: lora.json recorded the SFT base by its absolute path, so a moved workdir
+    """Regression: lora.json recorded the SFT base by its absolute path, so a moved workdir
     looked for `<old path>/sft`. A base inside the workdir is recorded relative to it."""
     fake_lora_run(tmp_path / "run")
     shutil.move(tmp_path / "run", tmp_path / "moved")
@@ -160,7 +160,7 @@ def test_a_moved_lora_run_exports_from_its_own_base(tmp_path):
 
 
 def test_peft_export_of_an_sft_based_run_loads_with_auto_peft(tmp_path):
-    """Issue 35 bug 5: the PEFT export named the jaxrl workdir `sft/` as its base, which
+    """Regression: the PEFT export named the jaxrl workdir `sft/` as its base, which
     transformers cannot read. The base is exported beside the adapters and recorded there."""
     import peft
 

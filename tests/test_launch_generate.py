@@ -83,7 +83,7 @@ def test_bad_prompt_files_name_the_line(hf_dir, tmp_path):
 
 
 def test_generate_and_eval_read_a_lora_run(tmp_path, capsys, monkeypatch):
-    """Issue 35 bug 3: `launch.generate` / `launch.eval --workdir` on a LoRA run looked for
+    """Regression: `launch.generate` / `launch.eval --workdir` on a LoRA run looked for
     base weights in its checkpoints (which hold adapters only) and crashed. They load the base
     the run recorded with the adapters merged: greedy completions are the merged export's
     (under `transformers`)."""
@@ -135,7 +135,7 @@ def _capture_evaluate(monkeypatch) -> dict:
 
 
 def test_eval_takes_every_registered_task(hf_dir, capsys, monkeypatch):
-    """Issue 35: `launch.eval --task` offered arithmetic and math_jsonl only, so an exported
+    """Regression: `launch.eval --task` offered arithmetic and math_jsonl only, so an exported
     chain-sum model could not be evaluated. Any registered task is taken; chain sums get their
     long completions by default (the task's longest, not the arithmetic 6 tokens)."""
     from jaxrl.tasks.chain import ChainTask

@@ -39,7 +39,7 @@ def test_process_env_sets_the_job_and_keeps_other_xla_flags():
 
 
 def test_launchers_add_the_cpu_scheduler_flag_on_cpu_only():
-    """Issue 35: `python -m launch.rl` left the flag to the user (the config headers omit it)."""
+    """Regression: `python -m launch.rl` left the flag to the user (the config headers omit it)."""
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     set_cpu_xla_flags(env)
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 " + CPU_SCHEDULER_FLAG
@@ -76,7 +76,7 @@ def test_outputs_are_prefixed_and_each_process_gets_its_id():
 
 
 def test_gloo_connection_lines_are_dropped_unless_a_peer_is_missing():
-    """Issue 35: a roles run printed 24 of these, one per rank of each gloo communicator."""
+    """Regression: a roles run printed 24 of these, one per rank of each gloo communicator."""
     gloo = "[Gloo] Rank {} is connected to {} peer ranks. "
     gloo += "Expected number of connected peer ranks is : 3\n"
     text = gloo.format(0, 3) + "step 1\n" + gloo.format(1, 3) + gloo.format(2, 2) + "end"

@@ -155,7 +155,7 @@ def test_launcher_refuses_a_partial_host_before_compiling(capsys):
 
 
 def test_launcher_refuses_a_mesh_on_part_of_the_slice(capsys):
-    """Issue 35: FSDP 3 on v5p:2x2x2's 8 chips failed in the sharding of the embedding with
+    """Regression: FSDP 3 on v5p:2x2x2's 8 chips failed in the sharding of the embedding with
     "pad it ... (e.g. a vocabulary padded with unused ids)", after a traceback."""
     import gin
 
@@ -177,7 +177,7 @@ def test_launcher_refuses_a_mesh_on_part_of_the_slice(capsys):
 
 
 def test_describing_a_topology_tells_libtpu_it_is_one_host_without_tpus(monkeypatch):
-    """Issue 35: libtpu logged 6 lines on every plan, about the accelerator type and worker
+    """Regression: libtpu logged 6 lines on every plan, about the accelerator type and worker
     hostnames it found nowhere (checked by hand: `python -m launch.plan` prints none now); these
     tests' exact byte counts hold with the variables set."""
     for name in ("TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS"):

@@ -1,7 +1,7 @@
 """Every command of the README's Jobs section runs as written (issue 25, acceptance 1), in order,
 in a scratch directory that links the repository's configs/; then what a newcomer checks next,
 on the runs those commands made (bugs 1, 2, 4, 6 and 7 of issue 25, and acceptance 4). The
-README's "Your model, your data" recipe runs as written too (issue 35), on a tiny random HF model
+README's "Your model, your data" recipe runs as written too, on a tiny random HF model
 and a 20-line jsonl written here.
 
 The commands run in this process (`launch(...)` / `main(argv)`, as `python -m` would call them),
