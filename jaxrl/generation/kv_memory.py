@@ -73,25 +73,29 @@ def check_cache_fits(
 ) -> None:
     """Raises ValueError, with the figures and the fix, when a `[slots, positions]` cache would
     take more than `CACHE_SHARE` of the free memory of `devices` (default: the first local
-    device). `abstract_cache`: the cache's ShapeDtypeStructs with shardings, whose per-device
-    shard is what each accelerator holds."""
+    device). `abstract_cache`: the cache's ShapeDtypeStructs with shardings over `devices`,
+    whose per-device shard is what each device holds (on the CPU all of them hold it in the
+    host's memory, replicas included)."""
     devices = list(devices) if devices is not None else jax.local_devices()[:1]
     total = cache_bytes(model_config, slots, positions)
     free, what = free_bytes(devices)
     if free is None:
         return
+    leaves = jax.tree.leaves(abstract_cache)
+    cpu = devices[0].platform == "cpu"
     need = total
-    if devices[0].platform != "cpu" and abstract_cache is not None:
-        need = sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(abstract_cache)
-        )
+    if leaves and all(getattr(x, "sharding", None) is not None for x in leaves):
+        shard = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+        need = shard * len(devices) if cpu else shard
     if need <= CACHE_SHARE * free:
         return
     c = model_config
-    per_device = "" if need == total else f" ({_gb(need)} a device)"
+    detail = ""
+    if need != total:
+        held = f"held by the {len(devices)} devices, replicas included" if cpu else "a device"
+        detail = f" ({_gb(need)} {held})"
     raise ValueError(
-        f"the engine's KV cache needs {_gb(total)}{per_device}: {slots} slots x {positions} "
+        f"the engine's KV cache needs {_gb(total)}{detail}: {slots} slots x {positions} "
         f"positions x {c.num_layers} layers x 2 (keys, values) x {c.num_kv_heads} KV heads x "
         f"{c.head_dim} x {np.dtype(c.jnp_dtype).name}, but {what} is {_gb(free)}. Lower the "
         "slots (num_slots=, rl_main.engine_slots) or the cache length (max_total_len=, "
