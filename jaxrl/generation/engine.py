@@ -282,7 +282,8 @@ class Engine:
         self.max_capacity = int(max_total_len or model_config.max_position_embeddings)
         self.grows = max_total_len is None
         self._asked_buckets = (tuple(prompt_buckets), span_buckets)
-        self._set_buckets(min(MIN_CAPACITY, self.max_capacity) if self.grows else self.max_capacity)
+        start = min(MIN_CAPACITY, self.max_capacity) if self.grows else self.max_capacity
+        self._set_capacity(start)
         self.mesh, self.rules = mesh, rules
         if mesh is not None:
             batch_axes = dict(rules)[ax.ACT_BATCH]
@@ -327,7 +328,7 @@ class Engine:
 
     # --- the cache's length -------------------------------------------------------------------
 
-    def _set_buckets(self, capacity: int) -> None:
+    def _set_capacity(self, capacity: int) -> None:
         prompt_buckets, span_buckets = self._asked_buckets
         self.capacity = int(capacity)
         self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
@@ -367,7 +368,7 @@ class Engine:
             grow = jax.jit(lambda c: constrain_cache(jax.tree.map(pad, c)), donate_argnums=0)
             self._cache = self._call(grow, self._cache)
         self._compiled.clear()
-        self._set_buckets(capacity)
+        self._set_capacity(capacity)
 
     # --- requests -----------------------------------------------------------------------------
 
