@@ -39,8 +39,12 @@ import numpy as np
 from jaxrl.models.config import ModelConfig, RopeConfig, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-# Tensor types dequantised here (each checked in tests/test_gguf.py against the original weights).
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# Tensor types dequantised here. tests/test_gguf.py checks each: the ones `gguf` can quantise
+# against the weights they were quantised from, the K-quants against transformers' dequantiser.
+SUPPORTED_TENSOR_TYPES = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q4_K", "Q5_K", "Q6_K"),
+)
 
 # GGUF tensor name (per layer: `blk.{i}.` prefix) -> HF name (per layer: `model.layers.{i}.`).
 _GLOBAL_TENSORS = {
