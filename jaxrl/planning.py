@@ -48,14 +48,33 @@ GiB = 1024**3
 TPU_MIN_BUFFER = 512
 
 
-def sharded_bytes(tree: Any, min_buffer: int = TPU_MIN_BUFFER) -> int:
+def min_buffer_bytes(tree: Any) -> int:
+    """The smallest buffer the allocator of `tree`'s devices gives a leaf: `TPU_MIN_BUFFER` on
+    TPU; on GPU (and CPU) a buffer's bytes are its size (XLA:GPU's `memory_analysis()` counts a
+    scalar as 4 bytes)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return TPU_MIN_BUFFER if next(iter(sharding.device_set)).platform == "tpu" else 0
+    return TPU_MIN_BUFFER
+
+
+def mesh_min_buffer(mesh) -> int:
+    """`TPU_MIN_BUFFER` for a mesh of TPU devices, else 0 (see `min_buffer_bytes`)."""
+    return TPU_MIN_BUFFER if mesh.devices.flat[0].platform == "tpu" else 0
+
+
+def sharded_bytes(tree: Any, min_buffer: int | None = None) -> int:
     """Bytes one device holds of `tree` (ShapeDtypeStructs or arrays with NamedShardings).
 
-    Each leaf contributes `max(prod(sharding.shard_shape(shape)) * itemsize, min_buffer)`;
+    Each leaf contributes `max(prod(sharding.shard_shape(shape)) * itemsize, min_buffer)`
+    (`min_buffer` by default from the devices' platform, `min_buffer_bytes`);
     shardings here split evenly (`param_shardings` checks it). Exact when each shard's two minor
     dimensions are multiples of the TPU tile (8 x 128 for 32-bit types), as real models' are;
     smaller odd shapes are padded by the compiler's layout and count more in `memory_analysis`.
     """
+    if min_buffer is None:
+        min_buffer = min_buffer_bytes(tree)
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = tuple(leaf.shape)
@@ -85,6 +104,7 @@ class ProgramReport:
     bytes_accessed: float
     parts: dict[str, int]
     error: str | None = None  # the compiler's out-of-memory message when it refused
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -113,7 +133,7 @@ def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramRe
         return _out_of_memory(name, str(err), parts, time.perf_counter() - start), None
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
+    cost = compiled.cost_analysis() or cost_from_hlo(compiled)
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     report = ProgramReport(
@@ -127,8 +147,26 @@ def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramRe
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         parts=dict(parts),
+        compiled=compiled,
     )
     return report, compiled
+
+
+def cost_from_hlo(compiled) -> dict[str, float]:
+    """XLA's cost analysis (FLOPs, bytes accessed, per device) of `compiled`'s optimized HLO,
+    run on the CPU client: for programs compiled for a GPU topology without a GPU, whose
+    `cost_analysis()` is None. The analysis walks the HLO, so fusions (Triton GEMMs included)
+    count their dots; loop bodies count once, as on TPU."""
+    from jax._src.lib import _jax
+
+    modules = compiled.runtime_executable().hlo_modules()
+    client = jax.devices("cpu")[0].client
+    total: dict[str, float] = {"flops": 0.0, "bytes accessed": 0.0}
+    for module in modules:
+        cost = _jax.hlo_module_cost_analysis(client, module)
+        for key in total:
+            total[key] += float(cost.get(key, 0.0))
+    return total
 
 
 _UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -214,10 +252,11 @@ def plan_trainer(
     batch = abstract_rollout_batch(rows, prompt_len, completion_len)
     state = trainer.abstract_state()
     batch_sharded = ax.attach_shardings(batch, ax.batch_shardings(batch, mesh, rules))
+    floor = mesh_min_buffer(mesh)
     parts = {
-        "params": sharded_bytes(state.params),
-        "optimizer": sharded_bytes(state.opt_state) + sharded_bytes(state.step),
-        "batch": sharded_bytes(batch_sharded),
+        "params": sharded_bytes(state.params, floor),
+        "optimizer": sharded_bytes(state.opt_state, floor) + sharded_bytes(state.step, floor),
+        "batch": sharded_bytes(batch_sharded, floor),
     }
     return compile_report("train_step", trainer.lower_rl_step(batch), parts)
 
@@ -243,10 +282,13 @@ def plan_generator(
     prompt_len: int,
     completion_len: int,
     rules: ax.LogicalRules = ax.GENERATOR_RULES,
+    span: int | None = None,
 ) -> tuple[ProgramReport, ProgramReport]:
     """Compiles the engine's prefill (`num_slots // samples` prompts, each copied into `samples`
-    slots) and one decode step of all `num_slots` slots over the full cache
-    (`prompt_len + completion_len`); parts: params, kv_cache (and the prompts for prefill)."""
+    slots) and one decode step of all `num_slots` slots attending a cache prefix of `span`
+    positions (default: the full cache, `prompt_len + completion_len`); parts: params,
+    kv_cache (and the prompts for prefill)."""
+    capacity = prompt_len + completion_len
     graphdef, params = abstract_params(model_config, mesh, rules)
     engine = Engine(
         graphdef,
@@ -254,16 +296,17 @@ def plan_generator(
         num_slots=num_slots,
         pad_id=model_config.pad_token_id or 0,
         eos_ids=model_config.eos_token_ids,
-        max_total_len=prompt_len + completion_len,
+        max_total_len=capacity,
         steps_per_call=1,
         prompt_buckets=(prompt_len,),
-        span_buckets=(prompt_len + completion_len,),
+        span_buckets=tuple(sorted({capacity, span or capacity})),
         mesh=mesh,
         rules=rules,
         compile_only=True,
     )
-    cache_bytes = sharded_bytes(engine.abstract_cache())
-    common = {"params": sharded_bytes(params), "kv_cache": cache_bytes}
+    floor = mesh_min_buffer(mesh)
+    cache_bytes = sharded_bytes(engine.abstract_cache(), floor)
+    common = {"params": sharded_bytes(params, floor), "kv_cache": cache_bytes}
     prompts = max(num_slots // samples, 1)
     # Decode attention is traced in the target's form (this process's default backend may be
     # the CPU while the mesh is a TPU topology).
@@ -275,8 +318,68 @@ def plan_generator(
             common,
         )
         sampling = SamplingConfig(max_new_tokens=completion_len, ignore_eos=True)
-        decode, _ = compile_report("decode_step", engine.lower_decode(params, sampling), common)
+        lowered = engine.lower_decode(params, sampling, span=span)
+        decode, _ = compile_report("decode_step", lowered, common)
     return prefill, decode
+
+
+# --- the weight push -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """The weight push's compiled program (cast + reshard on the trainer mesh) and its routes.
+
+    moved_bytes: the generator's copy of the weights, in all (what crosses to its devices);
+    chunks / peak_extra_bytes: `WeightSync`'s pause-and-swap chunks and the most bytes one
+    chunk adds on one device (the program below does all chunks at once)."""
+
+    report: ProgramReport
+    moved_bytes: int
+    chunks: int
+    peak_extra_bytes: int
+
+
+def plan_weight_push(
+    trainer_config: ModelConfig,
+    trainer_mesh: jax.sharding.Mesh,
+    generator_config: ModelConfig,
+    generator_mesh: jax.sharding.Mesh,
+    *,
+    source_rules: ax.LogicalRules | None = None,
+    target_rules: ax.LogicalRules = ax.GENERATOR_RULES,
+) -> PushPlan:
+    """Compiles the weight push from the trainer's layout to the generator's, as
+    `jaxrl.weight_sync.WeightSync` (transport "reshard", the GPU / TPU default) runs it: one
+    jit on the trainer devices casts every weight to the generator's dtype and reshards it to a
+    layout whose blocks are generator blocks (a "shadow"); a slice-for-slice `device_put` then
+    copies those blocks to the generator devices. Here the jit takes all the weights at once
+    (the library cuts it into chunks of `chunk_bytes`). Rules: the trainer's (`trainer_rules`)
+    and the generator's. Report parts: params (the trainer's weights the jit reads)."""
+    from jaxrl.weight_sync import WeightSync
+
+    source_rules = trainer_rules(trainer_mesh) if source_rules is None else source_rules
+    _, source = abstract_params(trainer_config, trainer_mesh, source_rules)
+    _, target = abstract_params(generator_config, generator_mesh, target_rules)
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    sync = WeightSync(
+        shardings(source),
+        shardings(target),
+        generator_dtype=generator_config.param_dtype,
+        transport="reshard",
+    )
+    plan = sync.plan(source)
+    leaves = jax.tree.leaves(source)
+    routes = [r for r in plan.routes if r.resharded or r.cast]
+    dtypes = [r.dtype for r in routes]
+    push = jax.jit(
+        lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
+        out_shardings=[r.source_sharding for r in routes],
+    )
+    inputs = [leaves[r.index] for r in routes]
+    parts = {"params": sharded_bytes(inputs, mesh_min_buffer(trainer_mesh))}
+    report, _ = compile_report("weight_push", push.lower(inputs), parts)
+    return PushPlan(report, plan.bytes_moved, len(plan.chunks), plan.peak_extra_bytes)
 
 
 # --- per-step cost from probes -------------------------------------------------------------------
@@ -298,6 +401,11 @@ def probe_per_step(
     return tuple(
         extrapolate_layers(a, b, model_config.num_layers) for a, b in zip(one, two, strict=True)
     )
+
+
+def roofline_seconds(flops: float, bytes_accessed: float, peak_flops: float, bandwidth: float):
+    """A program's time at its device's peaks: `max(FLOPs / peak, bytes / bandwidth)`."""
+    return max(flops / peak_flops, bytes_accessed / bandwidth)
 
 
 # --- fit verdicts and fixes ----------------------------------------------------------------------
@@ -331,8 +439,9 @@ def trainer_fix(report: ProgramReport, mesh, hbm: int, rows: int, micro_batches:
     where = (
         f"shard with fsdp={devices // tp}: mesh axes ('fsdp', 'tp') = ({devices // tp}, {tp})"
         if devices == n
-        else f"use at least {devices} devices with fsdp={devices // tp} (a larger slice: the "
-        f"sharded weights, gradients and Adam state take {fmt_gib(state_total)} in all)"
+        else f"use at least {devices} devices with fsdp={devices // tp} (a larger slice or more "
+        f"nodes: the sharded weights, gradients and Adam state take {fmt_gib(state_total)} in "
+        "all)"
     )
     state_dev = state_total / devices
     split = devices // tp  # the batch is split over fsdp

@@ -1,26 +1,41 @@
-"""Plan an RL run for TPU slices without the hardware: compile the trainer's RL step and the
-generator's prefill / decode for the target topologies and print what one device needs.
+"""Plan an RL run for TPU slices or NVIDIA GPU nodes without the hardware: compile the trainer's
+RL step, the generator's prefill / decode and the weight push for the target topologies and
+print what one device needs.
 
     python -m launch.plan --gin_file=configs/plan/llama3_8b_grpo.gin
+    python -m launch.plan --gin_file=configs/plan/llama3_8b_grpo_h100.gin
     python -m launch.plan --gin_param='PlanConfig.model="llama3_70b"' \
         --gin_param='PlanConfig.trainer_topology="v5p:4x4x4"'
+    python -m launch.plan --gin_file=configs/plan/llama3_1b_h200.gin --serialize_to=/tmp/aot
 
-Everything is abstract (`jax.ShapeDtypeStruct`s with shardings): nothing is allocated, no
-checkpoint is read. Needs the libtpu wheel (`pip install libtpu==0.0.42.1`, in the `test`
-extra); runs with JAX_PLATFORMS=cpu. Exits 1 when a program does not fit its device's HBM,
-with the mesh change that would make it fit; 2 on a config error.
+A topology names its platform: a TPU slice ('v5p:2x2x2', `jaxrl.infra.tpu`) or a GPU system
+('<system>:<nodes>x<gpus>', 'h100:1x8', 'h200:2x8', `jaxrl.infra.gpu`); both print the same
+tables. Everything is abstract (`jax.ShapeDtypeStruct`s with shardings): nothing is allocated,
+no checkpoint is read. Needs the libtpu wheel for TPUs and the CUDA plugin + ptxas wheels for
+GPUs (all in the `test` extra); runs with JAX_PLATFORMS=cpu. Exits 1 when a program does not
+fit its device's memory, with the mesh change that would make it fit; 2 on a config error.
+`--serialize_to=DIR` writes each compiled program (`jax.experimental.serialize_executable`) for
+`bench/gpu_check.py` to load and run on a real device.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import math
-import sys
+from jaxrl.infra.gpu import quiet_jax_import
 
-import gin
+quiet_jax_import()  # before anything imports JAX: no CUDA "no driver" lines on a CPU machine
 
-from jaxrl.infra.config import (
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import pickle  # noqa: E402
+import sys  # noqa: E402
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+
+from jaxrl.infra import gpu, tpu  # noqa: E402
+from jaxrl.infra.config import (  # noqa: E402
     ConfigError,
     build_config,
     parse_gin,
@@ -28,19 +43,37 @@ from jaxrl.infra.config import (
     resolve_bindings,
     without_gin_call_notes,
 )
-from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes
-from jaxrl.infra.tpu import TopologyError, device_spec, parse_topology, topology_devices
-from jaxrl.models.presets import PRESETS, preset
-from jaxrl.planning import (
+from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes  # noqa: E402
+from jaxrl.infra.tpu import ChipSpec, TopologyError  # noqa: E402
+from jaxrl.models.presets import PRESETS, preset  # noqa: E402
+from jaxrl.planning import (  # noqa: E402
     GiB,
     ProgramReport,
     generator_fix,
     plan_generator,
     plan_trainer,
+    plan_weight_push,
     probe_per_step,
+    roofline_seconds,
     trainer_fix,
 )
-from jaxrl.trainer import LossConfig, OptimizerConfig
+from jaxrl.trainer import LossConfig, OptimizerConfig  # noqa: E402
+
+ROLES = ("trainer", "generator", "push")
+
+
+def parse_topology(name: str) -> None:
+    """Checks a TPU slice or GPU system name (`jaxrl.infra.tpu` / `jaxrl.infra.gpu`)."""
+    (gpu if gpu.is_gpu_topology(name) else tpu).parse_topology(name)
+
+
+def topology_devices(name: str) -> list[jax.Device]:
+    return (gpu if gpu.is_gpu_topology(name) else tpu).topology_devices(name)
+
+
+def device_spec(devices) -> ChipSpec:
+    """The per-device memory and peaks of `devices`, whichever platform they are."""
+    return (gpu if devices[0].platform == "gpu" else tpu).device_spec(devices)
 
 
 @register_config
@@ -59,7 +92,12 @@ class PlanConfig:
     grad_accum_steps: trainer micro-batches per step.
     per_step_cost: also compile 1- and 2-layer probes to scale FLOPs / bytes to a whole step
       (XLA counts a loop body once).
-    roles: which roles to plan.
+    roles: which roles to plan, from `ROLES`: "trainer" (the RL step), "generator" (prefill
+      and one decode step), "push" (the weight push from the trainer's layout to the
+      generator's, compiled on the trainer devices).
+    Topologies: a TPU slice ('v5p:2x2x2') or a GPU system ('h100:1x8'); on GPUs attention_impl
+      must be "xla" (cuDNN attention needs the cuDNN wheel and does not serialize; "pallas" is
+      the TPU splash kernel).
     """
 
     model: str = "llama3_8b"
@@ -83,16 +121,23 @@ class PlanConfig:
     grad_accum_steps: int = 1
     loss: str = "grpo"
     per_step_cost: bool = False
-    roles: tuple[str, ...] = ("trainer", "generator")
+    roles: tuple[str, ...] = ROLES
 
     def validate(self) -> None:
         if self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}; choose one of {sorted(PRESETS)}")
         for name in ("trainer_topology", "generator_topology"):
             parse_topology(getattr(self, name))
-        unknown = set(self.roles) - {"trainer", "generator"}
+        unknown = set(self.roles) - set(ROLES)
         if unknown or not self.roles:
-            raise ValueError(f"roles={self.roles}; use 'trainer' and/or 'generator'")
+            raise ValueError(f"roles={self.roles}; use some of {ROLES}")
+        on_gpu = [gpu.is_gpu_topology(t) for t in (self.trainer_topology, self.generator_topology)]
+        if any(on_gpu) and self.attention_impl != "xla":
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r} on a GPU topology: plan with 'xla' "
+                "(cuDNN attention needs the ~2 GB nvidia-cudnn-cu12 wheel and its executables "
+                "do not serialize; 'pallas' is the TPU splash kernel)"
+            )
         for name in ("prompts", "samples", "prompt_len", "completion_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -138,13 +183,14 @@ def _mesh(role: str, topology: str, axes, sizes):
     return make_mesh(MeshConfig(tuple(axes), tuple(sizes)), devices), devices
 
 
-def _row(report: ProgramReport, hbm: int, step_cost: tuple[float, float] | None) -> list[str]:
+def _row(report: ProgramReport, spec: ChipSpec, step_cost: tuple[float, float] | None):
     p = report.parts
     state = p.get("optimizer", 0)
     # The compiler's arguments beyond params / optimizer / cache: the batch, less any input
     # the program never reads (jit drops it: prefill computes no logits, so no lm_head).
     data = report.argument_bytes - p["params"] - state - p.get("kv_cache", 0)
     flops, bytes_ = step_cost or (report.flops, report.bytes_accessed)
+    roofline = roofline_seconds(flops, bytes_, spec.peak_flops, spec.hbm_bandwidth)
     return [
         report.name,
         f"{p['params'] / GiB:.2f}",
@@ -153,10 +199,11 @@ def _row(report: ProgramReport, hbm: int, step_cost: tuple[float, float] | None)
         f"{data / GiB:.2f}",
         f"{report.temp_bytes / GiB:.2f}",
         f"{report.total_bytes / GiB:.2f}",
-        f"{hbm / GiB:.0f}",
-        "yes" if report.total_bytes <= hbm else "NO",
+        f"{spec.hbm_bytes / GiB:.0f}",
+        "yes" if report.total_bytes <= spec.hbm_bytes else "NO",
         f"{flops:.3g}",
         f"{bytes_:.3g}",
+        f"{roofline * 1e3:.3g}",
         f"{report.compile_seconds:.0f}",
     ]
 
@@ -173,18 +220,41 @@ HEADER = [
     "fits",
     "FLOPs",
     "bytes",
+    "roofline ms",
     "compile s",
 ]
 
 
 def print_table(title: str, rows: list[list[str]]) -> None:
+    """One role's programs, the same columns on every platform (the title names the device)."""
     print(f"\n{title}  (per device; GiB unless named)")
     widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
     for r in [HEADER, *rows]:
         print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
 
 
-def _trainer(config: PlanConfig, problems: list[str]) -> None:
+# JAX on a GPU takes this share of the device's memory unless told otherwise.
+GPU_DEFAULT_MEM_FRACTION = 0.75
+
+
+def _memory_fraction_note(reports: list[ProgramReport], spec: ChipSpec, devices) -> None:
+    """On GPUs, names the XLA_PYTHON_CLIENT_MEM_FRACTION a program that fits needs when it is
+    over JAX's default share (`GPU_DEFAULT_MEM_FRACTION`) of the memory."""
+    if devices[0].platform != "gpu":
+        return
+    need = max(r.total_bytes for r in reports) / spec.hbm_bytes
+    if GPU_DEFAULT_MEM_FRACTION < need <= 1:
+        print(
+            f"  note: {need:.0%} of the GPU's memory; JAX takes {GPU_DEFAULT_MEM_FRACTION:.0%} "
+            f"by default: run with XLA_PYTHON_CLIENT_MEM_FRACTION={min(need + 0.03, 0.99):.2f}"
+        )
+
+
+def _where(topology: str, spec: ChipSpec, devices, mesh) -> str:
+    return f"{topology} ({spec.name}, {len(devices)} devices), mesh {dict(mesh.shape)}"
+
+
+def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     mesh, devices = _mesh(
         "trainer", config.trainer_topology, config.trainer_axes, config.trainer_axis_sizes
     )
@@ -212,23 +282,24 @@ def _trainer(config: PlanConfig, problems: list[str]) -> None:
         flops, bytes_ = probe_per_step(probe, model_config)
         step_cost = (flops * config.grad_accum_steps, bytes_ * config.grad_accum_steps)
     title = (
-        f"trainer: {config.model} on {config.trainer_topology} ({spec.name}, {len(devices)} "
-        f"devices), mesh {dict(mesh.shape)}, {rows} rollouts x "
-        f"{config.prompt_len}+{config.completion_len} tokens, {config.grad_accum_steps} "
-        f"micro-batches, remat {config.remat_policy}"
+        f"trainer: {config.model} on {_where(config.trainer_topology, spec, devices, mesh)}, "
+        f"{rows} rollouts x {config.prompt_len}+{config.completion_len} tokens, "
+        f"{config.grad_accum_steps} micro-batches, remat {config.remat_policy}"
     )
-    print_table(title, [_row(report, spec.hbm_bytes, step_cost)])
+    print_table(title, [_row(report, spec, step_cost)])
+    _memory_fraction_note([report], spec, devices)
     if report.error:
-        print(f"  the TPU compiler refused: {report.error}")
+        print(f"  the compiler refused: {report.error}")
     if report.total_bytes > spec.hbm_bytes:
         problems.append(
             f"trainer: the RL step needs {report.total_bytes / GiB:.2f} GiB per device, "
             f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
             f"fix: {trainer_fix(report, mesh, spec.hbm_bytes, rows, config.grad_accum_steps)}"
         )
+    return [report]
 
 
-def _generator(config: PlanConfig, problems: list[str]) -> None:
+def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     mesh, devices = _mesh(
         "generator", config.generator_topology, config.generator_axes, config.generator_axis_sizes
     )
@@ -260,16 +331,17 @@ def _generator(config: PlanConfig, problems: list[str]) -> None:
             )
         )
     title = (
-        f"generator: {config.model} on {config.generator_topology} ({spec.name}, "
-        f"{len(devices)} devices), mesh {dict(mesh.shape)}, {config.slots} slots x "
+        f"generator: {config.model} on "
+        f"{_where(config.generator_topology, spec, devices, mesh)}, {config.slots} slots x "
         f"{config.prompt_len + config.completion_len} tokens, prefill "
         f"{max(config.slots // config.samples, 1)} prompts"
     )
-    rows = [_row(r, spec.hbm_bytes, costs[r.name]) for r in (prefill, decode)]
+    rows = [_row(r, spec, costs[r.name]) for r in (prefill, decode)]
     print_table(title, rows)
+    _memory_fraction_note([prefill, decode], spec, devices)
     for r in (prefill, decode):
         if r.error:
-            print(f"  the TPU compiler refused {r.name}: {r.error}")
+            print(f"  the compiler refused {r.name}: {r.error}")
     worst = max((prefill, decode), key=lambda r: r.total_bytes)
     if worst.total_bytes > spec.hbm_bytes:
         problems.append(
@@ -277,16 +349,86 @@ def _generator(config: PlanConfig, problems: list[str]) -> None:
             f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
             f"fix: {generator_fix(decode, config.slots, spec.hbm_bytes, mesh)}"
         )
+    return [prefill, decode]
+
+
+def _push(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
+    source, devices = _mesh(
+        "trainer", config.trainer_topology, config.trainer_axes, config.trainer_axis_sizes
+    )
+    target, _ = _mesh(
+        "generator", config.generator_topology, config.generator_axes, config.generator_axis_sizes
+    )
+    spec = device_spec(devices)
+    push = plan_weight_push(
+        config.model_config("trainer"), source, config.model_config("generator"), target
+    )
+    title = (
+        f"weight push: {config.model} from the trainer on "
+        f"{_where(config.trainer_topology, spec, devices, source)} to the generator's "
+        f"layout {dict(target.shape)}, {config.trainer_param_dtype} -> "
+        f"{config.generator_param_dtype}"
+    )
+    print_table(title, [_row(push.report, spec, None)])
+    _memory_fraction_note([push.report], spec, devices)
+    print(
+        f"  then copied slice for slice to the generator: {push.moved_bytes / GiB:.2f} GiB in "
+        f"all; weight_sync pushes it in {push.chunks} chunk(s), at most "
+        f"{push.peak_extra_bytes / GiB:.2f} GiB extra on a device"
+    )
+    if push.report.total_bytes > spec.hbm_bytes:
+        problems.append(
+            f"push: the cast and reshard need {push.report.total_bytes / GiB:.2f} GiB per "
+            f"device at once, {spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; fix: "
+            "weight_sync's chunks (chunk_bytes) bound it to one chunk"
+        )
+    return [push.report]
+
+
+def serialize(reports: list[ProgramReport], config: PlanConfig, directory: str) -> list[str]:
+    """Writes each compiled program to `directory/<program>.aot` (pickle of
+    `serialize_executable.serialize`'s payload and trees, the argument shapes / dtypes and the
+    plan's config), for `bench/gpu_check.py`; returns the paths."""
+    from jax.experimental import serialize_executable
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for report in reports:
+        if report.compiled is None:
+            continue
+        payload, in_tree, out_tree = serialize_executable.serialize(report.compiled)
+        args = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(report.compiled.in_avals)]
+        path = os.path.join(directory, f"{report.name}.aot")
+        with open(path, "wb") as f:
+            pickle.dump(
+                dict(
+                    name=report.name,
+                    payload=payload,
+                    in_tree=in_tree,
+                    out_tree=out_tree,
+                    args=args,
+                    flops=report.flops,
+                    bytes_accessed=report.bytes_accessed,
+                    config=dataclasses.asdict(config),
+                ),
+                f,
+            )
+        paths.append(path)
+    return paths
 
 
 @gin.configurable
-def plan_main(config: PlanConfig = PlanConfig()) -> int:
-    """Compiles and prints each role's programs; returns the exit status (1: does not fit)."""
+def plan_main(config: PlanConfig = PlanConfig(), serialize_to: str = "") -> int:
+    """Compiles and prints each role's programs; returns the exit status (1: does not fit).
+    With `serialize_to`, writes the compiled programs there (`serialize`)."""
     problems: list[str] = []
-    if "trainer" in config.roles:
-        _trainer(config, problems)
-    if "generator" in config.roles:
-        _generator(config, problems)
+    reports: list[ProgramReport] = []
+    for role, plan in (("trainer", _trainer), ("generator", _generator), ("push", _push)):
+        if role in config.roles:
+            reports += plan(config, problems)
+    if serialize_to:
+        for path in serialize(reports, config, serialize_to):
+            print(f"wrote {path}")
     print()
     if problems:
         for line in problems:
@@ -300,12 +442,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gin_file", action="append", default=[])
     parser.add_argument("--gin_param", action="append", default=[])
+    parser.add_argument(
+        "--serialize_to", default="", help="write the compiled programs here (bench/gpu_check.py)"
+    )
     args = parser.parse_args(argv)
     try:
         parse_gin(args.gin_file, args.gin_param)
         kwargs = resolve_bindings(plan_main, skip=())
         if "config" not in kwargs:  # `PlanConfig.x = ...` bindings without `plan_main.config`
             kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
+        if args.serialize_to:
+            kwargs["serialize_to"] = args.serialize_to
         return plan_main(**kwargs)
     except (ConfigError, TopologyError) as err:
         print(f"config error: {without_gin_call_notes(err)}", file=sys.stderr)

@@ -19,10 +19,12 @@ import dataclasses
 import math
 import os
 import re
-
-import jax
+from typing import TYPE_CHECKING
 
 from jaxrl.infra.xla_cpu import tpu_attached
+
+if TYPE_CHECKING:  # imported lazily: `jaxrl.infra.gpu` imports this module before JAX
+    import jax
 
 GiB = 1024**3
 

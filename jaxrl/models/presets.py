@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxrl.models.config import ModelConfig, RopeConfig
 
 
@@ -90,6 +92,14 @@ def _llama31(hidden: int, intermediate: int, layers: int, heads: int, **override
     return ModelConfig(**kwargs)
 
 
+def llama3_1b(**overrides) -> ModelConfig:
+    """Llama 3.2 1B: hidden 2048, intermediate 8192, 16 layers, 32 / 8 heads of 64, tied
+    embeddings, RoPE scaling factor 32 (1.24B params)."""
+    rope = dataclasses.replace(_LLAMA31_ROPE, factor=32.0)
+    kwargs = dict(head_dim=64, tie_word_embeddings=True, rope=rope)
+    return _llama31(2048, 8192, 16, 32, **{**kwargs, **overrides})
+
+
 def llama3_8b(**overrides) -> ModelConfig:
     """Llama 3.1 8B: hidden 4096, intermediate 14336, 32 layers, 32 / 8 heads (8.03B params)."""
     return _llama31(4096, 14336, 32, 32, **overrides)
@@ -142,6 +152,7 @@ def qwen3_32b(**overrides) -> ModelConfig:
 PRESETS = {
     "rlbench_tiny": rlbench_tiny,
     "llama_100m": llama_100m,
+    "llama3_1b": llama3_1b,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "llama3_405b": llama3_405b,

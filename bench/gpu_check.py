@@ -1,0 +1,235 @@
+"""Run the programs `launch.plan` compiled for a GPU without one, on a GPU, and measure them.
+
+    python -m launch.plan --gin_file=configs/plan/llama3_1b_h200.gin --serialize_to=/tmp/aot
+    python -m bench.gpu_check --aot_dir=/tmp/aot          # on a machine with the GPU
+
+For each `<program>.aot` in the directory (train_step, prefill, decode_step, weight_push):
+
+1. deserializes the executable XLA:GPU built deviceless (`serialize_executable.
+   deserialize_and_load`) and runs it on zero-filled inputs of its argument shapes, laid out
+   as it expects (donated inputs are made afresh for every call): median seconds a call over
+   `--steps` calls after `--warmup`;
+2. compiles the same program on the device (the planner's own functions on a mesh of the real
+   GPUs, so XLA:GPU autotunes its GEMMs), times it the same way, and prints both, with the
+   device compile's `memory_analysis()` total beside the deviceless one.
+
+Reported: the train step's MFU (6 x params x tokens of the step over seconds x the GPU's dense
+BF16 peak, `jaxrl.infra.gpu.SYSTEMS`), the decode step's tokens/s (one token per slot a call)
+and the HBM bandwidth it used (its argument bytes, the weights and the KV cache it reads, over
+its seconds, also as a share of the GPU's peak), the prefill's tokens/s, the weight push's
+seconds. Results go to bench/results/gpu_check.json / .md. Needs a GPU: elsewhere it exits 2
+and says so, after checking its arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import pickle
+import statistics
+import sys
+import time
+
+from jaxrl.infra.gpu import quiet_jax_import
+
+PROGRAMS = ("train_step", "prefill", "decode_step", "weight_push")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--aot_dir", required=True, help="launch.plan --serialize_to's directory")
+    parser.add_argument("--steps", type=int, default=10, help="timed calls a program")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    parser.add_argument(
+        "--no_device_compile", action="store_true", help="only run the deserialized programs"
+    )
+    parser.add_argument("--results", default="gpu_check", help="bench/results/<name>.json/.md")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    paths = sorted(glob.glob(os.path.join(args.aot_dir, "*.aot")))
+    if not paths:
+        parser.error(
+            f"--aot_dir={args.aot_dir!r} holds no .aot files: write them with `python -m "
+            "launch.plan --gin_file=configs/plan/llama3_1b_h200.gin --serialize_to=DIR`"
+        )
+    unknown = [p for p in paths if os.path.basename(p)[: -len(".aot")] not in PROGRAMS]
+    if unknown:
+        parser.error(f"not programs of launch.plan ({', '.join(PROGRAMS)}): {unknown}")
+    return args, paths
+
+
+def _inputs(compiled, args_spec):
+    """Zero-filled arguments of `compiled`'s shapes, with its input shardings."""
+    import jax
+    import jax.numpy as jnp
+
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    leaves = [
+        jax.device_put(jnp.zeros(shape, dtype), sharding)
+        for (shape, dtype), sharding in zip(args_spec, shardings, strict=True)
+    ]
+    return jax.tree.unflatten(compiled.in_tree, leaves)
+
+
+def time_calls(compiled, args_spec, steps: int, warmup: int) -> float:
+    """Median seconds of one call of `compiled` (inputs made afresh for each: some are
+    donated)."""
+    import jax
+
+    times = []
+    for i in range(warmup + steps):
+        call_args, call_kwargs = _inputs(compiled, args_spec)
+        jax.block_until_ready((call_args, call_kwargs))
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*call_args, **call_kwargs))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        del call_args, call_kwargs
+    return statistics.median(times)
+
+
+def device_programs(config: dict) -> dict:
+    """The planner's programs compiled on this machine's GPUs: {name: ProgramReport}."""
+    import dataclasses
+
+    import jax
+
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
+    from jaxrl.planning import plan_generator, plan_trainer, plan_weight_push
+    from jaxrl.trainer import LossConfig, OptimizerConfig
+    from launch.plan import PlanConfig
+
+    fields = {f.name for f in dataclasses.fields(PlanConfig)}
+    plan = PlanConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()
+                         if k in fields})  # fmt: skip
+
+    def mesh(axes, sizes):
+        devices = jax.devices()
+        return make_mesh(MeshConfig(tuple(axes), tuple(sizes)), devices)
+
+    trainer_mesh = mesh(plan.trainer_axes, plan.trainer_axis_sizes)
+    generator_mesh = mesh(plan.generator_axes, plan.generator_axis_sizes)
+    out = {}
+    if "trainer" in plan.roles:
+        report, _ = plan_trainer(
+            plan.model_config("trainer"),
+            trainer_mesh,
+            rows=plan.prompts * plan.samples,
+            prompt_len=plan.prompt_len,
+            completion_len=plan.completion_len,
+            optimizer=OptimizerConfig(learning_rate=1e-6, grad_accum_steps=plan.grad_accum_steps),
+            loss=LossConfig(name=plan.loss),
+        )
+        out["train_step"] = report
+    if "generator" in plan.roles:
+        prefill, decode = plan_generator(
+            plan.model_config("generator"),
+            generator_mesh,
+            num_slots=plan.slots,
+            samples=plan.samples,
+            prompt_len=plan.prompt_len,
+            completion_len=plan.completion_len,
+        )
+        out.update(prefill=prefill, decode_step=decode)
+    if "push" in plan.roles:
+        out["weight_push"] = plan_weight_push(
+            plan.model_config("trainer"),
+            trainer_mesh,
+            plan.model_config("generator"),
+            generator_mesh,
+        ).report
+    return out
+
+
+def measures(name: str, seconds: float, saved: dict, spec) -> dict:
+    """The figures of one program's timing: MFU, tokens/s, bandwidth (module docstring)."""
+    from jaxrl.models.presets import preset
+
+    c = saved["config"]
+    rows = c["prompts"] * c["samples"]
+    slots = c["num_slots"] or rows
+    out = {}
+    if name == "train_step":
+        flops = 6 * preset(c["model"]).num_params() * rows * (c["prompt_len"] + c["completion_len"])
+        out["MFU"] = flops / (seconds * spec.peak_flops)
+    elif name == "decode_step":
+        read = sum(_nbytes(shape, dtype) for shape, dtype in saved["args"])
+        out["tokens/s"] = slots / seconds
+        out["HBM GB/s"] = read / seconds / 1e9
+        out["HBM share"] = read / seconds / spec.hbm_bandwidth
+    elif name == "prefill":
+        out["tokens/s"] = max(slots // c["samples"], 1) * c["prompt_len"] / seconds
+    return out
+
+
+def _nbytes(shape, dtype) -> int:
+    import numpy as np
+
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def main(argv=None) -> int:
+    args, paths = parse_args(argv)
+    quiet_jax_import()
+    import jax
+    from jax.experimental import serialize_executable
+
+    from jaxrl.infra import gpu
+
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        print(
+            f"bench.gpu_check needs a GPU; this machine runs JAX on {devices[0].platform} "
+            f"({len(devices)} devices). Copy {args.aot_dir} to a machine with the GPU the plan "
+            "was compiled for and run it there.",
+            file=sys.stderr,
+        )
+        return 2
+    spec = gpu.device_spec(devices)
+    saved = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            item = pickle.load(f)
+        saved[item["name"]] = item
+    config = next(iter(saved.values()))["config"]
+    on_device = {} if args.no_device_compile else device_programs(config)
+    rows = []
+    for name in PROGRAMS:
+        if name not in saved:
+            continue
+        item = saved[name]
+        loaded = serialize_executable.deserialize_and_load(
+            item["payload"], item["in_tree"], item["out_tree"]
+        )
+        seconds = time_calls(loaded, item["args"], args.steps, args.warmup)
+        row = dict(program=name, source="deviceless, deserialized", seconds=seconds)
+        row.update(measures(name, seconds, item, spec))
+        rows.append(row)
+        print(row, flush=True)
+        report = on_device.get(name)
+        if report is not None:
+            seconds = time_calls(report.compiled, item["args"], args.steps, args.warmup)
+            row = dict(
+                program=name,
+                source="compiled on the device",
+                seconds=seconds,
+                compile_s=report.compile_seconds,
+                total_GiB=report.total_bytes / 1024**3,
+            )
+            row.update(measures(name, seconds, item, spec))
+            rows.append(row)
+            print(row, flush=True)
+    from bench.common import command, machine, write_results
+
+    columns = [("program", "program"), ("source", "executable"), ("seconds", "s a call"),
+               ("MFU", "MFU"), ("tokens/s", "tokens/s"), ("HBM GB/s", "HBM GB/s"),
+               ("HBM share", "of peak BW"), ("compile_s", "compile s"),
+               ("total_GiB", "memory GiB")]  # fmt: skip
+    print(write_results(args.results, rows, columns, f"`{command()}` on {machine()}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

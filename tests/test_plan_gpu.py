@@ -1,0 +1,158 @@
+"""Ahead-of-time compilation for NVIDIA GPU systems on the CPU (`jaxrl.infra.gpu`, `launch.plan`).
+
+Needs the CUDA plugin, its PJRT and the nvcc wheel (ptxas), all in the test extra: the plugin
+describes an H100 / H200 node from `jaxrl.infra.gpu.SYSTEMS`, XLA:GPU compiles for it; no GPU
+is attached and nothing is allocated.
+"""
+
+import re
+
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="AOT GPU tests need jax-cuda12-plugin")
+
+from jaxrl.infra import gpu  # noqa: E402
+from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
+from jaxrl.infra.tpu import TopologyError  # noqa: E402
+from jaxrl.models.presets import rlbench_tiny  # noqa: E402
+from jaxrl.planning import plan_trainer  # noqa: E402
+from jaxrl.trainer import LossConfig, OptimizerConfig  # noqa: E402
+
+GiB = 1024**3
+
+
+def test_gpu_systems_topologies_and_refusals():
+    devices = gpu.topology_devices("h200:1x1")
+    assert [d.platform for d in devices] == ["gpu"]
+    spec = gpu.device_spec(devices)
+    assert (spec.name, spec.hbm_bytes) == ("h200", 143771 * 1024**2)
+    h100 = gpu.topology_devices("h100:2x8")
+    assert len(h100) == 16 and gpu.device_spec(h100).hbm_bytes == 81559 * 1024**2
+    assert len({d.process_index for d in h100}) == 2  # one process a node
+    with pytest.raises(TopologyError, match=r"whole nodes \('h100:2x8'\)"):
+        gpu.parse_topology("h100:2x4")
+    with pytest.raises(TopologyError, match="<system>:<nodes>x<gpus per node>"):
+        gpu.parse_topology("a100:1x8")
+    assert gpu.ptxas_path().endswith("ptxas")
+
+
+def test_train_step_hand_count_and_flops_on_h100():
+    """The RL train step compiled for 8 H100s (FSDP 4 x TP 2): per-device parameter + Adam
+    bytes counted from the shapes equal XLA:GPU's argument bytes (less the batch) within 1%, and
+    the FLOPs of its optimized HLO (XLA's cost analysis run on the CPU client: the GPU
+    executable's own is None) are within 10% of 6 x params x tokens, params less the input
+    embedding (a gather: no FLOPs). No remat and one unrolled layer: nothing sits in a loop that
+    XLA counts once; attention is a few % of the count at 64 tokens."""
+    E, F, V, L, H, K, D = 512, 1024, 1024, 1, 4, 2, 64
+    config = rlbench_tiny(
+        vocab_size=V, hidden_size=E, intermediate_size=F, num_layers=L, num_heads=H,
+        num_kv_heads=K, head_dim=D, dtype="bfloat16", scan_layers=False, remat_policy="none",
+    )  # fmt: skip
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 2)), gpu.topology_devices("h100:1x8"))
+    rows, prompt, completion = 16, 32, 32
+    report, compiled = plan_trainer(
+        config, mesh, rows=rows, prompt_len=prompt, completion_len=completion,
+        optimizer=OptimizerConfig(learning_rate=1e-6), loss=LossConfig(name="grpo"),
+    )  # fmt: skip
+    assert compiled.cost_analysis() is None  # deviceless XLA:GPU: no cost analysis of its own
+    # float32 weights; every matrix split 8 ways (fsdp x tp), the [E] norms replicated.
+    matrices = 2 * V * E + L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F)
+    norms = (2 * L + 1) * E
+    params = 4 * (matrices // 8 + norms)
+    hand = 3 * params + 3 * 4  # Adam's mu and nu; int32 counts: Adam's, the schedule's, the step
+    compiler = report.argument_bytes - report.parts["batch"]
+    assert abs(compiler - hand) <= 0.01 * hand, (compiler, hand)
+    assert report.parts["params"] == params
+    # FLOPs: the whole step on 8 devices, per device.
+    n = config.num_params()
+    assert n == matrices + norms
+    expected = 6 * (n - V * E) * rows * (prompt + completion) / mesh.size
+    assert abs(report.flops / expected - 1) < 0.10, report.flops / expected
+    assert report.bytes_accessed > 0
+
+
+def _plan(capsys, *params: str) -> tuple[int, str]:
+    import gin
+
+    from launch.plan import main
+
+    flags = [f"--gin_param={p}" for p in params]
+    try:
+        status = main(flags)
+    finally:
+        gin.clear_config()  # parsing locked gin; later tests register configurables
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+def test_launcher_refuses_a_generator_over_h100_memory_and_its_fix_fits(capsys):
+    """The tiny model's generator on one H100 with 65536 decode slots of 512 tokens:
+    XLA:GPU compiles it (no compile-time out-of-memory on GPU), the planner finds the KV cache
+    and its working copy over 80 GB, exits 1 with the numbers and a slot count; planned with
+    that count, the same GPU fits (exit 0)."""
+    common = [
+        'PlanConfig.model="rlbench_tiny"',
+        'PlanConfig.generator_topology="h100:1x1"',
+        "PlanConfig.generator_axis_sizes=(1, 1)",
+        "PlanConfig.roles=('generator',)",
+        "PlanConfig.samples=8",
+        "PlanConfig.prompt_len=256",
+        "PlanConfig.completion_len=256",
+    ]
+    status, out = _plan(capsys, *common, "PlanConfig.prompts=8192", "PlanConfig.num_slots=65536")
+    assert status == 1, out
+    refusal = re.search(
+        r"DOES NOT FIT: generator: decode_step needs ([\d.]+) GiB per device, h100 has 80 GiB; "
+        r"fix: lower num_slots to (\d+) ",
+        out,
+    )
+    assert refusal, out
+    assert float(refusal.group(1)) > 80
+    slots = int(refusal.group(2))
+    status, out = _plan(
+        capsys, *common, f"PlanConfig.prompts={slots // 8}", f"PlanConfig.num_slots={slots}"
+    )
+    assert status == 0 and out.rstrip().endswith("verdict: fits"), out
+    decode = next(line for line in out.splitlines() if line.startswith("| decode_step"))
+    cells = [c.strip() for c in decode.strip("|").split("|")]
+    assert cells[8] == "yes" and float(cells[6]) <= 80  # fits; total GiB within the HBM
+
+
+def test_launcher_refuses_cudnn_attention_on_gpu(capsys):
+    import gin
+
+    from launch.plan import main
+
+    try:
+        assert (
+            main(
+                [
+                    '--gin_param=PlanConfig.trainer_topology="h100:1x8"',
+                    '--gin_param=PlanConfig.attention_impl="cudnn"',
+                ]
+            )
+            == 2
+        )
+    finally:
+        gin.clear_config()
+    assert "plan with 'xla'" in capsys.readouterr().err
+
+
+def test_gpu_check_arguments_on_a_machine_without_a_gpu(tmp_path, capsys):
+    """bench/gpu_check.py checks its arguments, then says it needs a GPU (exit 2) here."""
+    from bench import gpu_check
+
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--aot_dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "holds no .aot files" in capsys.readouterr().err
+    (tmp_path / "optimizer.aot").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--aot_dir", str(tmp_path)])
+    assert "not programs of launch.plan" in capsys.readouterr().err
+    (tmp_path / "optimizer.aot").unlink()
+    (tmp_path / "decode_step.aot").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--aot_dir", str(tmp_path), "--steps", "0"])
+    assert "--steps=0 must be >= 1" in capsys.readouterr().err
+    assert gpu_check.main(["--aot_dir", str(tmp_path)]) == 2
+    assert "bench.gpu_check needs a GPU; this machine runs JAX on cpu" in capsys.readouterr().err
