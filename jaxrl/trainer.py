@@ -353,7 +353,7 @@ def completion_logprobs(
     """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`; a packed
     batch is gathered from its `pack_groups` groups (`jaxrl.rl.packing`)."""
     if isinstance(batch, PackedRolloutBatch):
-        mask_rll = segment_mask(batch.segment_rl)
+        mask_rll = segment_mask(batch.segment_rl, batch.prefix_rl)
         hidden, _ = model.hidden_states(batch.tokens_rl, batch.positions_rl, mask_rll)
         hidden_btd = batch.completion_hidden(hidden, pack_groups)
     else:
@@ -470,6 +470,13 @@ class Trainer:
     loss unchanged), one packing group per micro-batch and data-parallel device; a sequence
     longer than `pack_length` is an error.
 
+    Shared prompts (`share_prompts`, packed batches only): the rollouts of a packing group with
+    identical prompts (a GRPO group's samples) are packed as one `[prompt, c_1, ..., c_n]` unit,
+    the prompt run through the model once and each completion attending to it and to itself
+    (`jaxrl.rl.packing`): the loss and gradients of the repeated layout, with (G - 1) / G of the
+    prompt tokens' FLOPs saved. None (the default) turns it on wherever packing is on, except
+    with `attention_impl="pallas"`, whose kernel takes a causal mask with key validity only.
+
     LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
     optimizer state and checkpoints cover the adapters; the frozen base lives in
     `self.base_params` (laid out as a full model's params, set by `init` or `set_base`) and
@@ -494,9 +501,20 @@ class Trainer:
         vocab_chunk_size: int | None = None,
         lora: lora_lib.LoraConfig | None = None,
         pack_length: int = 0,
+        share_prompts: bool | None = None,
     ):
         if pack_length < 0:
             raise ValueError(f"pack_length={pack_length}: use 0 (padded batches) or a row length")
+        pallas = model_config.attention_impl == "pallas"
+        if share_prompts and (not pack_length or pallas):
+            raise ValueError(
+                "share_prompts=True packs each group as [prompt, completions] in rows with a "
+                "shared-prompt mask: it needs pack_length > 0 and an attention_impl other than "
+                "'pallas'; set pack_length, or share_prompts=None / False"
+            )
+        self.share_prompts = bool(
+            pack_length and not pallas if share_prompts is None else share_prompts
+        )
         self.model_config, self.mesh, self.rules = model_config, mesh, rules
         self.pack_length, self.grad_accum_steps = pack_length, grad_accum_steps
         self.pack_shards = ax.batch_split(mesh, rules)
@@ -700,8 +718,10 @@ class Trainer:
         self, state: TrainState, batch: RolloutBatch, ref_params: Params | None = None
     ) -> tuple[TrainState, dict]:
         """One update on `batch` (host arrays, as `collate_rollouts` makes them; packed here
-        when the trainer packs)."""
+        when the trainer packs, prompts shared when `share_prompts`)."""
         if self.pack_length and isinstance(batch, RolloutBatch):
-            batch = pack_rollout_batch(batch, self.pack_length, self._pack_groups())
+            batch = pack_rollout_batch(
+                batch, self.pack_length, self._pack_groups(), share_prompts=self.share_prompts
+            )
         with self._context():
             return self._rl(state, self.place_batch(batch), ref_params, self._base())

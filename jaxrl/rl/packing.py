@@ -28,6 +28,25 @@ rounded up on a ladder of at most 8 sizes per octave (under 12.5% extra rows).
 
 Packing is first-fit decreasing (longest sequence first, into the first row with room), a
 deterministic function of the batch.
+
+Shared prompts (`share_prompts=True`; Prefix Grouper, arXiv 2506.05433). The G samples of a prompt
+repeat it G times above. Instead, the rollouts of a packing group whose prompts are identical are
+laid out as one unit `[prompt, c_1, ..., c_n]` (split into several units, each with its own copy of
+the prompt, only where one would not fit a row), each part its own segment, and
+
+    prefix_rl[r, l]     the segment id of the prompt of token l's unit (its own on a prompt token
+                        and on the plain layout, where every sequence is its own prefix)
+    mask[r, q, k]       k <= q and segment[r, k] > 0 and
+                        (segment[r, k] == segment[r, q] or segment[r, k] == prefix[r, q])
+    positions_rl        0 .. P-1 on the prompt, P .. P + T_j - 1 on completion j
+
+so completion j attends to its prompt and to its own earlier tokens, never to another completion,
+at the positions it has in the repeated layout: every hidden state of completion j equals the
+repeated layout's. Completion j's first token is predicted from the prompt's last state (shared by
+the unit's completions: `predict_index_bt` points G rows at one state), its token t > 0 from its
+own token t - 1. The prompt runs through the model once per unit, and its gradient is the sum of
+the completions' (the gather's transpose adds them up): the repeated layout's gradient, less
+(G - 1) / G of the prompt's FLOPs.
 """
 
 from __future__ import annotations
@@ -51,6 +70,7 @@ class PackedRolloutBatch:
 
     tokens_rl: jax.Array  # int32 [R, L]
     segment_rl: jax.Array  # int32 [R, L]
+    prefix_rl: jax.Array  # int32 [R, L]: the segment of token l's prompt (shared prompts)
     positions_rl: jax.Array  # int32 [R, L]
     predict_index_bt: jax.Array  # int32 [B, T]
     completion_ids_bt: jax.Array
@@ -81,12 +101,15 @@ class PackedRolloutBatch:
         return out.reshape(b, t, e)
 
 
-def segment_mask(segment_rl: jax.Array) -> jax.Array:
-    """`mask[r, q, k]`: key k is in query q's segment (not the unused tail) and not after it."""
+def segment_mask(segment_rl: jax.Array, prefix_rl: jax.Array | None = None) -> jax.Array:
+    """`mask[r, q, k]`: key k is not after query q, not on the unused tail, and in q's segment
+    or (with `prefix_rl`, shared prompts) in the segment of q's prompt, `prefix_rl[r, q]`."""
     length = segment_rl.shape[-1]
     causal = jnp.tril(jnp.ones((length, length), bool))
-    same = segment_rl[:, :, None] == segment_rl[:, None, :]
-    return causal[None] & same & (segment_rl[:, None, :] > 0)
+    visible = segment_rl[:, :, None] == segment_rl[:, None, :]
+    if prefix_rl is not None:
+        visible = visible | (prefix_rl[:, :, None] == segment_rl[:, None, :])
+    return causal[None] & visible & (segment_rl[:, None, :] > 0)
 
 
 def bucket_rows(n: int) -> int:
@@ -123,42 +146,107 @@ def _check_groups(batch_size: int, groups: int) -> None:
         )
 
 
-def _pack_groups(sequences: list[np.ndarray], row_length: int, groups: int, what: str):
-    """Packs `sequences` (token arrays; empty = skipped), consecutive blocks of
-    `len(sequences) // groups` per group. Returns `(tokens, segment, positions [R, L],
-    placement)`, `placement[i] = (row within the group, column)` of sequence i's first token."""
-    lengths = [len(s) for s in sequences]
+def _too_long(lengths: list[int], row_length: int, what: str) -> None:
     too_long = [i for i, n in enumerate(lengths) if n > row_length]
     if too_long:
         raise ValueError(
             f"{what} {too_long[0]} has {lengths[too_long[0]]} tokens, more than the pack length "
             f"{row_length}; set the pack length to at least {max(lengths)} (the longest sequence)"
         )
-    per = len(sequences) // groups
-    plans = [first_fit_rows(lengths[g * per : (g + 1) * per], row_length) for g in range(groups)]
+
+
+def _pack_units(units_g: list[list[list[np.ndarray]]], row_length: int):
+    """Packs units (each a list of parts, token arrays, laid end to end in one row) per group.
+
+    A unit of one part is a plain sequence (its own prefix); in a unit of several, part 0 is the
+    prompt and the others its completions: each part is its own segment, every part's prefix is
+    part 0's segment, and a completion's positions continue from the prompt's length. Returns
+    `(tokens, segment, prefix, positions [R, L], placement)`, `placement[g][u] = (row within the
+    group, the column of each part)` (None for an empty unit)."""
+    plans = [
+        first_fit_rows([sum(len(p) for p in unit) for unit in units], row_length)
+        for units in units_g
+    ]
     rows_per_group = bucket_rows(max(len(p) for p in plans))
-    total = groups * rows_per_group
+    total = len(units_g) * rows_per_group
     tokens = np.zeros((total, row_length), np.int32)
     segment = np.zeros((total, row_length), np.int32)
+    prefix = np.zeros((total, row_length), np.int32)
     positions = np.zeros((total, row_length), np.int32)
-    placement = [(0, 0)] * len(sequences)
+    placement: list[list] = [[None] * len(units) for units in units_g]
     for g, plan in enumerate(plans):
         for r, members in enumerate(plan):
-            row, col = g * rows_per_group + r, 0
-            for k, local in enumerate(members, start=1):
-                i = g * per + local
-                n = lengths[i]
-                tokens[row, col : col + n] = sequences[i]
-                segment[row, col : col + n] = k
-                positions[row, col : col + n] = np.arange(n)
-                placement[i] = (r, col)
-                col += n
+            row, col, seg = g * rows_per_group + r, 0, 0
+            for u in members:
+                parts = units_g[g][u]
+                prefix_seg, prompt_len, cols = seg + 1, len(parts[0]), []
+                for j, part in enumerate(parts):
+                    seg, n = seg + 1, len(part)
+                    tokens[row, col : col + n] = part
+                    segment[row, col : col + n] = seg
+                    prefix[row, col : col + n] = prefix_seg
+                    positions[row, col : col + n] = (prompt_len if j else 0) + np.arange(n)
+                    cols.append(col)
+                    col += n
+                placement[g][u] = (r, cols)
+    return tokens, segment, prefix, positions, placement
+
+
+def _pack_groups(sequences: list[np.ndarray], row_length: int, groups: int, what: str):
+    """Packs `sequences` (token arrays; empty = skipped), consecutive blocks of
+    `len(sequences) // groups` per group. Returns `(tokens, segment, positions [R, L],
+    placement)`, `placement[i] = (row within the group, column)` of sequence i's first token."""
+    _too_long([len(s) for s in sequences], row_length, what)
+    per = len(sequences) // groups
+    units_g = [[[s] for s in sequences[g * per : (g + 1) * per]] for g in range(groups)]
+    tokens, segment, _, positions, placement_g = _pack_units(units_g, row_length)
+    placement = [(0, 0)] * len(sequences)
+    for g, units in enumerate(placement_g):
+        for u, where in enumerate(units):
+            if where is not None:
+                placement[g * per + u] = (where[0], where[1][0])
     return tokens, segment, positions, placement
 
 
-def pack_rollout_batch(batch: RolloutBatch, row_length: int, groups: int = 1) -> PackedRolloutBatch:
+def _shared_units(prompts, completions, row_length: int, first: int) -> tuple[list, list]:
+    """One packing group's units `[prompt, c_1, ..., c_n]` (rollouts with identical prompts, in
+    batch order; a unit is closed when the next completion would not fit the row) and, per unit,
+    the batch indices of its completions (`first` is the group's first index). Rollouts without
+    completion tokens take no tokens."""
+    by_prompt: dict[bytes, list[int]] = {}
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        if len(completion):
+            by_prompt.setdefault(prompt.tobytes(), []).append(i)
+    units, owners = [], []
+    for members in by_prompt.values():
+        prompt = prompts[members[0]]
+        longest = max(members, key=lambda i: len(completions[i]))
+        if len(prompt) + len(completions[longest]) > row_length:
+            n = len(prompt) + len(completions[longest])
+            raise ValueError(
+                f"rollout {first + longest} has {n} tokens, more than the pack length "
+                f"{row_length}; set the pack length to at least {n} (the longest sequence)"
+            )
+        unit, owner, length = [prompt], [], len(prompt)
+        for i in members:
+            if length + len(completions[i]) > row_length:
+                units.append(unit)
+                owners.append(owner)
+                unit, owner, length = [prompt], [], len(prompt)
+            unit.append(completions[i])
+            owner.append(first + i)
+            length += len(completions[i])
+        units.append(unit)
+        owners.append(owner)
+    return units, owners
+
+
+def pack_rollout_batch(
+    batch: RolloutBatch, row_length: int, groups: int = 1, share_prompts: bool = False
+) -> PackedRolloutBatch:
     """Packs a padded `RolloutBatch` (host arrays, e.g. from `collate_rollouts`) into rows of
-    `row_length` tokens, in `groups` groups of consecutive rollouts (module docstring).
+    `row_length` tokens, in `groups` groups of consecutive rollouts (module docstring); with
+    `share_prompts`, the rollouts of a group with identical prompts as `[prompt, c_1, ..., c_n]`.
 
     Invalid rows (`valid_b` False) take no tokens. Raises if a rollout is longer than
     `row_length` or the batch does not split into `groups`.
@@ -169,23 +257,38 @@ def pack_rollout_batch(batch: RolloutBatch, row_length: int, groups: int = 1) ->
     valid = np.asarray(batch.valid_b)
     b, t = completion_ids.shape
     _check_groups(b, groups)
-    prompts = [prompt_ids[i][prompt_mask[i]] if valid[i] else prompt_ids[i, :0] for i in range(b)]
+    per = b // groups
+    empty = prompt_ids[0, :0]
+    prompts = [prompt_ids[i][prompt_mask[i]] if valid[i] else empty for i in range(b)]
     lengths = completion_mask.sum(axis=1)
-    sequences = [
-        np.concatenate([prompts[i], completion_ids[i, : lengths[i]]])
-        if valid[i]
-        else prompt_ids[i, :0]
-        for i in range(b)
-    ]
-    tokens, segment, positions, placement = _pack_groups(sequences, row_length, groups, "rollout")
-    # Completion token t of rollout i sits at column col + P_i + t; the state predicting it is
-    # one column earlier. Padding columns point at the group's first token (masked in the loss).
+    completions = [completion_ids[i, : lengths[i]] if valid[i] else empty for i in range(b)]
+    where: dict[int, tuple[int, int, int]] = {}  # rollout -> (group, unit, completion's part)
+    if share_prompts:
+        units_g = []
+        for g in range(groups):
+            block = slice(g * per, (g + 1) * per)
+            units, owners = _shared_units(prompts[block], completions[block], row_length, g * per)
+            units_g.append(units)
+            for u, owner in enumerate(owners):
+                where.update({i: (g, u, j) for j, i in enumerate(owner, start=1)})
+    else:  # one part per unit: the prompt and the completion as one sequence
+        sequences = [np.concatenate([prompts[i], completions[i]]) for i in range(b)]
+        _too_long([len(s) for s in sequences], row_length, "rollout")
+        units_g = [[[s] for s in sequences[g * per : (g + 1) * per]] for g in range(groups)]
+        where = {i: (i // per, i % per, 0) for i in range(b) if len(sequences[i])}
+    tokens, segment, prefix, positions, placement = _pack_units(units_g, row_length)
+    # Completion token t of rollout i is predicted by the state before it: for t > 0 its own
+    # token t - 1, for t = 0 the prompt's last token. Padding columns point at the group's
+    # first token (masked in the loss).
     index = np.zeros((b, t), np.int32)
-    for i in range(b):
-        if valid[i]:
-            row, col = placement[i]
-            start = row * row_length + col + len(prompts[i]) - 1
-            index[i, : lengths[i]] = start + np.arange(lengths[i])
+    for i, (g, u, j) in where.items():
+        if not valid[i] or not lengths[i]:
+            continue
+        row, cols = placement[g][u]
+        prompt_end = row * row_length + cols[0] + len(prompts[i])
+        start = prompt_end if j == 0 else row * row_length + cols[j]
+        index[i, : lengths[i]] = start - 1 + np.arange(lengths[i])
+        index[i, 0] = prompt_end - 1
     fields = {
         f.name: np.asarray(getattr(batch, f.name))
         for f in dataclasses.fields(PackedRolloutBatch)
@@ -194,6 +297,7 @@ def pack_rollout_batch(batch: RolloutBatch, row_length: int, groups: int = 1) ->
     return PackedRolloutBatch(
         tokens_rl=tokens,
         segment_rl=segment,
+        prefix_rl=prefix,
         positions_rl=positions,
         predict_index_bt=index,
         **fields,
