@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
@@ -15,6 +16,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.tasks.arithmetic import ArithmeticTask
 from jaxrl.tasks.chain import ChainTask
+from jaxrl.tasks.chat import answer_format, check_format_is_asked, stop_token_ids
 from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION
 from jaxrl.tasks.rewards import get_reward
 from jaxrl.tasks.source import PromptSource, get_task
@@ -116,7 +118,14 @@ class TaskSpec:
     The other fields are read by the built-in tasks; a user task's factory gets this TaskSpec and
     may read `seed` (its own settings are best bound in gin on the factory itself).
     min_operands, max_operands (chain_sum): the operand count's range (`jaxrl.tasks.chain`).
-    instruction (math_jsonl): appended to each question in the user turn; "" = none.
+    instruction (math_jsonl, reasoning_gym): appended to each question in the user turn; "" =
+      none. The default asks for `\\boxed{}`, which answer_format "boxed" reads.
+    dataset, dataset_config (reasoning_gym): a reasoning-gym dataset name and the fields of its
+      config dataclass (e.g. {"min_terms": 2, "max_digits": 2}; seed and size are the task's).
+    system_prompt (reasoning_gym): the system turn; None keeps the chat template's default.
+    answer_format (reasoning_gym): where the reply's final answer is read
+      (`jaxrl.tasks.chat.ANSWER_FORMATS`: "boxed", "answer_tag", "last_number", "text").
+    heldout_size (reasoning_gym): distinct held-out questions set aside (>= the eval size).
     """
 
     name: str = "arithmetic"
@@ -130,6 +139,11 @@ class TaskSpec:
     reward: str = ""
     seed: int = 0
     instruction: str = DEFAULT_INSTRUCTION
+    dataset: str = ""
+    dataset_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    system_prompt: str | None = None
+    answer_format: str = "boxed"
+    heldout_size: int = 1024
 
     def validate(self) -> None:
         try:
@@ -147,6 +161,19 @@ class TaskSpec:
             )
         if self.name == "chain_sum":
             ChainTask(min_operands=self.min_operands, max_operands=self.max_operands)
+        if self.name == "reasoning_gym":
+            from jaxrl.tasks.reasoning_gym import check_dataset
+
+            if not self.dataset:
+                raise ValueError(
+                    "task reasoning_gym needs TaskSpec.dataset (a reasoning-gym dataset name, "
+                    "e.g. 'basic_arithmetic')"
+                )
+            check_dataset(self.dataset, dict(self.dataset_config))
+            answer_format(self.answer_format)
+            check_format_is_asked(self.answer_format, self.instruction, self.system_prompt)
+            if self.heldout_size < 1:
+                raise ValueError(f"TaskSpec.heldout_size={self.heldout_size} must be >= 1")
         if self.reward:  # a reward that cannot be imported fails now, not after the SFT stage
             try:
                 get_reward(self.reward)
@@ -177,7 +204,10 @@ def resolve_scan_layers(scan_layers: bool | None, num_layers: int, lora: bool = 
 
 def build_model_config(policy: PolicySpec, tokenizer, *, lora: bool = False) -> ModelConfig:
     """The policy's `ModelConfig`; `lora`: the run trains LoRA adapters (layers stay unrolled
-    unless `policy.scan_layers` says otherwise)."""
+    unless `policy.scan_layers` says otherwise). A tokenizer with a chat template adds its
+    end-of-turn token to the stop ids (`jaxrl.tasks.chat.stop_token_ids`) when the checkpoint's
+    config names another EOS only (e.g. `<|endoftext|>` but not `<|im_end|>`): a chat model's
+    reply ends with its turn."""
     overrides = dict(
         param_dtype=policy.param_dtype, dtype=policy.dtype, remat_policy=policy.remat_policy
     )
@@ -190,9 +220,16 @@ def build_model_config(policy: PolicySpec, tokenizer, *, lora: bool = False) -> 
         m = policy.vocab_multiple
         vocab = -(-len(tokenizer) // m) * m
         config = PRESETS[policy.preset](vocab, tokenizer).replace(**overrides)
-    return config.replace(
+    return with_end_of_turn(config, tokenizer).replace(
         scan_layers=resolve_scan_layers(policy.scan_layers, config.num_layers, lora)
     )
+
+
+def with_end_of_turn(config: ModelConfig, tokenizer) -> ModelConfig:
+    """`config` with the tokenizer's chat-template end-of-turn token among its EOS ids (the
+    ids every sampler stops at), when it is not there already."""
+    eos_ids = stop_token_ids(config.eos_token_ids, tokenizer)
+    return config if eos_ids == config.eos_token_ids else config.replace(eos_token_id=eos_ids)
 
 
 def build_source(task: TaskSpec, tokenizer, max_prompt_tokens: int | None = None) -> PromptSource:

@@ -3,6 +3,9 @@
     python -m launch.eval --workdir=runs/arith_sync [--step=N]
     python -m launch.eval --hf_dir=exported/ --task=arithmetic --eval_size=512 --samples=8
     python -m launch.eval --hf_dir=exported_chain/ --task=chain_sum
+    python -m launch.eval --hf_dir=exported_smol/ --task=reasoning_gym --dataset=basic_arithmetic \
+        --dataset_config='{"min_terms": 2, "max_terms": 2}' --answer_format=last_number \
+        --instruction='Give only the final answer.' --max_new_tokens=48
 
 --task takes any registered task (`jaxrl.tasks.source.list_tasks`) or "package.module:factory".
 
@@ -21,8 +24,10 @@ import sys
 from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
 from jaxrl.generation.engine_sampler import EngineSampler
+from jaxrl.infra.errors import DataError
 from jaxrl.models import hf
 from jaxrl.specs import TaskSpec, build_source, reward_name
+from jaxrl.tasks.chat import stop_token_ids
 from jaxrl.tasks.source import encode_prompts, list_tasks
 
 
@@ -71,6 +76,12 @@ TASK_FLAGS = {  # flag -> TaskSpec field
     "task_seed": "seed",
     "eval_path": "eval_path",
     "reward": "reward",
+    "dataset": "dataset",
+    "dataset_config": "dataset_config",
+    "instruction": "instruction",
+    "system_prompt": "system_prompt",
+    "answer_format": "answer_format",
+    "heldout_size": "heldout_size",
 }
 
 
@@ -99,6 +110,17 @@ def main(argv=None) -> int:
     p.add_argument("--max_operands", type=int, default=None, help="chain_sum: most operands")
     p.add_argument("--task_seed", type=int, default=None, help="the task's seed (its split)")
     p.add_argument("--reward", default=None, help="reward name (default: the task's own)")
+    p.add_argument("--dataset", default=None, help="reasoning_gym: the dataset name")
+    p.add_argument(
+        "--dataset_config",
+        type=_json_object,
+        default=None,
+        help="reasoning_gym: the dataset's config as a JSON object, e.g. '{\"max_digits\": 2}'",
+    )
+    p.add_argument("--instruction", default=None, help="chat tasks: appended to each question")
+    p.add_argument("--system_prompt", default=None, help="chat tasks: the system turn")
+    p.add_argument("--answer_format", default=None, help="reasoning_gym: where the answer is read")
+    p.add_argument("--heldout_size", type=int, default=None, help="reasoning_gym: held-out pool")
     p.add_argument("--eval_size", type=int, default=None)
     p.add_argument("--samples", type=int, default=None, help="k of pass@k (draws at temperature)")
     p.add_argument("--temperature", type=float, default=None)
@@ -114,10 +136,8 @@ def main(argv=None) -> int:
 
     if args.workdir:
         task, settings = run_settings(args.workdir)
-        step, model, tokenizer = run_dir.load_policy(args.workdir, step=args.step)
     else:
         task, settings = TaskSpec(), dict(DEFAULTS)
-        step, model, tokenizer = None, hf.load_model(args.hf_dir), hf.load_tokenizer(args.hf_dir)
     overrides = {}
     for flag, field in TASK_FLAGS.items():
         value = getattr(args, flag)
@@ -134,13 +154,26 @@ def main(argv=None) -> int:
             if args.workdir:
                 _note(f"--{flag}={value!r}; the run evaluated with {flag}={settings[flag]!r}")
             settings[flag] = value
-    try:
+    try:  # a bad task fails here, before the model is loaded
         task.validate()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    # The tokenizer and config first: a task that cannot use them (no chat template) fails
+    # before the weights are read.
+    if args.workdir:
+        config, tokenizer = run_dir.load_model_spec(args.workdir)
+    else:
+        config, tokenizer = hf.load_config(args.hf_dir), hf.load_tokenizer(args.hf_dir)
     # The prompts that fit the context, as in the run (jsonl problems that do not are left out).
-    room = model.config.max_position_embeddings - settings["max_new_tokens"]
-    source = build_source(task, tokenizer, max_prompt_tokens=room)
+    room = config.max_position_embeddings - settings["max_new_tokens"]
+    try:
+        source = build_source(task, tokenizer, max_prompt_tokens=room)
+    except (DataError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.workdir:
+        step, model, tokenizer = run_dir.load_policy(args.workdir, step=args.step)
+    else:
+        step, model = None, hf.load_model(args.hf_dir)
     # A task whose completions are long (chain_sum: up to 52 tokens) says how long they get.
     longest = getattr(getattr(source, "task", None), "max_completion_tokens", None)
     if args.hf_dir and args.max_new_tokens is None and callable(longest):
@@ -151,7 +184,9 @@ def main(argv=None) -> int:
     ids = encode_prompts(tokenizer, items, getattr(source, "chat_formatted", False))
     # The engine, as in the run: its noise does not depend on the slot count, so the sampled
     # metrics are the run's own.
-    sampler, params = EngineSampler.for_model(model, pad_id=tokenizer.pad_token_id)
+    # A chat model's reply ends with its turn, also where config.json names another EOS only.
+    eos_ids = stop_token_ids(model.config.eos_token_ids, tokenizer)
+    sampler, params = EngineSampler.for_model(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids)
     metrics = evaluate(
         sampler, params, tokenizer, reward_name(task, source), items, ids,
         max_new_tokens=settings["max_new_tokens"], samples=settings["samples"],
@@ -160,6 +195,17 @@ def main(argv=None) -> int:
     metrics = {"step": step, **{k: round(v, 4) for k, v in metrics.items()}}
     print(json.dumps(metrics))
     return 0
+
+
+def _json_object(text: str) -> dict:
+    """A --dataset_config value: a JSON object (parsed as data, never evaluated)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _note(text: str) -> None:

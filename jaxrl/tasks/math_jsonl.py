@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from jaxrl.infra.errors import DataError
 from jaxrl.tasks.answers import MAX_ANSWER_CHARS, extract_boxed, extract_hash_answer
+from jaxrl.tasks.chat import render_prompt
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -103,20 +104,9 @@ def format_prompt(
     instruction: str | None = DEFAULT_INSTRUCTION,
     system_prompt: str | None = None,
 ) -> str:
-    """The question as a chat prompt ending where the assistant's answer starts.
-
-    The user turn is `question + "\\n" + instruction` (instruction None: the question alone),
-    preceded by an optional system turn, rendered with the tokenizer's own chat template and
-    `add_generation_prompt=True`. Tokenise the result with `add_special_tokens=False`: templates
-    usually emit the BOS token themselves.
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has no chat template; set "
-            "`tokenizer.chat_template` (a Jinja string) or use an instruct model's tokenizer"
-        )
-    user = question if instruction is None else f"{question}\n{instruction}"
-    messages = [{"role": "user", "content": user}]
-    if system_prompt is not None:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """The question as a chat prompt ending where the assistant's answer starts
+    (`jaxrl.tasks.chat.render_prompt`): the user turn is `question + "\\n" + instruction`
+    (instruction None: the question alone), preceded by an optional system turn. Tokenise the
+    result with `add_special_tokens=False`: templates usually emit the BOS token themselves.
+    A tokenizer without a chat template raises `ChatTemplateError`."""
+    return render_prompt(tokenizer, question, instruction=instruction, system_prompt=system_prompt)

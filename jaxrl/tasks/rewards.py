@@ -24,7 +24,8 @@ Built-ins: "arithmetic_exact" (exact integer answer, `jaxrl.tasks.arithmetic`), 
 (the last partial sum of a chain, `jaxrl.tasks.chain`), "chain_sum_partial" (the same, with
 partial credit under 0.5 for the right leading partial sums of a wrong answer) and
 "math_answer" (final answer of a GSM8K / MATH completion equals the reference after numeric
-normalisation).
+normalisation) and "reasoning_gym" (the reply's final answer scored by the reasoning-gym
+dataset's own `score_answer`, `jaxrl.tasks.reasoning_gym`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from jaxrl.tasks.answers import answers_match, extract_answer
 from jaxrl.tasks.arithmetic import arithmetic_reward
 from jaxrl.tasks.chain import chain_partial_reward, chain_reward
 from jaxrl.tasks.math_jsonl import reference_answer
+from jaxrl.tasks.reasoning_gym import score_reply
 
 
 class RewardFunction(Protocol):
@@ -167,3 +169,4 @@ register_reward("arithmetic_exact", lambda p, c, r: arithmetic_reward(c, r), per
 register_reward("math_answer", _math_answer, per_sample=True)
 register_reward("chain_sum_exact", lambda p, c, r: chain_reward(c, r), per_sample=True)
 register_reward("chain_sum_partial", chain_partial_reward, per_sample=True)
+register_reward("reasoning_gym", lambda p, c, r: score_reply(c, r), per_sample=True)

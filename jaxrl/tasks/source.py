@@ -20,7 +20,8 @@ module, which a gin file imports:
     TaskSpec.name = "reverse"                   # or "my_tasks:reverse_task", without registering
 
 Built-ins: "arithmetic" (`ArithmeticSource`), "chain_sum" (`ChainSource`, long-tailed completion
-lengths) and "math_jsonl" (`JsonlMathSource`).
+lengths), "math_jsonl" (`JsonlMathSource`) and "reasoning_gym" (any reasoning-gym dataset,
+`jaxrl.tasks.reasoning_gym`, with the `tasks` extra).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 from jaxrl.infra.errors import DataError
 from jaxrl.tasks.arithmetic import ArithmeticTask, demonstration, encode_demonstrations
 from jaxrl.tasks.chain import ChainTask, chain_demonstration, encode_chain_demonstrations
+from jaxrl.tasks.chat import require_chat_template
 from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION, format_prompt, load_math_jsonl
 
 
@@ -194,6 +196,7 @@ class JsonlMathSource:
         instruction: str | None = DEFAULT_INSTRUCTION,
         max_prompt_tokens: int | None = None,
     ):
+        require_chat_template(tokenizer, "math_jsonl")
         self.tokenizer, self.seed = tokenizer, seed
         self.instruction = instruction or None
         self.examples = self._fitting(load_math_jsonl(train_path), train_path, max_prompt_tokens)
@@ -314,6 +317,13 @@ def _chain_sum(spec, tokenizer) -> ChainSource:
     )
 
 
+def _reasoning_gym(spec, tokenizer, max_prompt_tokens: int | None = None):
+    from jaxrl.tasks.reasoning_gym import reasoning_gym_task  # reasoning-gym loads on first use
+
+    return reasoning_gym_task(spec, tokenizer, max_prompt_tokens)
+
+
 register_task("arithmetic", _arithmetic)
 register_task("chain_sum", _chain_sum)
 register_task("math_jsonl", _math_jsonl)
+register_task("reasoning_gym", _reasoning_gym)
