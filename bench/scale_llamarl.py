@@ -24,6 +24,11 @@ attention width A = heads x head_dim, KV bytes per token per row `kv` (2 L kv_he
 
 Everything the paper's abstract does not give is a named guess (`SETTINGS`, `H100`);
 docs/benchmarks.md ("Speed-up model") lists them. Run: `python -m bench.scale_llamarl`.
+
+`--compiled` (GPU rows, docs/scale.md "Planning for NVIDIA GPUs"): the same settings and the
+same composition, with each program's FLOPs and bytes per device read from programs XLA:GPU
+compiled for H100s on this CPU (`launch.plan`'s functions, `jaxrl.infra.gpu`) instead of the
+formulas above; `compiled_costs` names what is compiled and how it is scaled.
 """
 
 from __future__ import annotations
@@ -143,7 +148,180 @@ def predict(s: Setting, hw=H100) -> dict:
     )  # fmt: skip
 
 
+# --- the same settings from programs compiled for H100s (XLA:GPU, deviceless) --------------------
+
+TRAIN_ROWS_PER_DEVICE = 1  # the probe's micro-batch: one rollout a GPU (FSDP over the node)
+DECODE_ROWS = (16, 32)  # two slot counts: a decode step's cost is linear in its rows
+
+
+def compiled_costs(s: Setting, remat_policy: str = "full") -> dict:
+    """Per-device FLOPs and bytes of the train step, prefill and decode step of setting `s`,
+    from programs compiled for H100s with XLA:GPU (no GPU here), scaled to the setting.
+
+    Each program is compiled with 1 and 2 unrolled layers and extrapolated to the model's L
+    (`jaxrl.planning.probe_per_step`: XLA counts a loop body once):
+
+    - train: `Trainer.rl_step` (GRPO, fp32 master weights and Adam, bf16 compute, XLA
+      attention, remat `remat_policy`) on one 8-GPU node, FSDP 8, one rollout of P + C tokens a
+      GPU: the cost of one rollout on one GPU. A step on G GPUs is ceil(B / G) such micro-steps
+      (FSDP: each GPU computes its rows; the weights' all-gathers are not in the roofline).
+    - prefill: the engine's prefill of 8 prompts of P tokens on the generator's TP group, cost
+      per prompt (linear in prompts).
+    - decode: the engine's decode step on the TP group with DECODE_ROWS slots, attending the
+      mean context P + C / 2 (the engine's span buckets grow with the sequence); linear in the
+      rows through the two slot counts.
+    """
+    from jaxrl.infra.gpu import topology_devices
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
+    from jaxrl.models.presets import preset
+    from jaxrl.planning import plan_generator, plan_trainer, probe_per_step
+    from jaxrl.trainer import LossConfig, OptimizerConfig
+
+    trainer_mesh = make_mesh(MeshConfig(("fsdp", "tp"), (8, 1)), topology_devices("h100:1x8"))
+    gen_mesh = make_mesh(
+        MeshConfig(("dp", "tp"), (1, s.tp_async)), topology_devices(f"h100:1x{s.tp_async}")
+    )
+    model = preset(s.preset, param_dtype="float32", dtype="bfloat16", remat_policy=remat_policy)
+    gen_model = preset(s.preset, param_dtype="bfloat16", dtype="bfloat16")
+
+    def train(c):
+        r, _ = plan_trainer(
+            c, trainer_mesh, rows=8 * TRAIN_ROWS_PER_DEVICE, prompt_len=s.prompt_len,
+            completion_len=s.completion_len, optimizer=OptimizerConfig(learning_rate=1e-6),
+            loss=LossConfig(name="grpo"),
+        )  # fmt: skip
+        return r.flops, r.bytes_accessed
+
+    span = s.prompt_len + s.completion_len // 2
+    decode_probes: dict[int, dict[int, tuple[float, float]]] = {}
+
+    def generate(rows):
+        def probe(c):
+            p, d = plan_generator(
+                c, gen_mesh, num_slots=rows, samples=rows // 8, prompt_len=s.prompt_len,
+                completion_len=s.completion_len, span=span,
+            )  # fmt: skip
+            decode_probes.setdefault(rows, {})[c.num_layers] = (d.flops, d.bytes_accessed)
+            return p.flops, p.bytes_accessed
+
+        return probe_per_step(probe, gen_model)
+
+    prefill = generate(DECODE_ROWS[0])
+    generate(DECODE_ROWS[1])
+    layers = gen_model.num_layers
+    decode = {
+        rows: tuple(a + (layers - 1) * (b - a) for a, b in zip(p[1], p[2], strict=True))
+        for rows, p in decode_probes.items()
+    }
+    (r1, r2), (c1, c2) = DECODE_ROWS, (decode[DECODE_ROWS[0]], decode[DECODE_ROWS[1]])
+    per_row = tuple((b - a) / (r2 - r1) for a, b in zip(c1, c2, strict=True))
+    fixed = tuple(a - r1 * d for a, d in zip(c1, per_row, strict=True))
+    return dict(
+        train_row=probe_per_step(train, model),  # one rollout on one GPU
+        prefill_prompt=tuple(x / 8 for x in prefill),  # per prompt, per TP-group GPU
+        decode_fixed=fixed,  # per decode step, per GPU: weights etc.
+        decode_row=per_row,  # per slot
+        remat=remat_policy,
+    )
+
+
+def _roofline(cost: tuple[float, float], hw) -> float:
+    return max(cost[0] / hw["peak_bf16"], cost[1] / hw["hbm_bw"])
+
+
+def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
+    """`predict`'s composition with program times from `compiled_costs` at H100 peaks; the
+    weight push and reshard over the links and the all-reduce latencies stay hand counts."""
+    m = shapes(s.preset)
+    rows = s.prompts * s.samples
+
+    def train(gpus):
+        return math.ceil(rows / gpus) * _roofline(costs["train_row"], hw)
+
+    def generate(gpus, tp):
+        replicas = gpus // tp
+        r = math.ceil(rows / replicas)
+        prompts_per_replica = math.ceil(s.prompts / replicas)
+        prefill = prompts_per_replica * _roofline(costs["prefill_prompt"], hw)
+        fixed, per_row = costs["decode_fixed"], costs["decode_row"]
+        cost = tuple(f + r * d for f, d in zip(fixed, per_row, strict=True))
+        latency = 2 * m["layers"] * hw["allreduce_intra_s"] if tp > 1 else 0.0
+        step = _roofline(cost, hw) + latency
+        bound = "compute" if cost[0] / hw["peak_bf16"] > cost[1] / hw["hbm_bw"] else "HBM"
+        return dict(total=prefill + s.completion_len * step, prefill=prefill, rows=r,
+                    step_ms=step * 1e3, bound=bound)  # fmt: skip
+
+    tp = s.tp_async
+    gen_sync = generate(s.gpus, tp)
+    reshard = m["params"] * 2 / tp / hw["nvlink"]
+    tt_sync = train(s.gpus)
+    best = None
+    for gen_gpus in range(8, s.gpus, 8):
+        gen = generate(gen_gpus, tp)
+        tt = train(s.gpus - gen_gpus)
+        ts = m["params"] * 2 / ((s.gpus - gen_gpus) * hw["ib"])
+        step = max(gen["total"], tt + ts)
+        if best is None or step < best[0]:
+            best = (step, gen_gpus, gen, tt, ts)
+    asyn, gen_gpus, gen_async, tt_async, ts = best
+    sync = gen_sync["total"] + tt_sync + reshard
+    return dict(
+        name=s.name, gpus=s.gpus, gen_gpus=gen_gpus, tp=tp, remat=costs["remat"],
+        sync_generate=gen_sync["total"], sync_train=tt_sync, sync_reshard=reshard, sync=sync,
+        async_generate=gen_async["total"], async_train=tt_async, async_push=ts, asynch=asyn,
+        speedup=sync / asyn, paper_sync=PAPER[s.name][0], paper_async=PAPER[s.name][1],
+        paper_speedup=PAPER[s.name][0] / PAPER[s.name][1],
+        sync_ratio=sync / PAPER[s.name][0], async_ratio=asyn / PAPER[s.name][1],
+        sync_decode_ms=gen_sync["step_ms"], async_decode_ms=gen_async["step_ms"],
+        sync_decode_rows=gen_sync["rows"], async_decode_rows=gen_async["rows"],
+        decode_bound=gen_async["bound"],
+        train_row_tflop=costs["train_row"][0] / 1e12,
+    )  # fmt: skip
+
+
+def main_compiled(names=("8B", "70B")) -> list[dict]:
+    from jaxrl.infra.gpu import quiet_jax_import
+
+    quiet_jax_import()
+    from bench.common import write_results
+
+    rows = []
+    for s in SETTINGS:
+        if s.name in names:
+            rows.append(predict_compiled(s, compiled_costs(s)))
+            print(rows[-1], flush=True)
+    for r in rows:
+        r["sync_s"] = (
+            f"{r['sync_generate']:.2f} + {r['sync_train']:.2f} + {r['sync_reshard']:.2f} = "
+            f"{r['sync']:.2f}"
+        )
+        r["async_s"] = (
+            f"max({r['async_generate']:.2f}, {r['async_train']:.2f} + {r['async_push']:.2f}) = "
+            f"{r['asynch']:.2f}"
+        )
+        r["h100s"] = f"{r['gpus']} ({r['gen_gpus']} generate, TP {r['tp']})"
+        r["ratios"] = f"{r['sync_ratio']:.2f} / {r['async_ratio']:.2f}"
+        r["speedups"] = f"{r['speedup']:.2f}x / {r['paper_speedup']:.2f}x"
+    columns = [
+        ("name", "model"), ("h100s", "H100s (async: generator)"),
+        ("sync_s", "sync: generate + train + reshard = step s"), ("paper_sync", "paper sync s"),
+        ("async_s", "async: max(generate, train + push) = step s"),
+        ("paper_async", "paper async s"), ("ratios", "predicted / paper, sync / async"),
+        ("speedups", "speed-up predicted / paper"),
+        ("sync_decode_ms", "decode step ms (sync)"), ("async_decode_ms", "decode step ms (async)"),
+    ]  # fmt: skip
+    note = (
+        "`python -m bench.scale_llamarl --compiled`: program FLOPs / bytes from XLA:GPU compiles "
+        "for H100 (jax-cuda12-plugin 0.10.2, deviceless, on the CPU), train remat "
+        f"{rows[0]['remat']}, H100 SXM peaks"
+    )
+    print(write_results("scale_llamarl_h100", rows, columns, note))
+    return rows
+
+
 def main(argv=None) -> list[dict]:
+    if argv and "--compiled" in argv:
+        return main_compiled()
     rows = [predict(s) for s in SETTINGS]
     print(
         "| model | H100s (async: generator) | sync: generate + train + reshard = step s "
