@@ -115,7 +115,11 @@ def topology_devices(name: str) -> list[jax.Device]:
     try:
         from jax.experimental import topologies
 
-        return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+        from jaxrl.infra.gpu import without_driver_noise  # the CUDA plugin, when installed
+
+        with without_driver_noise():
+            topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        return list(topology.devices)
     except Exception as err:  # libtpu missing surfaces as RuntimeError / ValueError from PJRT
         text = str(err)
         if "libtpu" in text.lower() or "unknown backend" in text.lower() or "tpu" not in text:
