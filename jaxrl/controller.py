@@ -112,6 +112,8 @@ class RLConfig:
       into rows of this many tokens (`jaxrl.rl.packing`; at least the longest prompt plus
       `max_new_tokens`); 0 trains on padded `[prompts x (prompt bucket + max_new_tokens)]`
       rectangles.
+    share_prompts: packed batches lay each group out as `[prompt, completions]`, the prompt
+      trained on once (`Trainer(share_prompts)`); None: on whenever `pack_length` > 0.
     """
 
     mode: str = "sync"
@@ -135,6 +137,7 @@ class RLConfig:
     queue_size: int = 2
     stall_timeout_s: float = 900.0
     pack_length: int = 0
+    share_prompts: bool | None = None
     kv_on_update: str = "keep"
     stream_in_flight: int = -1
 

@@ -241,6 +241,7 @@ def rl_main(
         loss=loss,
         lora=lora,
         pack_length=rl.pack_length,
+        share_prompts=rl.share_prompts,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
     engine = {
