@@ -127,6 +127,20 @@ def test_shared_step_equals_repeated(variant):
     assert worst <= 1e-5
 
 
+def _assert_predicts_from_its_prompt(batch, packed, groups: int) -> None:
+    """Completion token 0 of each rollout is predicted from its prompt's last token, token t > 0
+    from its own token t - 1, at the repeated layout's positions."""
+    prompts, completions = batch.prompt_mask_bp.sum(1), batch.completion_mask_bt.sum(1)
+    flat = packed.tokens_rl.reshape(groups, -1)
+    positions = packed.positions_rl.reshape(groups, -1)
+    per = batch.batch_size // groups
+    for i in np.flatnonzero(batch.valid_b):
+        g, n, index = i // per, completions[i], packed.predict_index_bt[i]
+        assert flat[g, index[0]] == batch.prompt_ids_bp[i, -1]
+        np.testing.assert_array_equal(flat[g, index[1:n]], batch.completion_ids_bt[i, : n - 1])
+        np.testing.assert_array_equal(positions[g, index[:n]], prompts[i] - 1 + np.arange(n))
+
+
 def test_layout_shares_each_prompt_once():
     batch = _rollout_batch()
     repeated = pack_rollout_batch(batch, PACK, groups=4)
@@ -135,34 +149,26 @@ def test_layout_shares_each_prompt_once():
     # Packing group g holds rollouts 6g..6g+5; a group's prompt appears once per packing group
     # that holds some of its samples (all fit one row here).
     groups = np.asarray(batch.group_id_b)
-    expected = (
-        sum(
-            prompts[i]
-            for g in range(4)
-            for i in range(6 * g, 6 * g + 6)
-            if batch.valid_b[i] and (i == 6 * g or groups[i] != groups[i - 1])
-        )
-        + completions[batch.valid_b].sum()
-    )
+    firsts = [
+        i
+        for g in range(4)
+        for i in range(6 * g, 6 * g + 6)
+        if batch.valid_b[i] and (i == 6 * g or groups[i] != groups[i - 1])
+    ]
+    expected = prompts[firsts].sum() + completions[batch.valid_b].sum()
     assert (shared.segment_rl > 0).sum() == expected < (repeated.segment_rl > 0).sum()
-    # the first completion token of each rollout is predicted from its prompt's last token
-    flat = shared.tokens_rl.reshape(4, -1)
-    per_group_rows = shared.tokens_rl.shape[0] // 4
-    for i in np.flatnonzero(batch.valid_b):
-        g, n = i // 6, completions[i]
-        last_prompt = flat[g, shared.predict_index_bt[i, 0]]
-        assert last_prompt == batch.prompt_ids_bp[i, -1]
-        inputs = flat[g, shared.predict_index_bt[i, 1:n]]
-        np.testing.assert_array_equal(inputs, batch.completion_ids_bt[i, : n - 1])
-        positions = shared.positions_rl.reshape(4, -1)[g, shared.predict_index_bt[i, :n]]
-        np.testing.assert_array_equal(positions, prompts[i] - 1 + np.arange(n))
-    assert per_group_rows >= 1
+    _assert_predicts_from_its_prompt(batch, shared, 4)
+    # Rows just long enough for the longest rollout: groups are cut into several units, each
+    # with its own copy of the prompt, and every completion still reads its prompt.
+    longest = int((prompts + completions)[batch.valid_b].max())
+    tight = pack_rollout_batch(batch, longest, groups=4, share_prompts=True)
+    assert (tight.segment_rl > 0).sum() > expected
+    _assert_predicts_from_its_prompt(batch, tight, 4)
+    with pytest.raises(ValueError, match=f"set the pack length to at least {longest} "):
+        pack_rollout_batch(batch, longest - 1, share_prompts=True)
     with pytest.raises(ValueError, match="needs pack_length > 0"):
         Trainer(CONFIG, make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), num_devices=1)),
                 TRAINER_RULES, optax.sgd(1.0), share_prompts=True)  # fmt: skip
-    longest = int((prompts + completions)[batch.valid_b].max())
-    with pytest.raises(ValueError, match=f"set the pack length to at least {longest} "):
-        pack_rollout_batch(batch, longest - 1, share_prompts=True)
 
 
 def test_completion_never_attends_to_its_siblings():
@@ -190,10 +196,12 @@ def test_completion_never_attends_to_its_siblings():
     others = [i for i in range(batch.batch_size) if i != j and batch.valid_b[i]]
     np.testing.assert_array_equal(lp_before[others], lp_after[others])
     assert np.abs(lp_before[j] - lp_after[j])[valid[j]].min() > 1e-3
-    # and the mask says so: completion j's columns are visible to its own queries only
-    cols = np.flatnonzero(before.segment_rl[row[0]] == before.segment_rl[row[0]].flat[
-        before.predict_index_bt[j, 1] % 64 if valid[j].sum() > 1 else 0])  # fmt: skip
-    assert mask[row[0]][:, cols].any(axis=1).sum() == len(cols)
+    # and the mask says so: completion j's keys are seen by j's own queries only
+    assert valid[j].sum() >= 2
+    r, c = divmod(int(before.predict_index_bt[j, 1]), 64)  # completion j's first token
+    cols_j = np.flatnonzero(before.segment_rl[r] == before.segment_rl[r, c])
+    assert len(cols_j) == valid[j].sum()
+    np.testing.assert_array_equal(np.flatnonzero(mask[r][:, cols_j].any(axis=1)), cols_j)
 
 
 def test_step_flops_fall_by_the_prompt_share():
