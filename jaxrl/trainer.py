@@ -474,8 +474,9 @@ class Trainer:
     identical prompts (a GRPO group's samples) are packed as one `[prompt, c_1, ..., c_n]` unit,
     the prompt run through the model once and each completion attending to it and to itself
     (`jaxrl.rl.packing`): the loss and gradients of the repeated layout, with (G - 1) / G of the
-    prompt tokens' FLOPs saved. None (the default) turns it on wherever packing is on, except
-    with `attention_impl="pallas"`, whose kernel takes a causal mask with key validity only.
+    prompt tokens' FLOPs saved. None (the default) turns it on wherever packing is on. Packing is
+    refused with `attention_impl="pallas"`, whose kernel takes a causal mask with key validity
+    only.
 
     LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
     optimizer state and checkpoints cover the adapters; the frozen base lives in
@@ -505,16 +506,21 @@ class Trainer:
     ):
         if pack_length < 0:
             raise ValueError(f"pack_length={pack_length}: use 0 (padded batches) or a row length")
-        pallas = model_config.attention_impl == "pallas"
-        if share_prompts and (not pack_length or pallas):
+        if pack_length and model_config.attention_impl == "pallas":
+            # The splash kernel is given each key's validity only (`pallas_attention`): in a
+            # packed row every sequence would attend to the sequences packed before it.
+            raise ValueError(
+                f"pack_length={pack_length} with attention_impl='pallas': the splash kernel "
+                "sees key validity only, not the packed rows' sequence boundaries; use "
+                "pack_length=0 (padded batches) or attention_impl='xla'"
+            )
+        if share_prompts and not pack_length:
             raise ValueError(
                 "share_prompts=True packs each group as [prompt, completions] in rows with a "
-                "shared-prompt mask: it needs pack_length > 0 and an attention_impl other than "
-                "'pallas'; set pack_length, or share_prompts=None / False"
+                "shared-prompt mask: it needs pack_length > 0; set pack_length, or "
+                "share_prompts=None / False"
             )
-        self.share_prompts = bool(
-            pack_length and not pallas if share_prompts is None else share_prompts
-        )
+        self.share_prompts = bool(pack_length if share_prompts is None else share_prompts)
         self.model_config, self.mesh, self.rules = model_config, mesh, rules
         self.pack_length, self.grad_accum_steps = pack_length, grad_accum_steps
         self.pack_shards = ax.batch_split(mesh, rules)

@@ -169,6 +169,10 @@ def test_layout_shares_each_prompt_once():
     with pytest.raises(ValueError, match="needs pack_length > 0"):
         Trainer(CONFIG, make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), num_devices=1)),
                 TRAINER_RULES, optax.sgd(1.0), share_prompts=True)  # fmt: skip
+    with pytest.raises(ValueError, match="sees key validity only"):
+        Trainer(CONFIG.replace(attention_impl="pallas"),
+                make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), num_devices=1)),
+                TRAINER_RULES, optax.sgd(1.0), pack_length=64)  # fmt: skip
 
 
 def test_completion_never_attends_to_its_siblings():
