@@ -1,0 +1,240 @@
+"""Does RL teach a real pretrained model? SmolLM2-135M-Instruct on reasoning-gym's basic_arithmetic
+(`configs/rl/smollm2_arith.gin`), against a shuffled-reward control, on a wall-time budget.
+
+Two `launch.rl` runs of the config from the same weights (`--init_from`, a save_pretrained
+directory of the model, e.g. the output of `python -m launch.fetch smollm2-135m-instruct`), each
+a child process on 2 simulated CPU devices (trainer on one, the generator's engine on the other):
+
+1. rl: the config as is.
+2. shuffled: `RLConfig.shuffle_rewards = True` (each batch's rewards permuted across its
+   samples: the same reward statistics without information; the control should not rise).
+
+Each run stops at `--steps` trainer steps or after `--minutes` of wall time, whichever comes
+first (the child is interrupted; the evaluations it wrote stay in its metrics.jsonl), and is
+evaluated on the config's held-out problems (`--eval_size`, greedy) every `--eval_every` steps,
+at step 0 included. Reports per run: steps, seconds per step, greedy held-out accuracy at the
+start and the mean of the last 3 evaluations, the gain in points, the mean train reward of the
+first and last 10 steps; the verdict of issue 36's criterion (rl +15 points within 2 hours, the
+control not rising: gain < 5 points). Writes bench/results/NAME.{json,md} and NAME.png (held-out
+accuracy and train reward against wall minutes, both runs).
+
+    python -m bench.smollm2_learning --init_from ~/.cache/jaxrl/smollm2-135m-instruct \
+        --minutes 120                                          # the full experiment, 2 x 2 h
+    python -m bench.smollm2_learning --init_from DIR --smoke   # 2 short steps each: plumbing
+    python -m bench.smollm2_learning --workdir W --no_launch   # summarise runs already in W
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "rl", "smollm2_arith.gin")
+DEVICES = 2
+RUNS = {
+    "rl": ("RL (AIPO)", []),
+    "shuffled": ("control: RL, shuffled rewards", ["RLConfig.shuffle_rewards = True"]),
+}
+GAIN_PTS, CONTROL_MAX_PTS, BUDGET_S = 15.0, 5.0, 7200.0
+LORA_LR = 1e-4  # --lora without --lr
+
+
+def run_params(args) -> list[str]:
+    """The gin overrides every run shares."""
+    params = [
+        f"PolicySpec.init_from = '{os.path.abspath(os.path.expanduser(args.init_from))}'",
+        f"RLConfig.total_steps = {args.steps}",
+        f"RLConfig.eval_every_steps = {args.eval_every}",
+        f"RLConfig.eval_size = {args.eval_size}",
+        f"RLConfig.save_every_steps = {args.save_every}",
+    ]
+    if args.lora:  # rank 8 on every attention and MLP projection (LoraConfig's defaults)
+        params += ["rl_main.lora = @LoraConfig()", f"OptimizerConfig.learning_rate = {LORA_LR}"]
+    if args.lr:
+        params.append(f"OptimizerConfig.learning_rate = {args.lr}")
+    return params + list(args.gin_param)
+
+
+def launch_run(workdir: str, params: list[str], seconds: float) -> float:
+    """`python -m launch.rl` on the config in a child process (output in WORKDIR.log), stopped
+    by SIGINT after `seconds`; returns its wall seconds."""
+    from jaxrl.infra.xla_cpu import cpu_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags("", devices=DEVICES), JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = REPO
+    command = [sys.executable, "-m", "launch.rl", "--gin_file", CONFIG, "--workdir", workdir]
+    for p in params:
+        command += ["--gin_param", p]
+    start = time.perf_counter()
+    with open(workdir.rstrip("/") + ".log", "a") as log:
+        child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            child.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGINT)  # the loop stops at the end of its step
+            try:
+                child.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    if child.returncode not in (0, 130, -signal.SIGINT) and not os.path.exists(
+        os.path.join(workdir, "metrics.jsonl")
+    ):
+        raise SystemExit(f"{workdir}: launch.rl failed (exit {child.returncode}); see its .log")
+    return time.perf_counter() - start
+
+
+def summarise(name: str, label: str, workdir: str) -> dict:
+    """One row: steps, seconds per step, greedy accuracy start / last-3 mean / gain, reward."""
+    from jaxrl.infra.metrics import read_metrics
+
+    records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    evals = [r for r in records if "eval/accuracy" in r]
+    steps = [r for r in records if "reward/mean" in r]
+    row = {"run": label, "name": name, "steps": max((r["step"] for r in steps), default=0)}
+    if not evals:
+        return row
+    t0 = evals[0]["wall_time_s"]
+    last = max(r["wall_time_s"] for r in records)
+    row["wall_s"] = round(last - t0, 1)
+    if len(steps) >= 2:
+        row["s_per_step"] = round(
+            (steps[-1]["wall_time_s"] - steps[0]["wall_time_s"]) / (len(steps) - 1), 1
+        )
+    row["greedy_start"] = evals[0]["eval/accuracy"]
+    row["greedy_end"] = round(statistics.mean(r["eval/accuracy"] for r in evals[-3:]), 4)
+    row["gain_pts"] = round(100 * (row["greedy_end"] - row["greedy_start"]), 1)
+    row["evals"] = len(evals)
+    within = [r for r in evals if r["wall_time_s"] - t0 <= BUDGET_S]
+    if len(within) >= 2:
+        best3 = statistics.mean(r["eval/accuracy"] for r in within[-3:])
+        row["gain_pts_2h"] = round(100 * (best3 - row["greedy_start"]), 1)
+    if steps:
+        row["reward_first10"] = round(statistics.mean(r["reward/mean"] for r in steps[:10]), 3)
+        row["reward_last10"] = round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3)
+    return row
+
+
+def write_plot(runs: dict[str, str], path: str) -> str:
+    """Held-out greedy accuracy and train reward against wall minutes, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxrl.infra.metrics import read_metrics
+
+    fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, workdir in runs.items():
+        records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        if not records:
+            continue
+        t0 = records[0]["wall_time_s"]
+        evals = [r for r in records if "eval/accuracy" in r]
+        acc_ax.plot(
+            [(r["wall_time_s"] - t0) / 60 for r in evals],
+            [r["eval/accuracy"] for r in evals],
+            marker="o",
+            label=label,
+        )
+        steps = [r for r in records if "reward/mean" in r]
+        reward_ax.plot(
+            [(r["wall_time_s"] - t0) / 60 for r in steps], [r["reward/mean"] for r in steps],
+            label=label, alpha=0.7,
+        )  # fmt: skip
+    acc_ax.set(xlabel="wall minutes", ylabel="held-out greedy accuracy", title="held-out")
+    reward_ax.set(xlabel="wall minutes", ylabel="mean train reward", title="train reward")
+    for ax in (acc_ax, reward_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (smollm2_arith.gin)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--init_from", default="", help="save_pretrained dir of SmolLM2")
+    parser.add_argument("--workdir", default="")
+    parser.add_argument("--runs", default="rl,shuffled", help=f"comma list of {sorted(RUNS)}")
+    parser.add_argument("--steps", type=int, default=400, help="trainer steps per run (at most)")
+    parser.add_argument("--minutes", type=float, default=120.0, help="wall minutes per run")
+    parser.add_argument("--eval_every", type=int, default=20)
+    parser.add_argument("--eval_size", type=int, default=256)
+    parser.add_argument("--save_every", type=int, default=20)
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (rl_main.lora)")
+    parser.add_argument(
+        "--lr", type=float, default=0.0, help="learning rate (0: the config's; with --lora 1e-4)"
+    )
+    parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
+    parser.add_argument("--parallel", action="store_true", help="both runs at once")
+    parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
+    parser.add_argument(
+        "--smoke", action="store_true", help="2 steps of 2 prompts, 16 tokens, 8 eval problems"
+    )
+    parser.add_argument("--name", default="", help="results name (default smollm2_learning)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.eval_every, args.eval_size, args.save_every = 2, 1, 8, 100
+        args.gin_param += ["RLConfig.num_prompts = 2", "RLConfig.max_new_tokens = 16"]
+    names = [n for n in args.runs.split(",") if n]
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown:
+        raise SystemExit(f"--runs {unknown}: choose from {sorted(RUNS)}")
+    if not args.no_launch and not args.init_from:
+        raise SystemExit("--init_from: a save_pretrained directory of SmolLM2-135M-Instruct")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="smollm2_learning_")
+    os.makedirs(workdir, exist_ok=True)
+    dirs = {n: os.path.join(workdir, n) for n in names}
+
+    if not args.no_launch:
+        params = run_params(args)
+        jobs = [(dirs[n], params + RUNS[n][1], args.minutes * 60) for n in names]
+        if args.parallel:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                list(pool.map(lambda job: launch_run(*job), jobs))
+        else:
+            for job in jobs:
+                launch_run(*job)
+
+    rows = [summarise(n, RUNS[n][0], dirs[n]) for n in names]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    by_name = {r["name"]: r for r in rows}
+    verdict = {}
+    if "gain_pts_2h" in by_name.get("rl", {}):
+        verdict["rl_gain_ge_15_within_2h"] = by_name["rl"]["gain_pts_2h"] >= GAIN_PTS
+    if "gain_pts" in by_name.get("shuffled", {}):
+        verdict["control_does_not_rise"] = by_name["shuffled"]["gain_pts"] < CONTROL_MAX_PTS
+    print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
+
+    from bench.common import RESULTS_DIR, command, write_results
+
+    name = args.name or ("smollm2_learning_smoke" if args.smoke else "smollm2_learning")
+    columns = [
+        ("run", "run"), ("steps", "steps"), ("s_per_step", "s / step"), ("wall_s", "wall s"),
+        ("greedy_start", "greedy start"), ("greedy_end", "greedy end (last 3)"),
+        ("gain_pts", "gain (pts)"), ("gain_pts_2h", "gain within 2 h (pts)"),
+        ("reward_first10", "reward, first 10 steps"), ("reward_last10", "reward, last 10 steps"),
+    ]  # fmt: skip
+    note = f"`{command()}` on {DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
+    print(write_results(name, rows, columns, note))
+    labels = {RUNS[n][0]: dirs[n] for n in names}
+    print(f"plot: {write_plot(labels, os.path.join(RESULTS_DIR, name + '.png'))}")
+    print(f"runs: {workdir}")
+
+
+if __name__ == "__main__":
+    main()
