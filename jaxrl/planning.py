@@ -330,9 +330,11 @@ def plan_generator(
 class PushPlan:
     """The weight push's compiled program (cast + reshard on the trainer mesh) and its routes.
 
+    report: the jit of the push's largest chunk (memory as the library runs it: one chunk at a
+      time), FLOPs and bytes scaled to the whole push by the bytes it moves;
     moved_bytes: the generator's copy of the weights, in all (what crosses to its devices);
     chunks / peak_extra_bytes: `WeightSync`'s pause-and-swap chunks and the most bytes one
-    chunk adds on one device (the program below does all chunks at once)."""
+    chunk adds on one device."""
 
     report: ProgramReport
     moved_bytes: int
@@ -350,12 +352,13 @@ def plan_weight_push(
     target_rules: ax.LogicalRules = ax.GENERATOR_RULES,
 ) -> PushPlan:
     """Compiles the weight push from the trainer's layout to the generator's, as
-    `jaxrl.weight_sync.WeightSync` (transport "reshard", the GPU / TPU default) runs it: one
-    jit on the trainer devices casts every weight to the generator's dtype and reshards it to a
-    layout whose blocks are generator blocks (a "shadow"); a slice-for-slice `device_put` then
-    copies those blocks to the generator devices. Here the jit takes all the weights at once
-    (the library cuts it into chunks of `chunk_bytes`). Rules: the trainer's (`trainer_rules`)
-    and the generator's. Report parts: params (the trainer's weights the jit reads)."""
+    `jaxrl.weight_sync.WeightSync` (transport "reshard", the GPU / TPU default) runs it: per
+    chunk, one jit on the trainer devices casts the chunk's weights to the generator's dtype
+    and reshards them to a layout whose blocks are generator blocks (a "shadow"); a
+    slice-for-slice `device_put` then copies those blocks to the generator devices. The chunk
+    compiled is the one with the largest per-device footprint; its FLOPs and bytes are scaled
+    to all chunks by the bytes each moves. Rules: the trainer's (`trainer_rules`) and the
+    generator's. Report parts: params (the trainer's weights the chunk's jit reads)."""
     from jaxrl.weight_sync import WeightSync
 
     source_rules = trainer_rules(trainer_mesh) if source_rules is None else source_rules
@@ -370,7 +373,19 @@ def plan_weight_push(
     )
     plan = sync.plan(source)
     leaves = jax.tree.leaves(source)
-    routes = [r for r in plan.routes if r.resharded or r.cast]
+    made = [r for r in plan.routes if r.resharded or r.cast]
+    if not made:
+        raise ValueError(
+            "the weight push needs no cast or reshard (the generator's layout and dtype are "
+            "the trainer's): it is a slice-for-slice copy, nothing to compile; drop 'push' "
+            "from PlanConfig.roles"
+        )
+    chunk_of = {i: c for c, chunk in enumerate(plan.chunks) for i in chunk}
+    by_chunk: dict[int, list] = {}
+    for r in made:
+        by_chunk.setdefault(chunk_of[r.index], []).append(r)
+    biggest = max(by_chunk, key=lambda c: plan.chunk_extra_bytes[c])
+    routes = by_chunk[biggest]
     dtypes = [r.dtype for r in routes]
     push = jax.jit(
         lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
@@ -378,7 +393,11 @@ def plan_weight_push(
     )
     inputs = [leaves[r.index] for r in routes]
     parts = {"params": sharded_bytes(inputs, mesh_min_buffer(trainer_mesh))}
-    report, _ = compile_report("weight_push", push.lower(inputs), parts)
+    report, compiled = compile_report("weight_push", push.lower(inputs), parts)
+    scale = sum(r.moved_bytes for r in made) / sum(r.moved_bytes for r in routes)
+    report = dataclasses.replace(
+        report, flops=report.flops * scale, bytes_accessed=report.bytes_accessed * scale
+    )
     return PushPlan(report, plan.bytes_moved, len(plan.chunks), plan.peak_extra_bytes)
 
 

@@ -372,15 +372,17 @@ def _push(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     print_table(title, [_row(push.report, spec, None)])
     _memory_fraction_note([push.report], spec, devices)
     print(
-        f"  then copied slice for slice to the generator: {push.moved_bytes / GiB:.2f} GiB in "
-        f"all; weight_sync pushes it in {push.chunks} chunk(s), at most "
-        f"{push.peak_extra_bytes / GiB:.2f} GiB extra on a device"
+        f"  memory: the largest of the {push.chunks} chunk(s) weight_sync pushes one at a time "
+        f"({push.peak_extra_bytes / GiB:.2f} GiB extra on a device); FLOPs / bytes: all of "
+        f"them; then copied slice for slice to the generator: {push.moved_bytes / GiB:.2f} GiB"
+        " in all"
     )
     if push.report.total_bytes > spec.hbm_bytes:
         problems.append(
-            f"push: the cast and reshard need {push.report.total_bytes / GiB:.2f} GiB per "
-            f"device at once, {spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; fix: "
-            "weight_sync's chunks (chunk_bytes) bound it to one chunk"
+            f"push: one chunk's cast and reshard need {push.report.total_bytes / GiB:.2f} GiB "
+            f"per device, {spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; fix: a smaller "
+            "WeightSync chunk_bytes (a leaf larger than it is a chunk by itself: shard the "
+            "trainer over more devices)"
         )
     return [push.report]
 
@@ -453,7 +455,9 @@ def main(argv=None) -> int:
             kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
         if args.serialize_to:
             kwargs["serialize_to"] = args.serialize_to
-        return plan_main(**kwargs)
+        # Backends start lazily (libtpu, the CUDA plugin): hold their "no driver" lines back.
+        with gpu.without_driver_noise():
+            return plan_main(**kwargs)
     except (ConfigError, TopologyError) as err:
         print(f"config error: {without_gin_call_notes(err)}", file=sys.stderr)
         return 2
