@@ -16,9 +16,10 @@ For each `<program>.aot` in the directory (train_step, prefill, decode_step, wei
 Reported: the train step's MFU (6 x params x tokens of the step over seconds x the GPU's dense
 BF16 peak, `jaxrl.infra.gpu.SYSTEMS`), the decode step's tokens/s (one token per slot a call)
 and the HBM bandwidth it used (its argument bytes, the weights and the KV cache it reads, over
-its seconds, also as a share of the GPU's peak), the prefill's tokens/s, the weight push's
-seconds. Results go to bench/results/gpu_check.json / .md. Needs a GPU: elsewhere it exits 2
-and says so, after checking its arguments.
+its seconds, also as a share of the GPU's peak), the prefill's tokens/s, the seconds of the
+weight push's largest chunk (the program `launch.plan` serializes). Results go to
+bench/results/gpu_check.json / .md. Needs a GPU: elsewhere it exits 2 and says so, after
+checking its arguments.
 """
 
 from __future__ import annotations
