@@ -179,7 +179,8 @@ def main(argv=None) -> int:
 
     from jaxrl.infra import gpu
 
-    devices = jax.devices()
+    with gpu.without_driver_noise():  # starting the backends, on a machine without a driver
+        devices = jax.devices()
     if devices[0].platform != "gpu":
         print(
             f"bench.gpu_check needs a GPU; this machine runs JAX on {devices[0].platform} "
