@@ -24,7 +24,7 @@ from jaxrl.tasks.chat import (
     render_prompt,
     stop_token_ids,
 )
-from jaxrl.tasks.reasoning_gym import TRAIN_BASE, ReasoningGymSource, score_reply
+from jaxrl.tasks.reasoning_gym import TRAIN_BASE, ReasoningGymSource, is_heldout, score_reply
 from jaxrl.tasks.rewards import compute_rewards, decode_completions
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 
@@ -88,20 +88,31 @@ def test_items_are_a_pure_function_of_config_and_index():
 
 
 def test_train_stream_never_holds_a_heldout_question():
-    # One-digit products: 100 ordered pairs, so the raw train stream repeats held-out questions
-    # often; the source must skip every one of them.
+    # One-digit products: 100 ordered pairs, so the raw draws repeat held-out questions often;
+    # the train stream must redraw every one of them, and keep the others.
     config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     source = ReasoningGymSource(
         "products", config, chatml_tokenizer(), seed=0, instruction="", heldout_size=60,
         answer_format_name="last_number",
     )  # fmt: skip
-    heldout = [it.text for it in source.eval_items(60)]
-    assert len(set(heldout)) == 60  # distinct
+    heldout = {it.text for it in source.eval_items(60)}
+    ask = "Solve the following multiplication: {} * {}. Give only the result as your final answer."
+    questions = {ask.format(a, b) for a in range(10) for b in range(10)}
+    space = {source.prompt(q) for q in questions}
+    assert heldout <= space and 5 <= len(heldout) <= 25  # ~1 in 8 of the 100 questions
     raw = [source._dataset(source._train_entry(p)[0])[p]["question"] for p in range(300)]
-    assert sum(q in source.heldout_questions for q in raw) > 50  # the exclusion has work to do
-    train = [source.item(i).text for i in range(1500)]
-    assert not set(train) & set(heldout)
-    assert len(set(train)) == 40  # every question outside the held-out set is reachable
+    assert sum(is_heldout(q) for q in raw) > 15  # the exclusion has work to do
+    train = {source.item(i).text for i in range(1500)}
+    assert not train & heldout
+    assert train == {source.prompt(q) for q in questions if not is_heldout(q)}  # all the others
+    # The held-out sample keeps the task's proportions: two-digit sums, half of which are
+    # one-digit problems in the draws, stay about half one-digit in the held-out set.
+    mixed = addition_source(heldout_size=400)
+    one_digit = [json.loads(it.reference) for it in mixed.eval_items(400)]
+    share = np.mean(
+        [mixed.entry((r["seed"], r["index"]))["metadata"]["num_digits"] == 1 for r in one_digit]
+    )
+    assert 0.35 < share < 0.65
 
 
 def test_eval_size_above_the_heldout_pool_is_refused():

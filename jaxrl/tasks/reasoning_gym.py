@@ -3,18 +3,23 @@
 `reasoning-gym` (the `tasks` extra: `pip install -e ".[tasks]"`) holds ~100 offline procedural
 datasets, each with an answer checker (`score_answer`). Item `k` of a dataset with seed `s` is
 drawn from `random.Random(s + k)`, so it is a pure function of (name, config, s, k). This source
-lays the index space out as:
+splits it by question text: a question is held out when the hash of its text falls in one
+bucket of HELDOUT_BUCKETS (`is_heldout`, blake2b: the same in every process), so
 
-    held-out  rg items 0, 1, 2, ... of seed s: the first `heldout_size` distinct questions
-    train     item(i) = the item drawn from Random(s + TRAIN_BASE + i), or, if its question is
-              one of the held-out ones, the next one (i + 1, ...) whose question is not
+    held-out  the draws Random(s), Random(s + 1), ... whose question is held out: the first
+              `heldout_size` of them (repeats kept: the eval set is a sample of the task's own
+              distribution over held-out questions, easy and hard ones in their proportions)
+    train     item(i) = the draw Random(s + TRAIN_BASE + i + a * FAR) for the smallest a >= 0
+              whose question is not held out
 
-so the train stream never holds a held-out question, by construction (compared as text: small
-configs repeat questions, "3 + 4" is drawn again and again, and independent seeds alone would not
-keep them apart). Both are pure functions of (the config, i); a resumed run reads the same items.
-The train stream is read in chunks of CHUNK items, chunk c a dataset of size CHUNK with seed
-s + TRAIN_BASE + c * CHUNK (item j of it drawn from Random(s + TRAIN_BASE + c * CHUNK + j)): the
-same draws, while datasets that pregenerate per-item choices (gsm_symbolic) stay small.
+and the train stream never holds a held-out question, by construction (small configs repeat
+questions, "3 + 4" is drawn again and again, and seeds alone would not keep them apart; set
+aside as "the first N distinct questions", a held-out set would take every easy question of a
+small config and leave the train stream the hard ones). Both are pure functions of (config, i); a
+resumed run reads the same items. The train stream is read in chunks of CHUNK draws, chunk c a
+dataset of size CHUNK with seed s + TRAIN_BASE + c * CHUNK (its item j the draw Random(s +
+TRAIN_BASE + c * CHUNK + j)): the same draws, while datasets that pregenerate per-item choices
+(gsm_symbolic) stay small.
 
 Prompts: the question rendered with the tokenizer's chat template (`jaxrl.tasks.chat`), with
 `TaskSpec.system_prompt` and `TaskSpec.instruction`. Reward "reasoning_gym": the final answer is
@@ -36,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import hashlib
 import inspect
 import json
 import re
@@ -55,8 +61,18 @@ from jaxrl.tasks.source import PromptItem
 
 TRAIN_BASE = 2**31  # seed offset of the train stream: past any held-out scan
 CHUNK = 2**20  # the rg datasets' size (gsm_symbolic pregenerates one choice per item)
-MAX_SCAN = 32  # the held-out scan looks at most MAX_SCAN x heldout_size items
-MAX_SKIPS = 10_000  # train items skipped in a row because their question is held out
+FAR = 2**30  # stride of a train item's redraws (no run reads this many items)
+HELDOUT_BUCKETS = 8  # 1 in 8 questions is held out
+MAX_SCAN = 64  # the held-out scan looks at most MAX_SCAN x heldout_size draws
+MAX_REDRAWS = 1000  # redraws of one train item whose questions are all held out (or too long)
+
+
+def is_heldout(question: str) -> bool:
+    """Whether a question belongs to the held-out split (1 in HELDOUT_BUCKETS, by its text)."""
+    digest = hashlib.blake2b(question.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % HELDOUT_BUCKETS == 0
+
+
 _EVALUATES = re.compile(r"\beval\(|\bexec\(|parse_expr|sympify|literal_eval|parse_latex")
 
 
@@ -165,9 +181,6 @@ class ReasoningGymSource:
             raise ValueError(f"TaskSpec.heldout_size={heldout_size} must be <= {CHUNK // MAX_SCAN}")
         self.heldout = _make_dataset(dataset, self.config_json, self.seed)
         self.heldout_indices = self._scan_heldout(heldout_size)
-        self.heldout_questions = frozenset(
-            self.heldout[k]["question"] for k in self.heldout_indices
-        )
         self._check_spelled(self.heldout[self.heldout_indices[0]]["question"])
 
     def _check_spelled(self, question: str) -> None:
@@ -192,10 +205,10 @@ class ReasoningGymSource:
         return len(ids) <= self.max_prompt_tokens
 
     def _scan_heldout(self, count: int) -> list[int]:
-        seen, indices = set(), []
+        indices = []
         for k in range(MAX_SCAN * count):
             question = self.heldout[k]["question"]
-            if question in seen:
+            if not is_heldout(question):
                 continue
             if not self._fits(question):
                 raise ValueError(
@@ -203,14 +216,13 @@ class ReasoningGymSource:
                     f"{self.max_prompt_tokens} tokens (the model's context minus the tokens to "
                     "generate); lower RLConfig.max_new_tokens or choose a smaller config"
                 )
-            seen.add(question)
             indices.append(k)
             if len(indices) == count:
                 return indices
         raise ValueError(
-            f"reasoning-gym {self.name!r} with {self.config_json}: only {len(indices)} distinct "
-            f"questions in its first {MAX_SCAN * count} items, fewer than TaskSpec.heldout_size="
-            f"{count}; lower heldout_size or widen the config"
+            f"reasoning-gym {self.name!r} with {self.config_json}: only {len(indices)} held-out "
+            f"questions in its first {MAX_SCAN * count} draws, fewer than TaskSpec.heldout_size="
+            f"{count}: the config has too few distinct questions; lower heldout_size or widen it"
         )
 
     def _train_entry(self, position: int) -> tuple[int, int]:
@@ -219,19 +231,19 @@ class ReasoningGymSource:
         return self.seed + TRAIN_BASE + chunk * CHUNK, offset
 
     def train_key(self, index: int) -> tuple[int, int]:
-        """(rg seed, rg index) of train item `index`: stream position `index`, moved forward
-        past held-out questions (and prompts that do not fit)."""
+        """(rg seed, rg index) of train item `index`: stream position `index + a * FAR` for the
+        smallest a >= 0 whose question is not held out (and whose prompt fits)."""
         if index < 0:
             raise ValueError(f"item index {index} must be >= 0")
-        for position in range(index, index + MAX_SKIPS):
-            seed, k = self._train_entry(position)
+        for attempt in range(MAX_REDRAWS):
+            seed, k = self._train_entry(index + attempt * FAR)
             question = self._dataset(seed)[k]["question"]
-            if question not in self.heldout_questions and self._fits(question):
+            if not is_heldout(question) and self._fits(question):
                 return seed, k
         raise RuntimeError(
-            f"reasoning-gym {self.name!r}: {MAX_SKIPS} train items in a row after item {index} "
-            "are held-out questions (or too long): the config has (nearly) no questions outside "
-            "the held-out set; lower TaskSpec.heldout_size or widen the config"
+            f"reasoning-gym {self.name!r}: {MAX_REDRAWS} draws for train item {index} were all "
+            "held-out questions (or too long): the config has (nearly) no other questions; "
+            "widen it"
         )
 
     def _dataset(self, seed: int):
