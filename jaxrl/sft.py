@@ -13,9 +13,7 @@ import jax
 
 from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
-
-# `colocated_sampler` lives in jaxrl.executors; importable from here as before.
-from jaxrl.executors import colocated_sampler
+from jaxrl.generation.placement import colocated_sampler
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.run_io import RunIO, to_host
@@ -30,7 +28,7 @@ from jaxrl.specs import (
 from jaxrl.tasks.source import PromptSource, SkipSource, encode_prompts
 from jaxrl.trainer import OptimizerConfig, Params, Trainer
 
-__all__ = ["SFTConfig", "colocated_sampler", "rl_source_after_sft", "run_sft", "sft_items_used"]
+__all__ = ["SFTConfig", "rl_source_after_sft", "run_sft", "sft_items_used"]
 
 
 @dataclasses.dataclass(frozen=True)

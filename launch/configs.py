@@ -3,9 +3,9 @@
 Gin files and --gin_param refer to them by class name, e.g. `RLConfig.total_steps = 2000`.
 """
 
-from jaxrl.controller import RLConfig
 from jaxrl.infra.config import register_config
 from jaxrl.infra.mesh import MeshConfig
+from jaxrl.loop.config import RLConfig
 from jaxrl.lora import LoraConfig
 from jaxrl.sft import SFTConfig
 from jaxrl.specs import PolicySpec, TaskSpec

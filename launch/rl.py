@@ -20,25 +20,22 @@ from flax import nnx
 
 from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
-from jaxrl.controller import Controller, sampling_config
-from jaxrl.executors import (
-    GeneratorExecutor,
-    GeneratorWeights,
-    RewardExecutor,
-    colocated_sampler,
-    generator_param_shardings,
-    mesh_sampler,
-)
 from jaxrl.generation.engine_sampler import GENERATORS
+from jaxrl.generation.executor import GeneratorExecutor
+from jaxrl.generation.placement import colocated_sampler, generator_param_shardings, mesh_sampler
 from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
+from jaxrl.loop.config import sampling_config
+from jaxrl.loop.controller import Controller
+from jaxrl.loop.reward import RewardExecutor
 from jaxrl.run_io import RunIO
 from jaxrl.sft import rl_source_after_sft, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
+from jaxrl.sync.cross_process import make_weight_sync
+from jaxrl.sync.store import GeneratorWeights
 from jaxrl.trainer import Trainer
-from jaxrl.weight_sync_xproc import make_weight_sync
 from launch.configs import (
     LoraConfig,
     LossConfig,
@@ -138,7 +135,7 @@ def rl_main(
     adapters off, and the generator keeps one copy of the base and applies each pushed version's
     adapters unmerged.
     `roles` (async, fixed lag): one role per process of the job, "trainer" or "generator"
-    (`jaxrl.roles`; process 0 a trainer): each process runs only its role's programs on its
+    (`jaxrl.loop.roles`; process 0 a trainer): each process runs only its role's programs on its
     role's devices. In a one-process job it is ignored (both roles in one process, as without
     it), so the same config runs on one process for comparison.
     `generator`: "engine" (the continuous-batching engine, `jaxrl.generation.engine`: each
@@ -221,7 +218,7 @@ def rl_main(
             print(note, flush=True)
     layout = None
     if split:
-        from jaxrl.roles import RoleLayoutError, check_roles
+        from jaxrl.loop.roles import RoleLayoutError, check_roles
 
         try:
             layout = check_roles(roles, trainer_mesh, gen_mesh)
@@ -359,13 +356,13 @@ def _run_roles(
     workdir, layout, rl, trainer, tokenizer, source, reward, gen_mesh, generator_dtype,
     policy, task, sft, mesh, loss, optimizer, model_config, engine,
 ) -> dict:  # fmt: skip
-    """`rl_main` on one process of a role-split job (`jaxrl.roles`): a trainer process restores
+    """`rl_main` on one process of a role-split job (`jaxrl.loop.roles`): a trainer process restores
     or initialises the train state (checkpoints over the trainer processes only), a generator
     process builds the sampler on its devices; both build the same cross-process push."""
     import jax
 
     from jaxrl.infra import checkpoint
-    from jaxrl.roles import RoleController
+    from jaxrl.loop.roles import RoleController
 
     role = layout.role_of(jax.process_index())
     gen_dtype = resolve_generator_dtype(generator_dtype, gen_mesh)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxrl import roles as roles_lib
+from jaxrl.loop import roles as roles_lib
 
 
 def _mesh(*devices: tuple[int, int]):

@@ -12,15 +12,16 @@ import threading
 import numpy as np
 import pytest
 
-from jaxrl.rl import Rollout
-from jaxrl.rollout_queue import QueueClosed, ScoredBatch
-from jaxrl.streaming import (
+from jaxrl.infra.closable import QueueClosed
+from jaxrl.loop.rollout_queue import (
     GroupQueue,
+    ScoredBatch,
     ledger_bitmap,
     ledger_indices,
     prompt_ledger,
-    token_staleness_metrics,
 )
+from jaxrl.loop.streaming import token_staleness_metrics
+from jaxrl.rl import Rollout
 
 
 def _group(index: int, versions_per_row: list[list[int]]) -> ScoredBatch:
@@ -147,11 +148,11 @@ def test_stream_in_flight_sets_the_groups_issued_beyond_the_queue():
 
     from flax import nnx
 
-    from jaxrl.controller import RLConfig
     from jaxrl.generation.engine_sampler import EngineSampler
+    from jaxrl.loop.config import RLConfig
+    from jaxrl.loop.streaming import groups_in_flight
     from jaxrl.models.config import ModelConfig
     from jaxrl.models.transformer import Transformer
-    from jaxrl.streaming import groups_in_flight
 
     with pytest.raises(ValueError, match="stream_in_flight=-2"):
         RLConfig(mode="async", schedule="streaming", stream_in_flight=-2).validate()

@@ -46,174 +46,28 @@ older than the trainer's is generated, so the resumed run continues exactly.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
 
 import jax
 
 from jaxrl.evaluation import evaluate
-from jaxrl.executors import GeneratorExecutor, GeneratorWeights, RewardExecutor
-from jaxrl.generation.engine_sampler import EngineSampler
-from jaxrl.generation.sampler import Sampler
-from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.generation.executor import GeneratorExecutor
+from jaxrl.generation.sampling import Sampler
+from jaxrl.infra.closable import QueueClosed, unwrap, wait_until
+from jaxrl.loop.config import ControllerIO, RLConfig, check_controller_inputs
+from jaxrl.loop.report import BusyTimeline, StepClock, queue_metrics
+from jaxrl.loop.reward import RewardExecutor
+from jaxrl.loop.rollout_queue import QueueStats, RolloutQueue, ScoredBatch
 from jaxrl.rl import collate_rollouts, select_groups
-from jaxrl.rollout_queue import QueueClosed, QueueStats, RolloutQueue, ScoredBatch, wait_until
 from jaxrl.run_io import to_host
+from jaxrl.sync.store import GeneratorWeights
 from jaxrl.tasks.source import PromptSource, encode_prompts
 from jaxrl.trainer import Params, Trainer, TrainState
 
 logger = logging.getLogger(__name__)
-SCHEDULES = ("fixed_lag", "free_running", "streaming")
-
-
-@dataclasses.dataclass(frozen=True)
-class RLConfig:
-    """The RL run: batch shape, sampling, schedule of evals and saves.
-
-    Each step trains on `num_prompts x samples_per_prompt` completions of at most
-    `max_new_tokens` tokens, sampled at `temperature` (no top-k / top-p: the trainer's log pi
-    must be the sampling distribution's). `eval_size=0` turns evaluation off.
-
-    oversample: dynamic sampling (DAPO). Each batch samples `num_prompts * oversample` prompts
-      and trains on `num_prompts` of them, those whose completions got different rewards first
-      (`jaxrl.rl.select_groups`: a group with one reward for all its samples has zero advantage
-      and adds no gradient). 1 trains on every sampled prompt. Under "streaming" a group with
-      one reward is left out as it finishes (counted), as long as the groups left out stay
-      within `oversample - 1` per group queued (`GroupQueue.filter`): the same sampling budget.
-
-    Async mode (`mode="async"`, the generator on its own mesh):
-      schedule: "fixed_lag" (reproducible: batch k sampled by version max(k - lag, 0)) or
-        "free_running" (the newest weights, as fast as the queue allows).
-      lag: fixed_lag's distance in policy versions; 0 = on-policy, no overlap.
-      max_staleness: largest trainer-minus-generator version gap a trained sample may have;
-        staler batches are dropped and counted. Fixed lag needs max_staleness >= lag.
-      queue_size: scored batches the queue holds (fixed lag needs >= lag).
-      stall_timeout_s: the trainer gives up (TimeoutError) after waiting this long for rollouts.
-      "streaming" (`jaxrl.streaming`): the engine never drains; each step trains on the next
-        `num_prompts` groups to finish, new weights are swapped into the running engine between
-        decode steps (a trajectory may span versions), `max_staleness` bounds the oldest token
-        of a group (staler groups are dropped and counted), `queue_size` counts batches of
-        `num_prompts` groups (no prompt is issued while that many are queued; a finished group
-        never waits). Not reproducible bit for bit (timing decides versions).
-      stream_in_flight (streaming): how far the generator may run ahead of the queue, in
-        groups: a prompt is issued only while queued + in flight < `queue_size x num_prompts`
-        + this. -1: the engine's groups (slots / samples_per_prompt), the engine refilled whole
-        whenever the queue is empty. Smaller values keep fewer finished groups waiting (lower
-        token staleness) at the cost of a partly filled engine while a step's groups finish.
-      kv_on_update (streaming): on a swap, "keep" the running rows' KV or "recompute" it with
-        the new weights.
-
-    pack_length: > 0 trains on padding-free batches: each rollout's prompt and completion packed
-      into rows of this many tokens (`jaxrl.rl.packing`; at least the longest prompt plus
-      `max_new_tokens`); 0 trains on padded `[prompts x (prompt bucket + max_new_tokens)]`
-      rectangles.
-    """
-
-    mode: str = "sync"
-    total_steps: int = 1000
-    num_prompts: int = 16
-    samples_per_prompt: int = 8
-    oversample: int = 1
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    eval_every_steps: int = 250
-    eval_size: int = 512
-    eval_samples: int = 4
-    save_every_steps: int = 250
-    keep_last_n: int = 2
-    log_every_steps: int = 50
-    seed: int = 0
-    shuffle_rewards: bool = False
-    schedule: str = "fixed_lag"
-    lag: int = 1
-    max_staleness: int = 1
-    queue_size: int = 2
-    stall_timeout_s: float = 900.0
-    pack_length: int = 0
-    kv_on_update: str = "keep"
-    stream_in_flight: int = -1
-
-    def validate(self) -> None:
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"mode={self.mode!r}; use 'sync' (colocated) or 'async'")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
-        if self.lag < 0 or self.max_staleness < 0:
-            raise ValueError(f"lag={self.lag} and max_staleness={self.max_staleness} must be >= 0")
-        if self.schedule == "fixed_lag" and self.max_staleness < self.lag:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} < lag={self.lag}: under a fixed lag every "
-                "batch is `lag` versions old, so all of them would be dropped"
-            )
-        if self.schedule == "fixed_lag" and self.queue_size < self.lag:
-            raise ValueError(
-                f"queue_size={self.queue_size} < lag={self.lag}: the queue must hold the `lag` "
-                "batches sampled ahead of the trainer"
-            )
-        if self.kv_on_update not in ("keep", "recompute"):
-            raise ValueError(f"kv_on_update={self.kv_on_update!r}; use 'keep' or 'recompute'")
-        if self.schedule == "streaming" and self.mode != "async":
-            raise ValueError(
-                f"schedule='streaming' with mode={self.mode!r}: streaming is an async schedule "
-                "(mode='async')"
-            )
-        if self.stream_in_flight < -1:
-            raise ValueError(
-                f"RLConfig.stream_in_flight={self.stream_in_flight}; use -1 (the engine's "
-                "groups) or a count of groups >= 0"
-            )
-        if self.queue_size < 1 or not self.stall_timeout_s > 0:
-            raise ValueError("queue_size must be >= 1 and stall_timeout_s > 0")
-        for name in (
-            "total_steps",
-            "num_prompts",
-            "samples_per_prompt",
-            "oversample",
-            "max_new_tokens",
-            "eval_every_steps",
-            "save_every_steps",
-            "keep_last_n",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"RLConfig.temperature={self.temperature} must be > 0")
-        if self.pack_length < 0:
-            raise ValueError(
-                f"RLConfig.pack_length={self.pack_length}: use 0 (padded) or a row length"
-            )
-
-    @property
-    def batch_size(self) -> int:
-        return self.num_prompts * self.samples_per_prompt
-
-
-@runtime_checkable
-class ControllerIO(Protocol):
-    """What the controller needs of a run's I/O. `jaxrl.run_io.RunIO` (checkpoints, metrics.jsonl,
-    TensorBoard, progress) is the launchers'; a script may pass anything with these methods
-    (e.g. one that keeps metrics in memory and never saves)."""
-
-    def start(self, step: int) -> None:
-        """The loop starts (or resumes) at `step`."""
-
-    def log(self, step: int, metrics: dict[str, float], headline: dict[str, str]) -> Any:
-        """Metrics of `step` (step 0: the evaluation before training); `headline`: a few
-        formatted values for a progress line. May raise to stop the run (e.g. a NaN loss)."""
-
-    def save_due(self, step: int, force: bool = False) -> bool:
-        """Whether `save` would write `step` (`force`: the final step)."""
-
-    def save(self, state: TrainState, extra: dict, *, force: bool = False) -> None:
-        """Checkpoints `state` and `extra` (JSON-able run state) when due."""
-
-    def after_step(self, step: int) -> None:
-        """Called after every step's log and save (fault hooks, preemption)."""
 
 
 class Controller:
@@ -249,7 +103,7 @@ class Controller:
         reward,
         ref_params: Params | None = None,
         weights: GeneratorWeights | None = None,
-        eval_sampler: EngineSampler | Sampler | None = None,
+        eval_sampler: Sampler | None = None,
         learning_rate: Callable[[int], float] | None = None,
     ):
         """`weights` (async mode): the generator's weight store, fed by the trainer's pushes.
@@ -318,7 +172,7 @@ class Controller:
         if self.config.mode == "sync":
             return self.run_sync(state)
         if self.config.schedule == "streaming":
-            from jaxrl.streaming import run_streaming  # it builds on this module's helpers
+            from jaxrl.loop.streaming import run_streaming  # it builds on this module's helpers
 
             return run_streaming(self, state, extra)
         return self.run_async(state, extra)
@@ -355,7 +209,7 @@ class Controller:
                 "time/step_s": t2 - t0,
                 "throughput/tokens_per_s": tokens / (t2 - t0),
                 "data/prompts_seen": float(step * c.num_prompts * c.oversample),
-            } | self._learning_rate(step)
+            } | self.learning_rate_metrics(step)
             if step % c.eval_every_steps == 0 or step == c.total_steps:
                 metrics |= self.evaluate(state.params)
             headline = {"reward": f"{metrics['reward/mean']:.3f}"}
@@ -367,7 +221,7 @@ class Controller:
         jax.block_until_ready(state.params)
         return state
 
-    def _learning_rate(self, step: int) -> dict[str, float]:
+    def learning_rate_metrics(self, step: int) -> dict[str, float]:
         """The rate of the update that made `step` (updates count from 0)."""
         if self.learning_rate is None:
             return {}
@@ -388,13 +242,13 @@ class Controller:
     def run_async(self, state: TrainState, extra: dict | None = None) -> TrainState:
         c = self.config
         step = int(state.step)
-        queue = self._restore_queue(step, extra)
+        queue = self.restore_queue(step, extra)
         first_index = queue.next_index
         if step == 0:
             self.io.log(0, self.evaluate(state.params), {})
-        self._publish(state.params, step, first_index)
-        producer = _Producer(self, queue, first_index)
-        clock = _StepClock(producer.timeline)
+        self.publish(state.params, step, first_index)
+        producer = BatchProducer(self, queue, first_index)
+        clock = StepClock(producer.timeline)
         self.io.start(step)
         producer.start()
         save_wait = 0.0
@@ -404,17 +258,17 @@ class Controller:
                 t0 = time.perf_counter()
                 if self.in_turns:  # batch step + lag is sampled before this step trains
                     position = min(step + c.lag + 1, c.total_steps)
-                    _unwrap(producer.wait_sampled, position, c.stall_timeout_s)
-                batch, staleness = _unwrap(queue.get, c.stall_timeout_s)
+                    unwrap(producer.wait_sampled, position, c.stall_timeout_s)
+                batch, staleness = unwrap(queue.get, c.stall_timeout_s)
                 t1 = time.perf_counter()
-                train_batch = self._collate(batch.rollouts)
+                train_batch = self.collate(batch.rollouts)
                 state, train_metrics = self.trainer.rl_step(state, train_batch, self.ref_params)
                 train_metrics = to_host(train_metrics)
                 t2 = time.perf_counter()
                 step += 1
                 queue.advance(step)
                 metrics = dict(batch.metrics) | train_metrics
-                metrics |= self._publish(state.params, step, first_index)
+                metrics |= self.publish(state.params, step, first_index)
                 if step % c.eval_every_steps == 0 or step == c.total_steps:
                     metrics |= self.evaluate(state.params)
                 metrics |= clock.tick(train_start=t1, train_end=t2)
@@ -429,14 +283,14 @@ class Controller:
                     "async/generator_version": float(batch.policy_version),
                     "async/staleness": float(staleness),
                     "async/queue_depth": float(depth),
-                } | self._learning_rate(step)
-                metrics |= _queue_metrics(queue.stats)
+                } | self.learning_rate_metrics(step)
+                metrics |= queue_metrics(queue.stats)
                 headline = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"}
                 if "eval/accuracy" in metrics:
                     headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
                 self.io.log(step, metrics, headline)
                 # Under fixed lag this waits for the generator: idle time, counted next step.
-                save_wait = self._save_async(state, step, queue, producer)
+                save_wait = self.save_async(state, step, queue, producer)
                 self.io.after_step(step)
         except BaseException:
             producer.stop(timeout_s=10.0)
@@ -445,7 +299,7 @@ class Controller:
         jax.block_until_ready(state.params)
         return state
 
-    def _version_for(self, batch_index: int) -> int | None:
+    def version_for(self, batch_index: int) -> int | None:
         """The policy version batch `batch_index` is sampled with (None: the newest held)."""
         if self.config.schedule == "fixed_lag":
             return max(batch_index - self.config.lag, 0)
@@ -454,20 +308,20 @@ class Controller:
     def push_needed(self, version: int, first_index: int) -> bool:
         """Whether a batch still to generate (from `first_index` on) is sampled with `version`,
         so the trainer pushes it. Under fixed lag the generator knows the same, which a
-        role-split job needs: both sides issue each cross-process push (`jaxrl.roles`)."""
+        role-split job needs: both sides issue each cross-process push (`jaxrl.loop.roles`)."""
         c = self.config
         if c.schedule == "fixed_lag":
             lowest = max(first_index - c.lag, 0)
             return lowest <= version <= max(c.total_steps - 1 - c.lag, 0)
         return version < c.total_steps
 
-    def _publish(self, params: Params, version: int, first_index: int) -> dict:
+    def publish(self, params: Params, version: int, first_index: int) -> dict:
         """Pushes `params` to the generator as `version` if some batch still to generate (from
         `first_index` on) will be sampled with it."""
         c = self.config
         if not self.push_needed(version, first_index):
             return {"time/sync_s": 0.0}
-        sync, waited = _unwrap(self.weights.publish, params, version, c.stall_timeout_s)
+        sync, waited = unwrap(self.weights.publish, params, version, c.stall_timeout_s)
         return {
             "time/sync_s": sync.seconds,
             "time/sync_wait_s": waited,
@@ -476,7 +330,7 @@ class Controller:
             "sync/bytes_pushed": float(sync.params_bytes),
         }
 
-    def _collate(self, rollouts):
+    def collate(self, rollouts):
         c = self.config
         return collate_rollouts(
             rollouts,
@@ -486,7 +340,7 @@ class Controller:
             batch_size=c.batch_size,
         )
 
-    def _save_async(self, state: TrainState, step: int, queue: RolloutQueue, producer) -> float:
+    def save_async(self, state: TrainState, step: int, queue: RolloutQueue, producer) -> float:
         """Saves (when due) the train state and the async state; returns seconds spent waiting
         for the generator first (fixed lag: until every batch that needs a version older than
         `step` is generated and queued, since the saved weights cannot regenerate them)."""
@@ -497,7 +351,7 @@ class Controller:
         start = time.perf_counter()
         if c.schedule == "fixed_lag":
             position = min(step + c.lag, c.total_steps)
-            _unwrap(queue.wait_for_position, position, c.stall_timeout_s)
+            unwrap(queue.wait_for_position, position, c.stall_timeout_s)
         waited = time.perf_counter() - start
         pending, next_index, stats = queue.snapshot()
         extra = self.extra(step) | {
@@ -512,7 +366,7 @@ class Controller:
         self.io.save(state, extra, force=force)
         return waited
 
-    def _restore_queue(self, step: int, extra: dict | None) -> RolloutQueue:
+    def restore_queue(self, step: int, extra: dict | None) -> RolloutQueue:
         c = self.config
         if step == 0:
             return RolloutQueue(c.queue_size, c.max_staleness)
@@ -533,139 +387,7 @@ class Controller:
         )
 
 
-def sampling_config(config: RLConfig) -> SamplingConfig:
-    """The generator's sampling settings for `config` (no top-k / top-p: see RLConfig)."""
-    return SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature)
-
-
-def check_controller_inputs(config: RLConfig, trainer, generator, source, io) -> None:
-    """Raises ValueError / TypeError, naming the field and the fix, when the controller's parts
-    do not fit together (each would otherwise fail steps later, or silently train wrongly)."""
-    if not isinstance(config, RLConfig):
-        raise TypeError(f"config must be an RLConfig, got {type(config).__name__}")
-    try:
-        config.validate()
-    except ValueError as e:
-        raise ValueError(f"invalid RLConfig: {e}") from None
-    if generator.samples_per_prompt != config.samples_per_prompt:
-        raise ValueError(
-            f"the generator samples {generator.samples_per_prompt} completions per prompt but "
-            f"RLConfig.samples_per_prompt={config.samples_per_prompt}; build the "
-            "GeneratorExecutor with config.samples_per_prompt"
-        )
-    wanted = sampling_config(config)
-    got = generator.sampling
-    if (got.max_new_tokens, got.temperature) != (wanted.max_new_tokens, wanted.temperature):
-        raise ValueError(
-            f"the generator samples with max_new_tokens={got.max_new_tokens}, temperature="
-            f"{got.temperature}, but RLConfig says {wanted.max_new_tokens}, "
-            f"{wanted.temperature}; build the GeneratorExecutor with sampling_config(config)"
-        )
-    loss_temperature = getattr(getattr(trainer, "loss", None), "temperature", config.temperature)
-    if loss_temperature != config.temperature:
-        raise ValueError(
-            f"LossConfig.temperature={loss_temperature} differs from RLConfig.temperature="
-            f"{config.temperature}: the trainer must score tokens under the sampling distribution"
-        )
-    if not isinstance(source, PromptSource):
-        raise TypeError(
-            f"source {type(source).__name__} is not a PromptSource: it needs item(index) -> "
-            "PromptItem and eval_items(limit) -> list[PromptItem]"
-        )
-    if not isinstance(io, ControllerIO):
-        missing = [
-            m for m in ("start", "log", "save_due", "save", "after_step") if not hasattr(io, m)
-        ]
-        raise TypeError(f"io {type(io).__name__} is not a ControllerIO: it lacks {missing}")
-
-
-def _unwrap(fn, *args):
-    """Calls `fn`; a queue or weight store closed by the generator thread's failure raises that
-    thread's original exception here (its traceback intact, a note added where it was raised)."""
-    try:
-        return fn(*args)
-    except QueueClosed as closed:
-        error = closed.error
-    # Raised outside the except block, so the original error is not chained to QueueClosed.
-    raise error if error is not None else RuntimeError("the generator thread stopped")
-
-
-def _queue_metrics(stats: QueueStats) -> dict[str, float]:
-    """Cumulative staleness histogram (and its mean) and drop counts of the run."""
-    metrics = {
-        "async/staleness_mean": stats.mean_staleness,
-        "async/dropped_batches": float(stats.dropped_batches),
-        "async/dropped_samples": float(stats.dropped_samples),
-    }
-    if stats.filtered_batches:
-        metrics["data/filtered_groups"] = float(stats.filtered_batches)
-    for staleness, count in sorted(stats.staleness_counts.items()):
-        metrics[f"async/staleness_count/{staleness}"] = float(count)
-    return metrics
-
-
-class _StepClock:
-    """Wall time per step and how it splits: generator idle seconds and the overlap of
-    generation with training, per step and as a fraction of the run's wall time since its first
-    step (which compiles, and is left out)."""
-
-    def __init__(self, timeline: BusyTimeline):
-        self.timeline = timeline
-        self.last = time.perf_counter()
-        self.warm_start: float | None = None
-        self.overlap_total = 0.0
-
-    def tick(self, train_start: float, train_end: float) -> dict[str, float]:
-        now = time.perf_counter()
-        wall = now - self.last
-        generator_busy = self.timeline.busy(self.last, now)  # before busy(train...): a rises
-        overlap = self.timeline.busy(train_start, train_end)
-        if self.warm_start is None:
-            self.warm_start, fraction = now, overlap / wall
-        else:
-            self.overlap_total += overlap
-            fraction = self.overlap_total / (now - self.warm_start)
-        self.last = now
-        return {
-            "time/step_s": wall,
-            "time/generator_idle_s": wall - generator_busy,
-            "async/overlap_fraction": fraction,
-            "async/overlap_fraction_step": overlap / wall,
-        }
-
-
-class BusyTimeline:
-    """The generator thread's busy intervals (sampling + scoring a batch), for the overlap and
-    idle metrics.
-
-    `busy(a, b)`: seconds within [a, b] during which the generator was busy. Callers pass
-    non-decreasing `a` (the trainer, once per step), so intervals that ended before `a` are
-    dropped as they go.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._done: collections.deque[tuple[float, float]] = collections.deque()
-        self._open: float | None = None
-
-    def begin(self, t: float) -> None:
-        with self._lock:
-            self._open = t
-
-    def end(self, t: float) -> None:
-        with self._lock:
-            self._done.append((self._open, t))
-            self._open = None
-
-    def busy(self, a: float, b: float) -> float:
-        with self._lock:
-            while self._done and self._done[0][1] <= a:
-                self._done.popleft()
-            spans = list(self._done) + ([(self._open, b)] if self._open is not None else [])
-        return sum(max(0.0, min(b, end) - max(a, start)) for start, end in spans)
-
-
-class _Producer:
+class BatchProducer:
     """The generator thread: acquire the batch's weights -> sample -> score -> queue, in batch
     index order. Its failure closes the queue and the weight store with the error, which the
     trainer re-raises at its next wait; the trainer's `stop()` closes them without one."""
@@ -703,7 +425,7 @@ class _Producer:
     def _sample_next(self) -> ScoredBatch:
         """Samples and scores batch `self.index`."""
         ctl, k = self.controller, self.index
-        params = ctl.weights.acquire(ctl._version_for(k))
+        params = ctl.weights.acquire(ctl.version_for(k))
         self.version = params.version
         self.timeline.begin(time.perf_counter())
         items, prompt_ids = ctl.prompts(k)

@@ -49,11 +49,13 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxrl.controller import Controller, _queue_metrics, _unwrap
-from jaxrl.executors import GeneratorWeights
 from jaxrl.infra import faults
-from jaxrl.rollout_queue import QueueClosed, RolloutQueue, ScoredBatch
+from jaxrl.infra.closable import QueueClosed, unwrap
+from jaxrl.loop.controller import Controller
+from jaxrl.loop.report import queue_metrics
+from jaxrl.loop.rollout_queue import RolloutQueue, ScoredBatch
 from jaxrl.run_io import to_host
+from jaxrl.sync.store import GeneratorWeights
 from jaxrl.trainer import TrainState
 
 logger = logging.getLogger(__name__)
@@ -229,12 +231,12 @@ class RoleController(Controller):
     def run_trainer(self, state: TrainState, extra: dict | None = None) -> TrainState:
         c = self.config
         step = int(state.step)
-        queue = self._restore_queue(step, extra)
+        queue = self.restore_queue(step, extra)
         first_index = queue.next_index
         if self.lead_trainer:
             self.channel.put_json("start", {"step": step, "first_index": first_index})
         # The first push before the step-0 evaluation: the generator samples meanwhile.
-        self._publish(state.params, step, first_index)
+        self.publish(state.params, step, first_index)
         if step == 0:
             self.io.log(0, self.evaluate(state.params), {})
         fetcher = _Fetcher(self, queue, first_index)
@@ -245,9 +247,9 @@ class RoleController(Controller):
             while step < c.total_steps:
                 depth = queue.depth
                 t0 = time.perf_counter()
-                batch, staleness = _unwrap(queue.get, c.stall_timeout_s)
+                batch, staleness = unwrap(queue.get, c.stall_timeout_s)
                 t1 = time.perf_counter()
-                train_batch = self._collate(batch.rollouts)
+                train_batch = self.collate(batch.rollouts)
                 state, train_metrics = self.trainer.rl_step(state, train_batch, self.ref_params)
                 train_metrics = to_host(train_metrics)
                 t2 = time.perf_counter()
@@ -256,7 +258,7 @@ class RoleController(Controller):
                 if self.lead_trainer:
                     self.channel.forget(batch.batch_index)
                 metrics = dict(batch.metrics) | train_metrics
-                metrics |= self._publish(state.params, step, first_index)
+                metrics |= self.publish(state.params, step, first_index)
                 if step % c.eval_every_steps == 0 or step == c.total_steps:
                     metrics |= self.evaluate(state.params)
                 now = time.perf_counter()
@@ -272,14 +274,14 @@ class RoleController(Controller):
                     "async/generator_version": float(batch.policy_version),
                     "async/staleness": float(staleness),
                     "async/queue_depth": float(depth),
-                } | self._learning_rate(step)
+                } | self.learning_rate_metrics(step)
                 last = now
-                metrics |= _queue_metrics(queue.stats)
+                metrics |= queue_metrics(queue.stats)
                 headline = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"}
                 if "eval/accuracy" in metrics:
                     headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
                 self.io.log(step, metrics, headline)
-                save_wait = self._save_async(state, step, queue, fetcher)
+                save_wait = self.save_async(state, step, queue, fetcher)
                 self.io.after_step(step)
         except BaseException:
             fetcher.stop()
@@ -307,7 +309,7 @@ class RoleController(Controller):
         try:
             for k in range(first_index, c.total_steps):
                 t0 = time.perf_counter()
-                params = _unwrap(weights.acquire, self._version_for(k), c.stall_timeout_s)
+                params = unwrap(weights.acquire, self.version_for(k), c.stall_timeout_s)
                 waited = time.perf_counter() - t0
                 items, prompt_ids = self.prompts(k)
                 generated = self.generator.generate(

@@ -1,6 +1,6 @@
 """Streaming async RL: the engine never drains, weights are swapped in between decode steps.
 
-The fixed-lag and free-running schedules (`jaxrl.controller`) sample whole batches: the trainer
+The fixed-lag and free-running schedules (`jaxrl.loop.controller`) sample whole batches: the trainer
 waits for a batch's longest completion, and a weight push waits for the batch in flight. Here
 (`RLConfig.schedule = "streaming"`, after AReaL / PipelineRL / verl fully-async):
 
@@ -55,246 +55,26 @@ a prompt; a partly filled engine shows in the utilisation instead), `stream/push
 
 from __future__ import annotations
 
-import base64
-import collections
 import dataclasses
 import threading
 import time
-import zlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from jaxrl.controller import BusyTimeline, Controller, _queue_metrics, _StepClock, _unwrap
-from jaxrl.executors import GeneratedBatch, sampling_key
 from jaxrl.generation.engine import Request
 from jaxrl.generation.engine_sampler import EngineSampler
-from jaxrl.rollout_queue import QueueClosed, QueueStats, ScoredBatch, _ClosableQueue, wait_until
+from jaxrl.generation.executor import GeneratedBatch, sampling_key
+from jaxrl.infra.closable import QueueClosed, unwrap
+from jaxrl.loop.report import BusyTimeline, StepClock, queue_metrics
+from jaxrl.loop.rollout_queue import GroupQueue, ScoredBatch
 from jaxrl.run_io import to_host
 from jaxrl.tasks.source import encode_prompts
 from jaxrl.trainer import TrainState
 
-
-def leave_out(group: ScoredBatch, oversample: int, filtered: int, put: int) -> bool:
-    """Streaming's dynamic sampling rule: a group whose samples all got one reward (zero
-    advantage, no gradient) is left out while the groups left out (`filtered`) stay within
-    `oversample - 1` per group put into the queue so far (`put`), plus one."""
-    if oversample <= 1 or len({r.reward for r in group.rollouts}) > 1:
-        return False
-    return filtered < (oversample - 1) * (put + 1)
-
-
-def ledger_bitmap(indices, size: int) -> str:
-    """Prompt indices in [0, size) as a checkpoint string: bit i of `np.packbits` order set for
-    prompt i, zlib-compressed, base64 (a few bytes for runs, size / 8 at most for any set)."""
-    bits = np.zeros(size, np.uint8)
-    bits[np.fromiter(indices, np.int64)] = 1
-    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 9)).decode()
-
-
-def ledger_indices(bitmap: str) -> list[int]:
-    """The prompt indices of a `ledger_bitmap` string, ascending."""
-    packed = np.frombuffer(zlib.decompress(base64.b64decode(bitmap)), np.uint8)
-    return np.flatnonzero(np.unpackbits(packed)).tolist()
-
-
-def prompt_ledger(blob: dict) -> dict[str, list[int]]:
-    """Each issued prompt's fate in a streaming checkpoint (`GroupQueue.snapshot`): the prompt
-    indices queued, in flight, dropped, filtered, and trained (the rest of [0, next_prompt))."""
-    ledger = {
-        "queued": sorted(int(g["batch_index"]) for g in blob["pending_groups"]),
-        "in_flight": sorted(int(i) for i in blob["in_flight_prompts"]),
-        "dropped": ledger_indices(blob["dropped_prompts"]),
-        "filtered": ledger_indices(blob["filtered_prompts"]),
-    }
-    elsewhere = {i for indices in ledger.values() for i in indices}
-    return ledger | {"trained": [i for i in range(blob["next_prompt"]) if i not in elsewhere]}
-
-
-class GroupQueue(_ClosableQueue):
-    """Scored groups between the streaming generator and the trainer, and the ledger of the
-    prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
-    index, `policy_version` the version of the group's oldest token.
-
-    Every issued prompt is exactly one of: in flight, queued, consumed, dropped (by admission
-    or consumption) or filtered (dynamic sampling), each dropped and filtered one counted in
-    `stats` and named in `dropped` / `filtered`. `snapshot()` takes all of it at once, under
-    one lock.
-
-    Args:
-      capacity: queued groups beyond which no prompt is issued (`issue` waits).
-      max_staleness: largest `v_t - v_oldest_token` a consumed group may have.
-      max_in_flight: the most groups in flight once the queue is empty: a prompt is issued only
-        while queued + in flight < capacity + max_in_flight (0: capacity alone bounds it).
-      trainer_version, next_prompt, pending, reissue, stats, dropped, filtered: a resumed
-        run's state (`reissue`: the prompts that were in flight, issued again first).
-    """
-
-    def __init__(
-        self,
-        capacity: int,
-        max_staleness: int,
-        *,
-        max_in_flight: int = 0,
-        trainer_version: int = 0,
-        next_prompt: int = 0,
-        pending: list[ScoredBatch] = (),
-        reissue: list[int] = (),
-        stats: QueueStats | None = None,
-        dropped: set[int] = frozenset(),
-        filtered: set[int] = frozenset(),
-    ):
-        if capacity < 1 or max_staleness < 0 or max_in_flight < 0:
-            raise ValueError(
-                f"need capacity={capacity} >= 1, max_staleness={max_staleness} >= 0 and "
-                f"max_in_flight={max_in_flight} >= 0"
-            )
-        super().__init__(pending)
-        self.capacity, self.max_staleness = capacity, max_staleness
-        self.max_in_flight = max_in_flight
-        self._reissue = collections.deque(reissue)
-        self._in_flight: set[int] = set()
-        self._trainer_version, self._next_prompt = trainer_version, next_prompt
-        self.stats = stats or QueueStats()
-        self.dropped, self.filtered = set(dropped), set(filtered)
-
-    # --- generator side -----------------------------------------------------------------------
-
-    def issue(self, block: bool = True, timeout: float | None = None) -> int | None:
-        """The next prompt index to submit (re-issued ones first), now in flight. Waits while
-        the queue holds `capacity` groups or queued + in flight reach `capacity + max_in_flight`
-        (`block=False`: None at once)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                self._raise_if_closed()
-                held = len(self._items)
-                if held < self.capacity and (
-                    held + len(self._in_flight) < self.capacity + self.max_in_flight
-                ):
-                    break
-                if not block:
-                    return None
-                wait_until(self._cond, deadline, "room to issue a prompt")
-            if self._reissue:
-                index = self._reissue.popleft()
-            else:
-                index, self._next_prompt = self._next_prompt, self._next_prompt + 1
-            self._in_flight.add(index)
-            return index
-
-    def put(self, group: ScoredBatch) -> bool:
-        """Queues a scored group (True), or drops it as too stale (False). Never waits: room
-        was taken when its prompt was issued."""
-        with self._cond:
-            self._raise_if_closed()
-            if group.batch_index not in self._in_flight:
-                raise ValueError(f"group of prompt {group.batch_index} was never issued")
-            self._in_flight.discard(group.batch_index)
-            self._cond.notify_all()  # room to issue, or a group to take
-            if self._stale(group):
-                self.stats.dropped_on_admission += 1
-                self.stats.dropped_samples += group.num_samples
-                self.dropped.add(group.batch_index)
-                return False
-            self._items.append(group)
-            return True
-
-    def filter(self, group: ScoredBatch, oversample: int) -> bool:
-        """Dynamic sampling (`leave_out`): True when the group is left out of the queue
-        (counted in `stats.filtered_batches`, no longer in flight); False: queue it."""
-        with self._cond:
-            if group.batch_index not in self._in_flight:
-                raise ValueError(f"group of prompt {group.batch_index} was never issued")
-            s = self.stats
-            put = s.consumed_batches + len(self._items) + s.dropped_batches
-            if not leave_out(group, oversample, s.filtered_batches, put):
-                return False
-            s.filtered_batches += 1
-            self.filtered.add(group.batch_index)
-            self._in_flight.discard(group.batch_index)
-            self._cond.notify_all()
-            return True
-
-    # --- trainer side -------------------------------------------------------------------------
-
-    def advance(self, trainer_version: int) -> None:
-        with self._cond:
-            self._trainer_version = trainer_version
-            self._cond.notify_all()
-
-    def take(self, count: int, timeout: float | None = None) -> list[ScoredBatch]:
-        """The next `count` groups fresh enough to train on now (in the order they finished);
-        staler ones are dropped and counted. Waits until `count` are there."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                self._raise_if_closed()
-                stale = [g for g in self._items if self._stale(g)]
-                for group in stale:
-                    self._items.remove(group)
-                    self.stats.dropped_on_consumption += 1
-                    self.stats.dropped_samples += group.num_samples
-                    self.dropped.add(group.batch_index)
-                if stale:  # room freed: a generator waiting in `put` must see it
-                    self._cond.notify_all()
-                if len(self._items) >= count:
-                    taken = [self._items.popleft() for _ in range(count)]
-                    self._cond.notify_all()
-                    for group in taken:
-                        staleness = self._trainer_version - group.policy_version
-                        self.stats.consumed_batches += 1
-                        self.stats.consumed_samples += group.num_samples
-                        counts = self.stats.staleness_counts
-                        counts[staleness] = counts.get(staleness, 0) + 1
-                    return taken
-                wait_until(self._cond, deadline, f"{count} scored groups")
-
-    def snapshot(self) -> dict[str, Any]:
-        """The queue's part of a checkpoint (JSON): queued groups, prompts in flight (to
-        re-issue), the next prompt index, the cumulative counts, the prompts dropped and
-        filtered (`ledger_bitmap`s; `prompt_ledger` reads it all back by prompt)."""
-        with self._cond:
-            return {
-                "pending_groups": [g.to_json() for g in self._items],
-                "in_flight_prompts": sorted(self._in_flight | set(self._reissue)),
-                "next_prompt": self._next_prompt,
-                "queue_stats": self.stats.to_json(),
-                "dropped_prompts": ledger_bitmap(self.dropped, self._next_prompt),
-                "filtered_prompts": ledger_bitmap(self.filtered, self._next_prompt),
-            }
-
-    @classmethod
-    def restore(
-        cls, capacity: int, max_staleness: int, step: int, blob: dict, max_in_flight: int = 0
-    ) -> GroupQueue:
-        # A checkpoint written before the ledger named its prompts has counts only.
-        named = {k: set(ledger_indices(blob[k])) if k in blob else set() for k in _NAMED}
-        return cls(
-            capacity,
-            max_staleness,
-            max_in_flight=max_in_flight,
-            trainer_version=step,
-            next_prompt=int(blob["next_prompt"]),
-            pending=[ScoredBatch.from_json(g) for g in blob["pending_groups"]],
-            reissue=[int(i) for i in blob["in_flight_prompts"]],
-            stats=QueueStats.from_json(blob["queue_stats"]),
-            dropped=named["dropped_prompts"],
-            filtered=named["filtered_prompts"],
-        )
-
-    # --- both ---------------------------------------------------------------------------------
-
-    def _stale(self, group: ScoredBatch) -> bool:
-        return self._trainer_version - group.policy_version > self.max_staleness
-
-    def _raise_if_closed(self) -> None:
-        if self._closed is not None:
-            raise QueueClosed(self._closed.error)
-
-
-_NAMED = ("dropped_prompts", "filtered_prompts")
+if TYPE_CHECKING:  # the controller runs this loop (`Controller.run`); no import at run time
+    from jaxrl.loop.controller import Controller
 
 
 @dataclasses.dataclass
@@ -330,7 +110,7 @@ def groups_in_flight(ctl: Controller) -> int:
     return engine_groups if lead < 0 else lead
 
 
-class _StreamProducer:
+class StreamProducer:
     """The generator thread: keeps the engine full, swaps weights in between device calls,
     scores each group as it finishes and queues it. Its failure closes the queue and the weight
     store with the error, which the trainer re-raises at its next wait."""
@@ -496,27 +276,27 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
                 "streaming one; continue it with its own config, or start a fresh workdir"
             )
         queue = GroupQueue.restore(capacity, c.max_staleness, step, extra, in_flight)
-    ctl._publish(state.params, step, 0)
-    producer = _StreamProducer(ctl, queue)
-    clock = _StepClock(producer.timeline)
+    ctl.publish(state.params, step, 0)
+    producer = StreamProducer(ctl, queue)
+    clock = StepClock(producer.timeline)
     ctl.io.start(step)
     producer.start()
     save_wait = 0.0
     try:
         while step < c.total_steps:
             t0 = time.perf_counter()
-            groups = _unwrap(queue.take, c.num_prompts, c.stall_timeout_s)
+            groups = unwrap(queue.take, c.num_prompts, c.stall_timeout_s)
             t1 = time.perf_counter()
             rollouts = [r for g in groups for r in g.rollouts]
             staleness_metrics, staleness = token_staleness_metrics(rollouts, step)
-            train_batch = ctl._collate(rollouts)
+            train_batch = ctl.collate(rollouts)
             state, train_metrics = ctl.trainer.rl_step(state, train_batch, ctl.ref_params)
             train_metrics = to_host(train_metrics)
             t2 = time.perf_counter()
             step += 1
             queue.advance(step)
             metrics = _group_metrics(groups) | train_metrics | staleness_metrics
-            metrics |= ctl._publish(state.params, step, 0)
+            metrics |= ctl.publish(state.params, step, 0)
             if step % c.eval_every_steps == 0 or step == c.total_steps:
                 metrics |= ctl.evaluate(state.params)
             metrics |= clock.tick(train_start=t1, train_end=t2)
@@ -534,8 +314,8 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
                 "stream/engine_utilisation": counters.kept_tokens / max(counters.slot_steps, 1),
                 "stream/recompute_tokens": float(counters.recompute_tokens),
                 "stream/dropped_groups": float(queue.stats.dropped_batches),
-            } | ctl._learning_rate(step)
-            metrics |= _queue_metrics(queue.stats)
+            } | ctl.learning_rate_metrics(step)
+            metrics |= queue_metrics(queue.stats)
             if counters.push_to_use_s:
                 metrics["stream/push_to_use_s"] = float(np.mean(counters.push_to_use_s))
             for j, g in enumerate(groups):
