@@ -143,7 +143,9 @@ class RLConfig:
 class ControllerIO(Protocol):
     """What the controller needs of a run's I/O. `jaxrl.run_io.RunIO` (checkpoints, metrics.jsonl,
     TensorBoard, progress) is the launchers'; a script may pass anything with these methods
-    (e.g. one that keeps metrics in memory and never saves)."""
+    (e.g. one that keeps metrics in memory and never saves). Optional: `histogram(step, name,
+    values)`, a metric's distribution (`RunIO` writes it to TensorBoard), which
+    `jaxrl.loop.report.StepReport` calls when the io has it."""
 
     def start(self, step: int) -> None:
         """The loop starts (or resumes) at `step`."""

@@ -58,7 +58,7 @@ from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.sampling import Sampler
 from jaxrl.infra.closable import QueueClosed, unwrap, wait_until
 from jaxrl.loop.config import ControllerIO, RLConfig, check_controller_inputs
-from jaxrl.loop.report import BusyTimeline, StepClock, queue_metrics
+from jaxrl.loop.report import BusyTimeline, StepClock, StepReport, queue_metrics
 from jaxrl.loop.reward import RewardExecutor
 from jaxrl.loop.rollout_queue import QueueStats, RolloutQueue, ScoredBatch
 from jaxrl.rl import collate_rollouts, select_groups
@@ -180,14 +180,16 @@ class Controller:
     def run_sync(self, state: TrainState) -> TrainState:
         c = self.config
         step = int(state.step)
-        if step == 0:
-            self.io.log(0, self.evaluate(state.params), {})
-        self.io.start(step)
+        timeline = BusyTimeline()  # generation and scoring, here on the trainer's thread
+        report = self.step_report(StepClock(timeline))
+        report.start(step, state.params)
         while step < c.total_steps:
             t0 = time.perf_counter()
+            timeline.begin(t0)
             items, prompt_ids = self.prompts(step)
             generated = self.generator.generate(state.params, items, prompt_ids, step, step)
             rollouts, metrics = self.score(generated)
+            timeline.end(time.perf_counter())
             batch = collate_rollouts(
                 rollouts,
                 prompt_len=self.prompt_bucket(prompt_ids),
@@ -200,26 +202,36 @@ class Controller:
             train_metrics = to_host(train_metrics)
             t2 = time.perf_counter()
             step += 1
-            tokens = int(batch.completion_mask_bt.sum())
-            metrics |= train_metrics
-            metrics |= {
-                "policy_version": float(step),
-                "time/generate_s": generated.seconds,
-                "time/train_s": t2 - t1,
-                "time/step_s": t2 - t0,
-                "throughput/tokens_per_s": tokens / (t2 - t0),
-                "data/prompts_seen": float(step * c.num_prompts * c.oversample),
-            } | self.learning_rate_metrics(step)
-            if step % c.eval_every_steps == 0 or step == c.total_steps:
-                metrics |= self.evaluate(state.params)
-            headline = {"reward": f"{metrics['reward/mean']:.3f}"}
-            if "eval/accuracy" in metrics:
-                headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
-            self.io.log(step, metrics, headline)
-            self.io.save(state, self.extra(step), force=step == c.total_steps)
-            self.io.after_step(step)
+            metrics |= train_metrics | {"time/generate_s": generated.seconds}
+            metrics |= self.step_metrics(step, sampled=step * c.num_prompts * c.oversample)
+            report.step(
+                step,
+                state,
+                metrics,
+                {"reward": f"{metrics['reward/mean']:.3f}"},
+                self.extra,
+                timing=(t0, t1, t2, int(batch.completion_mask_bt.sum())),
+            )
         jax.block_until_ready(state.params)
         return state
+
+    def step_report(self, clock: StepClock | None) -> StepReport:
+        c = self.config
+        return StepReport(
+            self.io,
+            total_steps=c.total_steps,
+            eval_every_steps=c.eval_every_steps,
+            evaluate=self.evaluate,
+            clock=clock,
+        )
+
+    def step_metrics(self, step: int, sampled: float) -> dict[str, float]:
+        """What every mode logs of step `step` besides its batch, train and timing figures:
+        the policy version, the prompt counters (`jaxrl.loop.report`) and the learning rate."""
+        trained = float(step * self.config.num_prompts)
+        counts = {"data/prompts_trained": trained, "data/prompts_sampled": float(sampled)}
+        counts["data/prompts_seen"] = counts["data/prompts_sampled"]
+        return {"policy_version": float(step)} | counts | self.learning_rate_metrics(step)
 
     def learning_rate_metrics(self, step: int) -> dict[str, float]:
         """The rate of the update that made `step` (updates count from 0)."""
@@ -244,14 +256,15 @@ class Controller:
         step = int(state.step)
         queue = self.restore_queue(step, extra)
         first_index = queue.next_index
+        report = self.step_report(None)
         if step == 0:
             self.io.log(0, self.evaluate(state.params), {})
         self.publish(state.params, step, first_index)
         producer = BatchProducer(self, queue, first_index)
-        clock = StepClock(producer.timeline)
-        self.io.start(step)
+        report.clock = StepClock(producer.timeline)
+        report.start(step)
         producer.start()
-        save_wait = 0.0
+        n = c.num_prompts * c.oversample
         try:
             while step < c.total_steps:
                 depth = queue.depth
@@ -269,29 +282,25 @@ class Controller:
                 queue.advance(step)
                 metrics = dict(batch.metrics) | train_metrics
                 metrics |= self.publish(state.params, step, first_index)
-                if step % c.eval_every_steps == 0 or step == c.total_steps:
-                    metrics |= self.evaluate(state.params)
-                metrics |= clock.tick(train_start=t1, train_end=t2)
+                stats = queue.stats
+                metrics |= self.step_metrics(
+                    step, sampled=(stats.consumed_batches + stats.dropped_batches) * n
+                )
                 metrics |= {
-                    "policy_version": float(step),
-                    "time/trainer_idle_s": t1 - t0 + save_wait,
-                    "time/train_s": t2 - t1,
-                    "throughput/tokens_per_s": int(train_batch.completion_mask_bt.sum())
-                    / metrics["time/step_s"],
-                    "data/prompts_seen": float(step * c.num_prompts * c.oversample),
                     "data/batch_index": float(batch.batch_index),
                     "async/generator_version": float(batch.policy_version),
                     "async/staleness": float(staleness),
                     "async/queue_depth": float(depth),
-                } | self.learning_rate_metrics(step)
-                metrics |= queue_metrics(queue.stats)
-                headline = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"}
-                if "eval/accuracy" in metrics:
-                    headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
-                self.io.log(step, metrics, headline)
-                # Under fixed lag this waits for the generator: idle time, counted next step.
-                save_wait = self.save_async(state, step, queue, producer)
-                self.io.after_step(step)
+                } | queue_metrics(stats)
+                # Under fixed lag a save waits for the generator: idle time, counted next step.
+                report.step(
+                    step,
+                    state,
+                    metrics,
+                    {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"},
+                    lambda step: self.async_snapshot(step, queue, producer),
+                    timing=(t0, t1, t2, int(train_batch.completion_mask_bt.sum())),
+                )
         except BaseException:
             producer.stop(timeout_s=10.0)
             raise
@@ -340,21 +349,16 @@ class Controller:
             batch_size=c.batch_size,
         )
 
-    def save_async(self, state: TrainState, step: int, queue: RolloutQueue, producer) -> float:
-        """Saves (when due) the train state and the async state; returns seconds spent waiting
-        for the generator first (fixed lag: until every batch that needs a version older than
-        `step` is generated and queued, since the saved weights cannot regenerate them)."""
+    def async_snapshot(self, step: int, queue: RolloutQueue, producer) -> dict:
+        """The checkpoint's run state of an async run at `step`: first (fixed lag) waits until
+        every batch that needs a version older than `step` is generated and queued, since the
+        saved weights cannot regenerate them."""
         c = self.config
-        force = step == c.total_steps
-        if not self.io.save_due(step, force):
-            return 0.0
-        start = time.perf_counter()
         if c.schedule == "fixed_lag":
             position = min(step + c.lag, c.total_steps)
             unwrap(queue.wait_for_position, position, c.stall_timeout_s)
-        waited = time.perf_counter() - start
         pending, next_index, stats = queue.snapshot()
-        extra = self.extra(step) | {
+        return self.extra(step) | {
             "mode": "async",
             "schedule": c.schedule,
             "lag": c.lag,
@@ -363,8 +367,6 @@ class Controller:
             "pending_rollouts": [batch.to_json() for batch in pending],
             "queue_stats": stats.to_json(),
         }
-        self.io.save(state, extra, force=force)
-        return waited
 
     def restore_queue(self, step: int, extra: dict | None) -> RolloutQueue:
         c = self.config

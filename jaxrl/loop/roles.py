@@ -52,7 +52,7 @@ import jax
 from jaxrl.infra import faults
 from jaxrl.infra.closable import QueueClosed, unwrap
 from jaxrl.loop.controller import Controller
-from jaxrl.loop.report import queue_metrics
+from jaxrl.loop.report import StepClock, queue_metrics
 from jaxrl.loop.rollout_queue import RolloutQueue, ScoredBatch
 from jaxrl.run_io import to_host
 from jaxrl.sync.store import GeneratorWeights
@@ -241,8 +241,10 @@ class RoleController(Controller):
             self.io.log(0, self.evaluate(state.params), {})
         fetcher = _Fetcher(self, queue, first_index)
         fetcher.start()
-        self.io.start(step)
-        save_wait, last = 0.0, time.perf_counter()
+        # The generator processes time themselves (`time/generator_idle_s` in each batch).
+        report = self.step_report(StepClock())
+        report.start(step)
+        n = c.num_prompts * c.oversample
         try:
             while step < c.total_steps:
                 depth = queue.depth
@@ -259,30 +261,24 @@ class RoleController(Controller):
                     self.channel.forget(batch.batch_index)
                 metrics = dict(batch.metrics) | train_metrics
                 metrics |= self.publish(state.params, step, first_index)
-                if step % c.eval_every_steps == 0 or step == c.total_steps:
-                    metrics |= self.evaluate(state.params)
-                now = time.perf_counter()
+                stats = queue.stats
+                metrics |= self.step_metrics(
+                    step, sampled=(stats.consumed_batches + stats.dropped_batches) * n
+                )
                 metrics |= {
-                    "policy_version": float(step),
-                    "time/step_s": now - last,
-                    "time/trainer_idle_s": t1 - t0 + save_wait,
-                    "time/train_s": t2 - t1,
-                    "throughput/tokens_per_s": int(train_batch.completion_mask_bt.sum())
-                    / (now - last),
-                    "data/prompts_seen": float(step * c.num_prompts * c.oversample),
                     "data/batch_index": float(batch.batch_index),
                     "async/generator_version": float(batch.policy_version),
                     "async/staleness": float(staleness),
                     "async/queue_depth": float(depth),
-                } | self.learning_rate_metrics(step)
-                last = now
-                metrics |= queue_metrics(queue.stats)
-                headline = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"}
-                if "eval/accuracy" in metrics:
-                    headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
-                self.io.log(step, metrics, headline)
-                save_wait = self.save_async(state, step, queue, fetcher)
-                self.io.after_step(step)
+                } | queue_metrics(stats)
+                report.step(
+                    step,
+                    state,
+                    metrics,
+                    {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"},
+                    lambda step: self.async_snapshot(step, queue, fetcher),
+                    timing=(t0, t1, t2, int(train_batch.completion_mask_bt.sum())),
+                )
         except BaseException:
             fetcher.stop()
             raise

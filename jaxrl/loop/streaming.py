@@ -278,10 +278,9 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
         queue = GroupQueue.restore(capacity, c.max_staleness, step, extra, in_flight)
     ctl.publish(state.params, step, 0)
     producer = StreamProducer(ctl, queue)
-    clock = StepClock(producer.timeline)
-    ctl.io.start(step)
+    report = ctl.step_report(StepClock(producer.timeline))
+    report.start(step)
     producer.start()
-    save_wait = 0.0
     try:
         while step < c.total_steps:
             t0 = time.perf_counter()
@@ -297,61 +296,57 @@ def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None)
             queue.advance(step)
             metrics = _group_metrics(groups) | train_metrics | staleness_metrics
             metrics |= ctl.publish(state.params, step, 0)
-            if step % c.eval_every_steps == 0 or step == c.total_steps:
-                metrics |= ctl.evaluate(state.params)
-            metrics |= clock.tick(train_start=t1, train_end=t2)
             counters = producer.take_counters()
+            stats = queue.stats
+            used = stats.consumed_batches + stats.filtered_batches + stats.dropped_batches
+            metrics |= ctl.step_metrics(step, sampled=used)
             metrics |= {
-                "policy_version": float(step),
-                "time/trainer_idle_s": t1 - t0 + save_wait,
-                "time/train_s": t2 - t1,
-                "throughput/tokens_per_s": int(train_batch.completion_mask_bt.sum())
-                / metrics["time/step_s"],
-                "data/prompts_seen": float(step * c.num_prompts),
                 "async/generator_version": float(producer.version or 0),
                 "async/queue_depth": float(queue.depth),
                 "stream/swaps": float(counters.swaps),
                 "stream/engine_utilisation": counters.kept_tokens / max(counters.slot_steps, 1),
                 "stream/recompute_tokens": float(counters.recompute_tokens),
-                "stream/dropped_groups": float(queue.stats.dropped_batches),
-            } | ctl.learning_rate_metrics(step)
-            metrics |= queue_metrics(queue.stats)
+                "stream/dropped_groups": float(stats.dropped_batches),
+            } | queue_metrics(stats)
             if counters.push_to_use_s:
                 metrics["stream/push_to_use_s"] = float(np.mean(counters.push_to_use_s))
             for j, g in enumerate(groups):
                 metrics[f"stream/trained_prompt/{j}"] = float(g.batch_index)
-            writer = getattr(ctl.io, "metrics", None)
-            if writer is not None and hasattr(writer, "write_histogram"):
-                writer.write_histogram(step, "stream/token_staleness", staleness)
             headline = {
                 "reward": f"{metrics['reward/mean']:.3f}",
                 "stale": f"{metrics['stream/token_staleness_mean']:.2f}",
             }
-            if "eval/accuracy" in metrics:
-                headline["acc"] = f"{metrics['eval/accuracy']:.3f}"
-            ctl.io.log(step, metrics, headline)
-            start = time.perf_counter()
-            if ctl.io.save_due(step, step == c.total_steps):
-                blob = (
-                    ctl.extra(step)
-                    | queue.snapshot()
-                    | {
-                        "mode": "async",
-                        "schedule": "streaming",
-                        "lag": c.lag,
-                        "generator_version": producer.version,
-                        "kv_on_update": c.kv_on_update,
-                    }
-                )
-                ctl.io.save(state, blob, force=step == c.total_steps)
-            save_wait = time.perf_counter() - start
-            ctl.io.after_step(step)
+            report.step(
+                step,
+                state,
+                metrics,
+                headline,
+                lambda step: _snapshot(ctl, step, queue, producer),
+                timing=(t0, t1, t2, int(train_batch.completion_mask_bt.sum())),
+                histogram=("stream/token_staleness", staleness),
+            )
     except BaseException:
         producer.stop(timeout_s=10.0)
         raise
     producer.stop(timeout_s=c.stall_timeout_s)
     jax.block_until_ready(state.params)
     return state
+
+
+def _snapshot(ctl: Controller, step: int, queue: GroupQueue, producer: StreamProducer) -> dict:
+    """The checkpoint's run state of a streaming run (module docstring)."""
+    c = ctl.config
+    return (
+        ctl.extra(step)
+        | queue.snapshot()
+        | {
+            "mode": "async",
+            "schedule": "streaming",
+            "lag": c.lag,
+            "generator_version": producer.version,
+            "kv_on_update": c.kv_on_update,
+        }
+    )
 
 
 def _group_metrics(groups: list[ScoredBatch]) -> dict[str, float]:
