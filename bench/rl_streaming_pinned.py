@@ -4,10 +4,10 @@ A proxy, labelled so, as `bench.rl`'s "CPU proxy": each role is its own process 
 core (`os.sched_setaffinity`) with one CPU device, since XLA:CPU cannot pin one process's threads
 per role and a role-split job (`jaxrl.loop.roles`) runs fixed lag only. The library's pieces run
 unchanged in each process: the engine and the generator threads' own loops
-(`controller.BatchProducer._run` for fixed lag, `streaming.StreamProducer._run` for streaming), the
-reward executor, `Controller.collate`, `GroupQueue` (staleness bound on a group's oldest token,
-drops counted), `token_staleness_metrics`, `Trainer.rl_step` (AIPO). Only the in-process
-queue and the device-to-device weight push are replaced, by two pipes:
+(`feeds.lagged.BatchProducer._run` for fixed lag, `feeds.streaming.StreamProducer._run` for
+streaming), the reward executor, `Controller.collate`, `GroupQueue` (staleness bound on a
+group's oldest token, drops counted), `token_staleness_metrics`, `Trainer.rl_step` (AIPO). Only
+the in-process queue and the device-to-device weight push are replaced, by two pipes:
 
 - weights (trainer -> generator): `("weights", version, host params, push time, removed)` after
   each step and `("removed", n)` right after each take, `removed` the cumulative count of queue
@@ -18,7 +18,7 @@ queue and the device-to-device weight push are replaced, by two pipes:
 - rollouts (generator -> trainer): each scored group (streaming) or batch (fixed lag) as it is
   done (`_PipeQueue.put`); the trainer's receiver thread admits groups into its `GroupQueue`.
 
-Rows: sync (one process on core 0: `Controller.run_sync`, generate, score, train in turn);
+Rows: sync (one process on core 0: `Controller.run`, colocated: generate, score, train in turn);
 fixed lag 1 (trainer on core 0, generator on core 1, batch k sampled whole by version k - 1);
 streaming keep (the engine never drains; the trainer takes the next `num_prompts` groups to
 finish). Times are `time.perf_counter` (CLOCK_MONOTONIC, one clock for all processes on Linux),
@@ -266,15 +266,15 @@ class _PipeQueue:
 
 def proxy_generator(spec: dict, weights_in, rollouts_out) -> dict:
     """The generator process: the library's generator loop with the pipes for queue and weights."""
-    from jaxrl.loop.controller import BatchProducer
-    from jaxrl.loop.streaming import StreamProducer
+    from jaxrl.loop.feeds.lagged import BatchProducer
+    from jaxrl.loop.feeds.streaming import StreamProducer
 
     ctl, _ = build(spec, spec["schedule"], with_state=False)
     ctl.weights = _PipeWeights(weights_in)
     if spec["schedule"] == "streaming":
-        from jaxrl.loop.streaming import groups_in_flight
+        from jaxrl.loop.feeds.streaming import groups_in_flight
 
-        capacity = ctl.config.queue_size * ctl.config.num_prompts  # groups, as run_streaming
+        capacity = ctl.config.queue_size * ctl.config.num_prompts  # groups, as StreamingFeed
         pipe = _PipeQueue(rollouts_out, ctl.weights, capacity, groups_in_flight(ctl))
         producer = StreamProducer(ctl, pipe)
     else:
@@ -344,8 +344,8 @@ def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
     import jax
     import numpy as np
 
+    from jaxrl.loop.feeds.streaming import token_staleness_metrics
     from jaxrl.loop.rollout_queue import GroupQueue
-    from jaxrl.loop.streaming import token_staleness_metrics
     from jaxrl.run_io import to_host
 
     class ForwardedGroups(GroupQueue):
@@ -420,7 +420,8 @@ def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
 
 
 def proxy_sync(spec: dict) -> dict:
-    """One process on one core: the library's `Controller.run_sync` (generate, score, train)."""
+    """One process on one core: the library's `Controller.run` in sync mode (generate, score,
+    train)."""
     ctl, state = build(spec, "sync", with_state=True)
     ctl.run(state)
     records = []

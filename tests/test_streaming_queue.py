@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl.infra.closable import QueueClosed
+from jaxrl.loop.feeds.streaming import token_staleness_metrics
 from jaxrl.loop.rollout_queue import (
     GroupQueue,
     ScoredBatch,
@@ -20,7 +21,6 @@ from jaxrl.loop.rollout_queue import (
     ledger_indices,
     prompt_ledger,
 )
-from jaxrl.loop.streaming import token_staleness_metrics
 from jaxrl.rl import Rollout
 
 
@@ -150,7 +150,7 @@ def test_stream_in_flight_sets_the_groups_issued_beyond_the_queue():
 
     from jaxrl.generation.engine_sampler import EngineSampler
     from jaxrl.loop.config import RLConfig
-    from jaxrl.loop.streaming import groups_in_flight
+    from jaxrl.loop.feeds.streaming import groups_in_flight
     from jaxrl.models.config import ModelConfig
     from jaxrl.models.transformer import Transformer
 

@@ -9,17 +9,80 @@ each call's params.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 from flax import nnx
 
 from jaxrl import lora as lora_lib
-from jaxrl.generation.engine_sampler import EngineSampler, make_sampler
+from jaxrl.generation.engine_sampler import GENERATORS, EngineSampler, make_sampler
 from jaxrl.generation.sampler import Sampler as StaticSampler
 from jaxrl.generation.sampling import Sampler
 from jaxrl.infra.sharding import param_shardings
 from jaxrl.models.transformer import Transformer
+
+GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorConfig:
+    """The RL generator: which sampler, its engine's size, and its copy of the weights
+    (`rl_main.generator_config = @GeneratorConfig()`).
+
+    kind: "engine" (the continuous-batching engine, `jaxrl.generation.engine`: each prompt's G
+      samples share one prefill, finished rows free their slots at once) or "static" (the
+      left-padded `Sampler`); meshes spanning several processes always use the static one.
+    dtype (async mode): the generator's copy of the weights, cast on the trainer during each
+      push: "bfloat16", "float32", or "auto" (bfloat16 on GPU / TPU, where decoding is bound by
+      reading the weights; the trainer's parameter dtype on CPU, where bf16 matmuls are slower
+      and the fp32 log-ratio checks hold exactly). AIPO's per-token ratio corrects for the bf16
+      sampler like any lag.
+    slots: the engine's decode slots (0: the schedule's own, `feeds.*.engine_slots`: the rows
+      of one generate call, num_prompts x oversample x samples_per_prompt; streaming:
+      num_prompts x samples_per_prompt, one step's groups in flight).
+    steps_per_call: decode steps per device call (capped at max_new_tokens).
+    max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
+      from the prompts it gets, the next power of two above the longest prompt +
+      max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
+      that length x layers x 2 x kv_heads x head_dim values (e.g. 256 slots x 4096 on Llama 3
+      8B in bf16: 128 GiB); one that cannot fit in free memory is refused before it is
+      allocated.
+    precompile: the generator's engine compiles every program it can call (each decode span x
+      active-slot bucket, prefill batch x prompt-length bucket, slot move) before its first
+      batch, instead of one at a time when a new shape first comes up: a streaming run
+      otherwise stalls its generator, and then its trainer, for each compile during its first
+      hundred or so steps (cost: docs/benchmarks.md, "Engine precompile").
+    """
+
+    kind: str = "engine"
+    dtype: str = "auto"
+    slots: int = 0
+    steps_per_call: int = 8
+    max_len: int = 0
+    precompile: bool = False
+
+    def validate(self) -> None:
+        if self.kind not in GENERATORS:
+            raise ValueError(f"GeneratorConfig.kind={self.kind!r}; expected one of {GENERATORS}")
+        if self.dtype not in GENERATOR_DTYPES:
+            raise ValueError(
+                f"GeneratorConfig.dtype={self.dtype!r}; expected one of {GENERATOR_DTYPES}"
+            )
+        if self.slots < 0 or self.steps_per_call < 1 or self.max_len < 0:
+            raise ValueError(
+                f"GeneratorConfig.slots={self.slots}, steps_per_call={self.steps_per_call}, "
+                f"max_len={self.max_len}: need slots >= 0 (0: automatic), steps_per_call >= 1, "
+                "max_len >= 0 (0: the model's context)"
+            )
+
+    def resolve_dtype(self, generator_mesh) -> str | None:
+        """The dtype a weight push casts to (None: the trainer's own)."""
+        if self.dtype != "auto":
+            return self.dtype
+        platform = generator_mesh.devices.flat[0].platform
+        return None if platform == "cpu" else "bfloat16"
+
 
 # Prompt lengths a run's sampler pads to (one compiled program per bucket in use).
 RL_PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)

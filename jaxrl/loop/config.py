@@ -40,12 +40,12 @@ class RLConfig:
         staler batches are dropped and counted. Fixed lag needs max_staleness >= lag.
       queue_size: scored batches the queue holds (fixed lag needs >= lag).
       stall_timeout_s: the trainer gives up (TimeoutError) after waiting this long for rollouts.
-      "streaming" (`jaxrl.loop.streaming`): the engine never drains; each step trains on the next
-        `num_prompts` groups to finish, new weights are swapped into the running engine between
-        decode steps (a trajectory may span versions), `max_staleness` bounds the oldest token
-        of a group (staler groups are dropped and counted), `queue_size` counts batches of
-        `num_prompts` groups (no prompt is issued while that many are queued; a finished group
-        never waits). Not reproducible bit for bit (timing decides versions).
+      "streaming" (`jaxrl.loop.feeds.streaming`): the engine never drains; each step trains on
+        the next `num_prompts` groups to finish, new weights are swapped into the running
+        engine between decode steps (a trajectory may span versions), `max_staleness` bounds
+        the oldest token of a group (staler groups are dropped and counted), `queue_size`
+        counts batches of `num_prompts` groups (no prompt is issued while that many are queued;
+        a finished group never waits). Not reproducible bit for bit (timing decides versions).
       stream_in_flight (streaming): how far the generator may run ahead of the queue, in
         groups: a prompt is issued only while queued + in flight < `queue_size x num_prompts`
         + this. -1: the engine's groups (slots / samples_per_prompt), the engine refilled whole
@@ -192,12 +192,7 @@ def check_controller_inputs(config: RLConfig, trainer, generator, source, io) ->
             f"{got.temperature}, but RLConfig says {wanted.max_new_tokens}, "
             f"{wanted.temperature}; build the GeneratorExecutor with sampling_config(config)"
         )
-    loss_temperature = getattr(getattr(trainer, "loss", None), "temperature", config.temperature)
-    if loss_temperature != config.temperature:
-        raise ValueError(
-            f"LossConfig.temperature={loss_temperature} differs from RLConfig.temperature="
-            f"{config.temperature}: the trainer must score tokens under the sampling distribution"
-        )
+    check_temperature(config, getattr(getattr(trainer, "loss", None), "temperature", None))
     if not isinstance(source, PromptSource):
         raise TypeError(
             f"source {type(source).__name__} is not a PromptSource: it needs item(index) -> "
@@ -208,3 +203,63 @@ def check_controller_inputs(config: RLConfig, trainer, generator, source, io) ->
             m for m in ("start", "log", "save_due", "save", "after_step") if not hasattr(io, m)
         ]
         raise TypeError(f"io {type(io).__name__} is not a ControllerIO: it lacks {missing}")
+
+
+def check_temperature(config: RLConfig, loss_temperature: float | None) -> None:
+    """The trainer must score tokens under the sampling distribution (None: nothing to check)."""
+    if loss_temperature is not None and loss_temperature != config.temperature:
+        raise ValueError(
+            f"LossConfig.temperature={loss_temperature} differs from RLConfig.temperature="
+            f"{config.temperature}: the trainer must score tokens under the sampling distribution"
+        )
+
+
+def check_role_split(config: RLConfig, lora: bool = False) -> None:
+    """A role-split job (`jaxrl.loop.roles`) runs fixed lag only: both roles must know every
+    version pushed across processes in advance (and LoRA runs are single-process)."""
+    if config.mode != "async" or config.schedule != "fixed_lag" or lora:
+        raise ValueError(
+            "rl_main.roles across processes needs RLConfig.mode = 'async', RLConfig.schedule = "
+            f"'fixed_lag' (got {config.mode!r}, {config.schedule!r}: both roles must know every "
+            "pushed version in advance) and no rl_main.lora"
+        )
+
+
+def check_rl_job(
+    config: RLConfig,
+    *,
+    loss_temperature: float,
+    generator_mesh: bool,
+    roles: tuple[str, ...] | None,
+    lora: bool,
+    processes: int,
+) -> None:
+    """The checks across a launch's configs, before any work (the launcher turns the ValueError
+    into its exit message): the loss scores under the sampling temperature; async mode, and only
+    it, has the generator's own devices; a job of several processes runs fixed lag (role split:
+    and no LoRA); LoRA runs are single-process."""
+    check_temperature(config, loss_temperature)
+    if (config.mode == "async") != generator_mesh:
+        raise ValueError(
+            f"RLConfig.mode={config.mode!r} with rl_main.generator_mesh="
+            f"{'set' if generator_mesh else 'None'}: async mode needs the generator's own "
+            "devices (bind rl_main.generator_mesh = @generator/MeshConfig()); sync mode is "
+            "colocated (no generator_mesh; for on-policy on disjoint meshes use async with "
+            "RLConfig.lag = 0)"
+        )
+    if processes > 1 and config.mode == "async" and config.schedule != "fixed_lag":
+        raise ValueError(
+            f"RLConfig.schedule={config.schedule!r} in a job of {processes} processes: "
+            "every process runs the same controller, and free-running choices (which version "
+            "samples a batch, which batches are dropped) follow each process's own timing; "
+            "use RLConfig.schedule = 'fixed_lag'"
+        )
+    if roles is not None:
+        if not generator_mesh:
+            raise ValueError("rl_main.roles needs async mode and rl_main.generator_mesh")
+        if not set(roles) <= {"trainer", "generator"}:
+            raise ValueError(f"rl_main.roles={tuple(roles)}: each role is 'trainer' or 'generator'")
+        if processes > 1:
+            check_role_split(config, lora)
+    if lora and processes > 1:
+        raise ValueError("LoRA runs are single-process for now; drop rl_main.lora")

@@ -13,7 +13,7 @@ What crosses between the roles:
 - Weights, trainer -> generator: `CrossProcessWeightSync.push` (transport "device_put" over
   JAX's transfer server on CPU, "ppermute" over a union mesh on GPU / TPU), which every process
   must issue for every version in the same order. Under the fixed-lag schedule both sides know
-  the versions (`Controller.push_needed`: batch k is sampled by version max(k - lag, 0)), so the
+  the versions (`feeds.lagged.push_needed`: batch k is sampled by version max(k - lag, 0)), so the
   trainer pushes each one after its optimizer step and a receiver thread on every generator
   process issues the same push into a `GeneratorWeights` double buffer, while the generator's
   main thread samples. The trainer's push returns once the generator holds the version (each
@@ -35,6 +35,10 @@ issued by both. A checkpoint is written by the trainer processes alone
 (`checkpoint.restrict_to_processes`) and holds what a resumed run needs (the queued rollouts,
 the data position, the queue's counts); a relaunched job's generators start from the trainer's
 weights, pushed again from the restored step, and resample nothing the checkpoint holds.
+
+Trainer processes run the one trainer loop (`Controller.run`) over `trainer_feed(...)` (a
+`feeds.remote.RemoteFeed`, with `PushOnly` as the weight store); generator processes run
+`run_generator`, which samples with the lagged feed's `sample_batch`.
 """
 
 from __future__ import annotations
@@ -46,17 +50,18 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
 from jaxrl.infra import faults
 from jaxrl.infra.closable import QueueClosed, unwrap
-from jaxrl.loop.controller import Controller
-from jaxrl.loop.report import StepClock, queue_metrics
-from jaxrl.loop.rollout_queue import RolloutQueue, ScoredBatch
-from jaxrl.run_io import to_host
-from jaxrl.sync.store import GeneratorWeights
-from jaxrl.trainer import TrainState
+from jaxrl.loop.feeds.lagged import push_needed, sample_batch, version_for
+from jaxrl.loop.feeds.remote import RemoteFeed
+from jaxrl.loop.rollout_queue import ScoredBatch
+
+if TYPE_CHECKING:
+    from jaxrl.loop.controller import Controller
 
 logger = logging.getLogger(__name__)
 ROLES = ("trainer", "generator")
@@ -174,9 +179,10 @@ class RolloutChannel:
                 raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
-class _PushOnly:
-    """The trainer's side of the cross-process push, with `GeneratorWeights.publish`'s
-    signature: the generator processes receive the same push into their own weight store."""
+class PushOnly:
+    """The trainer processes' weight store: the cross-process push alone, with
+    `GeneratorWeights.publish`'s signature (the generator processes receive the same push into
+    their own `GeneratorWeights`)."""
 
     def __init__(self, sync):
         self.sync = sync
@@ -188,200 +194,73 @@ class _PushOnly:
     def close(self, error: BaseException | None = None) -> None:
         pass
 
+    def free(self) -> None:
+        pass
 
-class RoleController(Controller):
-    """The controller of one process of a role-split job: `run_trainer` on trainer processes,
-    `run_generator` on generator processes (module docstring). Built like `Controller`, with
-    `weights` = the job's `CrossProcessWeightSync` (the same on every process) and on
-    generator processes `io=None` (they write nothing)."""
 
-    def __init__(self, config, trainer, generator, rewarder, source, tokenizer, io, **kwargs):
-        self.sync = kwargs.pop("weights")
-        self.layout: RoleLayout = kwargs.pop("layout")
-        if config.mode != "async" or config.schedule != "fixed_lag":
-            raise ValueError(
-                f"rl_main.roles needs RLConfig.mode='async' and schedule='fixed_lag' (got "
-                f"{config.mode!r}, {config.schedule!r}): both roles must know every version "
-                "pushed across processes in advance"
-            )
-        super().__init__(
-            config,
-            trainer,
-            generator,
-            rewarder,
-            source,
-            tokenizer,
-            io if io is not None else _NoIO(),
-            weights=_PushOnly(self.sync),
-            **kwargs,
-        )
-        self.in_turns = False  # the point of the split: no program spans both roles
-        self.channel = RolloutChannel(config.stall_timeout_s)
-        me = jax.process_index()
-        self.lead_trainer = me == self.layout.trainer_processes[0]
-        self.lead_generator = me == self.layout.generator_processes[0]
+def trainer_feed(controller: Controller, layout: RoleLayout) -> RemoteFeed:
+    """The feed of a trainer process: batches from the generator processes."""
+    channel = RolloutChannel(controller.config.stall_timeout_s)
+    lead = jax.process_index() == layout.trainer_processes[0]
+    return RemoteFeed(controller, channel, lead)
 
-    def run(self, state=None, extra=None):
-        if self.layout.role_of(jax.process_index()) == "trainer":
-            return self.run_trainer(state, extra)
-        return self.run_generator()
 
-    # --- trainer processes -------------------------------------------------------------------
-
-    def run_trainer(self, state: TrainState, extra: dict | None = None) -> TrainState:
-        c = self.config
-        step = int(state.step)
-        queue = self.restore_queue(step, extra)
-        first_index = queue.next_index
-        if self.lead_trainer:
-            self.channel.put_json("start", {"step": step, "first_index": first_index})
-        # The first push before the step-0 evaluation: the generator samples meanwhile.
-        self.publish(state.params, step, first_index)
-        if step == 0:
-            self.io.log(0, self.evaluate(state.params), {})
-        fetcher = _Fetcher(self, queue, first_index)
-        fetcher.start()
-        # The generator processes time themselves (`time/generator_idle_s` in each batch).
-        report = self.step_report(StepClock())
-        report.start(step)
-        n = c.num_prompts * c.oversample
-        try:
-            while step < c.total_steps:
-                depth = queue.depth
-                t0 = time.perf_counter()
-                batch, staleness = unwrap(queue.get, c.stall_timeout_s)
+def run_generator(ctl: Controller, layout: RoleLayout) -> None:
+    """A generator process's main: samples and scores batches [first_index, total_steps) with
+    the versions the trainer pushes (received into `ctl.weights`, a `GeneratorWeights` over the
+    job's `CrossProcessWeightSync`), and (the first generator process) sends each once the
+    trainer asks for it. `ctl` is built as on a trainer process, with `io=NoIO()`."""
+    c = ctl.config
+    channel = RolloutChannel(c.stall_timeout_s)
+    lead = jax.process_index() == layout.generator_processes[0]
+    start = channel.get_json("start", "the trainer to start (process 0)")
+    step, first_index = int(start["step"]), int(start["first_index"])
+    weights = ctl.weights
+    versions = [v for v in range(step, c.total_steps + 1) if push_needed(c, v, first_index)]
+    receiver = threading.Thread(
+        target=_receive, args=(ctl, versions), name="jaxrl-receiver", daemon=True
+    )
+    receiver.start()
+    try:
+        for k in range(first_index, c.total_steps):
+            t0 = time.perf_counter()
+            params = unwrap(weights.acquire, version_for(c, k), c.stall_timeout_s)
+            waited = time.perf_counter() - t0
+            batch = sample_batch(ctl, k, params)
+            if lead:
                 t1 = time.perf_counter()
-                train_batch = self.collate(batch.rollouts)
-                state, train_metrics = self.trainer.rl_step(state, train_batch, self.ref_params)
-                train_metrics = to_host(train_metrics)
-                t2 = time.perf_counter()
-                step += 1
-                queue.advance(step)
-                if self.lead_trainer:
-                    self.channel.forget(batch.batch_index)
-                metrics = dict(batch.metrics) | train_metrics
-                metrics |= self.publish(state.params, step, first_index)
-                stats = queue.stats
-                metrics |= self.step_metrics(
-                    step, sampled=(stats.consumed_batches + stats.dropped_batches) * n
-                )
-                metrics |= {
-                    "data/batch_index": float(batch.batch_index),
-                    "async/generator_version": float(batch.policy_version),
-                    "async/staleness": float(staleness),
-                    "async/queue_depth": float(depth),
-                } | queue_metrics(stats)
-                report.step(
-                    step,
-                    state,
-                    metrics,
-                    {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{staleness}"},
-                    lambda step: self.async_snapshot(step, queue, fetcher),
-                    timing=(t0, t1, t2, int(train_batch.completion_mask_bt.sum())),
-                )
-        except BaseException:
-            fetcher.stop()
-            raise
-        fetcher.stop()
-        jax.block_until_ready(state.params)
-        if self.lead_trainer:
-            self.channel.put_json("done", {"step": step})
-        return state
-
-    # --- generator processes -----------------------------------------------------------------
-
-    def run_generator(self) -> None:
-        """Samples and scores batches [first_index, total_steps) with the versions the trainer
-        pushes, and (the first generator process) sends each once the trainer asks for it."""
-        c = self.config
-        start = self.channel.get_json("start", "the trainer to start (process 0)")
-        step, first_index = int(start["step"]), int(start["first_index"])
-        weights = GeneratorWeights(self.sync, latest_only=False)
-        versions = [v for v in range(step, c.total_steps + 1) if self.push_needed(v, first_index)]
-        receiver = threading.Thread(
-            target=self._receive, args=(weights, versions), name="jaxrl-receiver", daemon=True
-        )
-        receiver.start()
-        try:
-            for k in range(first_index, c.total_steps):
-                t0 = time.perf_counter()
-                params = unwrap(weights.acquire, self.version_for(k), c.stall_timeout_s)
-                waited = time.perf_counter() - t0
-                items, prompt_ids = self.prompts(k)
-                generated = self.generator.generate(
-                    params.params, items, prompt_ids, params.version, k
-                )
-                rollouts, metrics = self.score(generated)
-                metrics["time/generate_s"] = generated.seconds
-                if self.lead_generator:
-                    t1 = time.perf_counter()
-                    self.channel.get_json(f"room/{k}", f"the trainer to ask for batch {k}")
-                    metrics["time/generator_idle_s"] = waited + time.perf_counter() - t1
-                    self.channel.send(ScoredBatch(k, params.version, rollouts, metrics))
-                    faults.after_batch(k)
-                logger.info("generator: sent batch %d (version %d)", k, params.version)
-        except BaseException:
-            weights.close()
-            raise
-        receiver.join(c.stall_timeout_s)
-        weights.free()
-        # Exit together with the trainer (JAX's shutdown barrier waits for every process).
-        self.channel.get_json("done", "the trainer to finish")
-
-    def _receive(self, weights: GeneratorWeights, versions: list[int]) -> None:
-        """The receiver thread: issues the trainer's pushes, in order, into `weights`."""
-        phantom = jax.tree.map(
-            lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
-            self.trainer.abstract_params,
-            self.trainer.param_shardings,
-        )
-        try:
-            for version in versions:
-                weights.publish(phantom, version, self.config.stall_timeout_s)
-        except QueueClosed:
-            return
-        except BaseException as error:
-            error.add_note("[jaxrl] raised in the generator's weight receiver thread")
-            weights.close(error)
+                channel.get_json(f"room/{k}", f"the trainer to ask for batch {k}")
+                batch.metrics["time/generator_idle_s"] = waited + time.perf_counter() - t1
+                channel.send(batch)
+                faults.after_batch(k)
+            logger.info("generator: sent batch %d (version %d)", k, params.version)
+    except BaseException:
+        weights.close()
+        raise
+    receiver.join(c.stall_timeout_s)
+    weights.free()
+    # Exit together with the trainer (JAX's shutdown barrier waits for every process).
+    channel.get_json("done", "the trainer to finish")
 
 
-class _Fetcher:
-    """The trainer's fetcher thread: for batch index k = first_index, ...: waits for room in
-    the queue, asks the generator for batch k (the lead trainer), receives it and puts it into
-    the queue. Its failure closes the queue with the error (raised at the trainer's next wait).
-    `version`: the policy version of the last batch received (checkpointed)."""
-
-    def __init__(self, controller: RoleController, queue: RolloutQueue, first_index: int):
-        self.controller, self.queue, self.first_index = controller, queue, first_index
-        self.version: int | None = None
-        self._thread = threading.Thread(target=self._run, name="jaxrl-fetcher", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.queue.close()
-        self._thread.join(5.0)
-
-    def _run(self) -> None:
-        ctl = self.controller
-        c = ctl.config
-        try:
-            for k in range(self.first_index, c.total_steps):
-                self.queue.wait_for_room(c.stall_timeout_s)
-                if ctl.lead_trainer:
-                    ctl.channel.put_json(f"room/{k}", True)
-                batch = ctl.channel.receive(k)
-                self.version = batch.policy_version
-                self.queue.put(batch, c.stall_timeout_s)
-        except QueueClosed:
-            return
-        except BaseException as error:
-            error.add_note(f"[jaxrl] raised in the trainer's rollout fetcher at batch {k}")
-            self.queue.close(error)
+def _receive(ctl: Controller, versions: list[int]) -> None:
+    """The receiver thread: issues the trainer's pushes, in order, into `ctl.weights`."""
+    phantom = jax.tree.map(
+        lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
+        ctl.trainer.abstract_params,
+        ctl.trainer.param_shardings,
+    )
+    try:
+        for version in versions:
+            ctl.weights.publish(phantom, version, ctl.config.stall_timeout_s)
+    except QueueClosed:
+        return
+    except BaseException as error:
+        error.add_note("[jaxrl] raised in the generator's weight receiver thread")
+        ctl.weights.close(error)
 
 
-class _NoIO:
+class NoIO:
     """A generator process writes nothing (the trainer's process 0 logs and saves)."""
 
     def start(self, step):
@@ -397,4 +276,7 @@ class _NoIO:
         pass
 
     def after_step(self, step):
+        pass
+
+    def close(self):
         pass

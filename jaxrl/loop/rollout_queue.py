@@ -2,7 +2,7 @@
 
 `RolloutQueue` holds whole batches (fixed lag, free running, role split); `GroupQueue` holds
 one prompt's group per item and the ledger of the prompts in flight (streaming, see
-`jaxrl.loop.streaming`). What follows describes `RolloutQueue`; `GroupQueue`'s docstring its
+`jaxrl.loop.feeds.streaming`). What follows describes `RolloutQueue`; `GroupQueue`'s docstring its
 differences.
 
 Items are `ScoredBatch`es: the scored rollouts of one generate call (one train batch), stamped

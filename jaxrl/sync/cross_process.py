@@ -70,7 +70,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -389,24 +388,9 @@ class CrossProcessWeightSync:
         on_chunk: Callable[[int], None] | None = None,
     ) -> tuple[GeneratorParams, SyncMetrics]:
         """As `WeightSync.push`; every process calls it with its view of the same arrays."""
-        start = time.perf_counter()
-        leaves = self.trees.leaves(trainer_params, "trainer_params")
-        plan = self.plan(trainer_params)
-        old = self.trees.check_previous(previous, plan, version)
-        return push_in_chunks(
-            self.trees,
-            self.strategy,
-            plan,
-            leaves,
-            old,
-            previous,
-            version,
-            start,
-            self._move_chunk,
-            on_chunk,
-        )
+        return push_in_chunks(self, trainer_params, version, previous, on_chunk)
 
-    def _move_chunk(self, routes, leaves, new) -> list[jax.Array]:
+    def move_chunk(self, routes, leaves, new) -> list[jax.Array]:
         if self.transport == "ppermute":
             return self._ppermute_chunk(routes, leaves, new)
         return self._put_chunk(routes, leaves, new, f"{self._name}/{next(self._barriers)}")

@@ -67,7 +67,6 @@ params and must be pushed again; under "double_buffer" `previous` is untouched.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -162,24 +161,9 @@ class WeightSync:
         alone under "double_buffer". `on_chunk(i)` runs at each chunk's high-water mark (new
         shards complete, old shards and temporaries not yet freed): a hook for memory probes.
         """
-        start = time.perf_counter()
-        leaves = self.trees.leaves(trainer_params, "trainer_params")
-        plan = self.plan(trainer_params)
-        old = self.trees.check_previous(previous, plan, version)
-        return push_in_chunks(
-            self.trees,
-            self.strategy,
-            plan,
-            leaves,
-            old,
-            previous,
-            version,
-            start,
-            self._move_chunk,
-            on_chunk,
-        )
+        return push_in_chunks(self, trainer_params, version, previous, on_chunk)
 
-    def _move_chunk(self, routes, leaves, new) -> list[jax.Array]:
+    def move_chunk(self, routes, leaves, new) -> list[jax.Array]:
         """Moves one chunk into `new`; returns the temporaries to free after the high-water
         mark."""
         made = [r for r in routes if r.resharded or r.cast]

@@ -416,22 +416,19 @@ def cast_sources(
 
 
 def push_in_chunks(
-    trees: ShardingPair,
-    strategy: str,
-    plan,
-    leaves,
-    old,
-    previous,
-    version: int,
-    start: float,
-    move_chunk,
-    on_chunk,
+    transport, trainer_params, version: int, previous, on_chunk
 ) -> tuple[GeneratorParams, SyncMetrics]:
-    """The push loop every transport shares. Checks the trainer layout, then per chunk:
-    `move_chunk(routes, leaves, new)` (fills `new`, returns temporaries) -> `on_chunk(i)` at the
-    high-water mark -> frees the temporaries and, under "swap", the previous version's leaves of
-    the chunk. On failure, frees what arrived and says whether the generator still holds
-    complete weights."""
+    """The push every transport shares (`transport`: `trees`, `strategy`, `plan(params)` and
+    `move_chunk(routes, leaves, new)`, which fills `new` and returns temporaries). Checks the
+    params, the previous version and the trainer layout, then per chunk: `move_chunk` ->
+    `on_chunk(i)` at the high-water mark -> frees the temporaries and, under "swap", the
+    previous version's leaves of the chunk. On failure, frees what arrived and says whether
+    the generator still holds complete weights."""
+    start = time.perf_counter()
+    trees, strategy = transport.trees, transport.strategy
+    leaves = trees.leaves(trainer_params, "trainer_params")
+    plan = transport.plan(trainer_params)
+    old = trees.check_previous(previous, plan, version)
     for route, leaf, expected in zip(plan.routes, leaves, trees.trainer, strict=True):
         if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
             raise ValueError(
@@ -443,7 +440,7 @@ def push_in_chunks(
     try:
         for i, chunk in enumerate(plan.chunks):
             routes = [plan.routes[j] for j in chunk]
-            temporaries = move_chunk(routes, leaves, new)
+            temporaries = transport.move_chunk(routes, leaves, new)
             if on_chunk is not None:
                 on_chunk(i)
             for array in temporaries:

@@ -1,6 +1,6 @@
 """Streaming async RL: the engine never drains, weights are swapped in between decode steps.
 
-The fixed-lag and free-running schedules (`jaxrl.loop.controller`) sample whole batches: the trainer
+The fixed-lag and free-running schedules (`lagged`) sample whole batches: the trainer
 waits for a batch's longest completion, and a weight push waits for the batch in flight. Here
 (`RLConfig.schedule = "streaming"`, after AReaL / PipelineRL / verl fully-async):
 
@@ -60,20 +60,19 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 from jaxrl.generation.engine import Request
 from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.generation.executor import GeneratedBatch, sampling_key
 from jaxrl.infra.closable import QueueClosed, unwrap
-from jaxrl.loop.report import BusyTimeline, StepClock, queue_metrics
+from jaxrl.loop.config import RLConfig
+from jaxrl.loop.feeds.base import GeneratorThread, Taken, check_resumable, publish
+from jaxrl.loop.report import BusyTimeline, queue_metrics
 from jaxrl.loop.rollout_queue import GroupQueue, ScoredBatch
-from jaxrl.run_io import to_host
 from jaxrl.tasks.source import encode_prompts
-from jaxrl.trainer import TrainState
 
-if TYPE_CHECKING:  # the controller runs this loop (`Controller.run`); no import at run time
+if TYPE_CHECKING:
     from jaxrl.loop.controller import Controller
 
 
@@ -110,29 +109,19 @@ def groups_in_flight(ctl: Controller) -> int:
     return engine_groups if lead < 0 else lead
 
 
-class StreamProducer:
-    """The generator thread: keeps the engine full, swaps weights in between device calls,
-    scores each group as it finishes and queues it. Its failure closes the queue and the weight
-    store with the error, which the trainer re-raises at its next wait."""
+class StreamProducer(GeneratorThread):
+    """The generator thread (`GeneratorThread`'s life cycle): keeps the engine full, swaps
+    weights in between device calls, scores each group as it finishes and queues it."""
 
-    def __init__(self, controller: Controller, queue: GroupQueue):
-        self.controller, self.queue = controller, queue
+    thread_name = "jaxrl-streamer"
+
+    def __init__(
+        self, controller: Controller, queue: GroupQueue, timeline: BusyTimeline | None = None
+    ):
+        super().__init__(controller, queue, timeline)
         self.engine = streaming_engine(controller)
-        self.version: int | None = None
-        self.timeline = BusyTimeline()
         self._counters = _GeneratorCounters()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="jaxrl-streamer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.queue.close()
-        self.controller.weights.close()
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self.controller.weights.free()
 
     def take_counters(self) -> _GeneratorCounters:
         with self._lock:
@@ -192,56 +181,50 @@ class StreamProducer:
         ]
         return ScoredBatch(group.request_id, oldest, rollouts, metrics)
 
-    def _run(self) -> None:
+    def produce(self) -> None:
         ctl, engine = self.controller, self.engine
-        try:
-            outstanding: set[int] = set()
-            stats = engine.stats
-            last = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
-            # Noise keyed by (seed, prompt index, sample, token): the request id is the index.
-            key = sampling_key(ctl.config.seed, 0, 0)
-            while True:
-                # The engine has drained (or not started): idle until a prompt may be issued.
-                self._submit(outstanding, block=True)
-                self.timeline.begin(time.perf_counter())
-                current = ctl.weights.acquire(None)  # the newest version; frees older ones
-                self.version = current.version
-                ctl.generator.sampler.warm_up(  # once (rl_main.engine_precompile)
-                    current.params,
-                    ctl.generator.sampling,
-                    ctl.config.samples_per_prompt,
-                    recompute=ctl.config.kv_on_update == "recompute",
-                )
-                for group in engine.run(
-                    current.params,
-                    key,
-                    version=current.version,
-                    update=self._update,
-                    kv_on_update=ctl.config.kv_on_update,
-                ):
-                    outstanding.discard(group.request_id)
-                    scored = self._score(group)
-                    now = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
-                    with self._lock:
-                        self._counters.slot_steps += now[0] - last[0]
-                        self._counters.kept_tokens += now[1] - last[1]
-                        self._counters.recompute_tokens += now[2] - last[2]
-                    last = now
-                    if not self.queue.filter(scored, ctl.config.oversample):
-                        self.queue.put(scored)
-                    self._submit(outstanding)  # as much as the queue gives room for
-                self.timeline.end(time.perf_counter())
-        except QueueClosed:
-            return  # stopped by the trainer
-        except BaseException as error:
-            error.add_note(
-                f"[jaxrl] raised in the streaming generator thread (policy version "
-                f"{self.version}); the run stops, its last checkpoint is intact"
+        outstanding: set[int] = set()
+        stats = engine.stats
+        last = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
+        # Noise keyed by (seed, prompt index, sample, token): the request id is the index.
+        key = sampling_key(ctl.config.seed, 0, 0)
+        while True:
+            # The engine has drained (or not started): idle until a prompt may be issued.
+            self._submit(outstanding, block=True)
+            self.timeline.begin(time.perf_counter())
+            current = ctl.weights.acquire(None)  # the newest version; frees older ones
+            self.version = current.version
+            ctl.generator.sampler.warm_up(  # once (rl_main.engine_precompile)
+                current.params,
+                ctl.generator.sampling,
+                ctl.config.samples_per_prompt,
+                recompute=ctl.config.kv_on_update == "recompute",
             )
-            self.queue.close(error)
-            ctl.weights.close(error)
-        finally:
-            engine.reset()
+            for group in engine.run(
+                current.params,
+                key,
+                version=current.version,
+                update=self._update,
+                kv_on_update=ctl.config.kv_on_update,
+            ):
+                outstanding.discard(group.request_id)
+                scored = self._score(group)
+                now = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
+                with self._lock:
+                    self._counters.slot_steps += now[0] - last[0]
+                    self._counters.kept_tokens += now[1] - last[1]
+                    self._counters.recompute_tokens += now[2] - last[2]
+                last = now
+                if not self.queue.filter(scored, ctl.config.oversample):
+                    self.queue.put(scored)
+                self._submit(outstanding)  # as much as the queue gives room for
+            self.timeline.end(time.perf_counter())
+
+    def where(self) -> str:
+        return f"the streaming generator thread (policy version {self.version})"
+
+    def finish(self) -> None:
+        self.engine.reset()
 
 
 def token_staleness_metrics(rollouts, trainer_version: int) -> tuple[dict[str, float], np.ndarray]:
@@ -260,93 +243,84 @@ def token_staleness_metrics(rollouts, trainer_version: int) -> tuple[dict[str, f
     return metrics, staleness
 
 
-def run_streaming(ctl: Controller, state: TrainState, extra: dict | None = None) -> TrainState:
-    """The trainer's loop of a streaming run (see the module docstring)."""
-    c = ctl.config
-    step = int(state.step)
-    capacity, in_flight = c.queue_size * c.num_prompts, groups_in_flight(ctl)
-    if step == 0:
-        queue = GroupQueue(capacity, c.max_staleness, max_in_flight=in_flight)
-        ctl.io.log(0, ctl.evaluate(state.params), {})
-    else:
-        saved = {k: (extra or {}).get(k) for k in ("mode", "schedule")}
-        if saved != {"mode": "async", "schedule": "streaming"}:
-            raise ValueError(
-                f"the checkpoint at step {step} was written by a run with {saved}, not a "
-                "streaming one; continue it with its own config, or start a fresh workdir"
-            )
-        queue = GroupQueue.restore(capacity, c.max_staleness, step, extra, in_flight)
-    ctl.publish(state.params, step, 0)
-    producer = StreamProducer(ctl, queue)
-    report = ctl.step_report(StepClock(producer.timeline))
-    report.start(step)
-    producer.start()
-    try:
-        while step < c.total_steps:
-            t0 = time.perf_counter()
-            groups = unwrap(queue.take, c.num_prompts, c.stall_timeout_s)
-            t1 = time.perf_counter()
-            rollouts = [r for g in groups for r in g.rollouts]
-            staleness_metrics, staleness = token_staleness_metrics(rollouts, step)
-            train_batch = ctl.collate(rollouts)
-            state, train_metrics = ctl.trainer.rl_step(state, train_batch, ctl.ref_params)
-            train_metrics = to_host(train_metrics)
-            t2 = time.perf_counter()
-            step += 1
-            queue.advance(step)
-            metrics = _group_metrics(groups) | train_metrics | staleness_metrics
-            metrics |= ctl.publish(state.params, step, 0)
-            counters = producer.take_counters()
-            stats = queue.stats
-            used = stats.consumed_batches + stats.filtered_batches + stats.dropped_batches
-            metrics |= ctl.step_metrics(step, sampled=used)
-            metrics |= {
-                "async/generator_version": float(producer.version or 0),
-                "async/queue_depth": float(queue.depth),
-                "stream/swaps": float(counters.swaps),
-                "stream/engine_utilisation": counters.kept_tokens / max(counters.slot_steps, 1),
-                "stream/recompute_tokens": float(counters.recompute_tokens),
-                "stream/dropped_groups": float(stats.dropped_batches),
-            } | queue_metrics(stats)
-            if counters.push_to_use_s:
-                metrics["stream/push_to_use_s"] = float(np.mean(counters.push_to_use_s))
-            for j, g in enumerate(groups):
-                metrics[f"stream/trained_prompt/{j}"] = float(g.batch_index)
-            headline = {
-                "reward": f"{metrics['reward/mean']:.3f}",
-                "stale": f"{metrics['stream/token_staleness_mean']:.2f}",
-            }
-            report.step(
-                step,
-                state,
-                metrics,
-                headline,
-                lambda step: _snapshot(ctl, step, queue, producer),
-                timing=(t0, t1, t2, int(train_batch.completion_mask_bt.sum())),
-                histogram=("stream/token_staleness", staleness),
-            )
-    except BaseException:
-        producer.stop(timeout_s=10.0)
-        raise
-    producer.stop(timeout_s=c.stall_timeout_s)
-    jax.block_until_ready(state.params)
-    return state
+class StreamingFeed:
+    """Streaming (module docstring): each step's `num_prompts` groups from a `GroupQueue` that a
+    `StreamProducer` thread keeps filled; weights swapped into the running engine."""
 
+    latest_only = staticmethod(lambda config: True)  # the engine takes the newest version only
 
-def _snapshot(ctl: Controller, step: int, queue: GroupQueue, producer: StreamProducer) -> dict:
-    """The checkpoint's run state of a streaming run (module docstring)."""
-    c = ctl.config
-    return (
-        ctl.extra(step)
-        | queue.snapshot()
-        | {
+    @staticmethod
+    def engine_slots(config: RLConfig) -> int:
+        """One step's groups in flight, however many dynamic sampling leaves out."""
+        return config.samples_per_prompt * config.num_prompts
+
+    def __init__(self, controller: Controller):
+        self.controller, self.config = controller, controller.config
+        self.in_flight = groups_in_flight(controller)  # checks the engine first
+        self.timeline: BusyTimeline | None = BusyTimeline()
+        self.queue: GroupQueue | None = None
+        self.source: StreamProducer | None = None
+
+    def start(self, step: int, params, extra: dict | None) -> None:
+        c = self.config
+        capacity = c.queue_size * c.num_prompts
+        if step == 0:
+            self.queue = GroupQueue(capacity, c.max_staleness, max_in_flight=self.in_flight)
+        else:
+            check_resumable(step, extra, {"mode": "async", "schedule": "streaming"})
+            self.queue = GroupQueue.restore(capacity, c.max_staleness, step, extra, self.in_flight)
+        self.push(step, params)
+        self.source = StreamProducer(self.controller, self.queue, self.timeline)
+        self.source.start()
+
+    def take(self, step: int, params) -> Taken:
+        groups = unwrap(self.queue.take, self.config.num_prompts, self.config.stall_timeout_s)
+        rollouts = [r for g in groups for r in g.rollouts]
+        staleness_metrics, staleness = token_staleness_metrics(rollouts, step)
+        metrics = _group_metrics(groups) | staleness_metrics
+        for j, g in enumerate(groups):
+            metrics[f"stream/trained_prompt/{j}"] = float(g.batch_index)
+        headline = {"stale": f"{metrics['stream/token_staleness_mean']:.2f}"}
+        return Taken(rollouts, metrics, headline, histogram=("stream/token_staleness", staleness))
+
+    def push(self, version: int, params) -> dict[str, float]:
+        c = self.config
+        weights, needed = self.controller.weights, version < c.total_steps
+        return publish(weights, params, version, c.stall_timeout_s, needed)
+
+    def trained(self, step: int, params) -> dict[str, float]:
+        self.queue.advance(step)
+        metrics = self.push(step, params)
+        counters = self.source.take_counters()
+        stats = self.queue.stats
+        used = stats.consumed_batches + stats.filtered_batches + stats.dropped_batches
+        metrics |= {
+            "data/prompts_sampled": float(used),
+            "async/generator_version": float(self.source.version or 0),
+            "async/queue_depth": float(self.queue.depth),
+            "stream/swaps": float(counters.swaps),
+            "stream/engine_utilisation": counters.kept_tokens / max(counters.slot_steps, 1),
+            "stream/recompute_tokens": float(counters.recompute_tokens),
+            "stream/dropped_groups": float(stats.dropped_batches),
+        } | queue_metrics(stats)
+        if counters.push_to_use_s:
+            metrics["stream/push_to_use_s"] = float(np.mean(counters.push_to_use_s))
+        return metrics
+
+    def snapshot(self, step: int) -> dict:
+        """The queue's ledger and groups (module docstring) and the run's schedule."""
+        c = self.config
+        return self.queue.snapshot() | {
             "mode": "async",
             "schedule": "streaming",
             "lag": c.lag,
-            "generator_version": producer.version,
+            "generator_version": self.source.version,
             "kv_on_update": c.kv_on_update,
         }
-    )
+
+    def stop(self, failed: bool) -> None:
+        if self.source is not None:
+            self.source.stop(timeout_s=10.0 if failed else self.config.stall_timeout_s)
 
 
 def _group_metrics(groups: list[ScoredBatch]) -> dict[str, float]:
