@@ -103,8 +103,8 @@ class HostCalibration:
         import jax
 
         import bench.rl as rl
-        from jaxrl.executors import (
-            GeneratorExecutor,
+        from jaxrl.generation.executor import GeneratorExecutor
+        from jaxrl.generation.placement import (
             colocated_sampler,
             generator_param_shardings,
             mesh_sampler,

@@ -125,7 +125,7 @@ def _model_config(smoke: bool):
 
 
 def _rl_config(mode: Mode, steps: int, smoke: bool):
-    from jaxrl.controller import RLConfig
+    from jaxrl.loop.config import RLConfig
 
     return RLConfig(
         mode="sync" if mode.generator is None else "async",
@@ -182,18 +182,19 @@ class MemoryIO:
 
 def run_mode(mode: Mode, steps: int, smoke: bool) -> dict:
     """`steps` RL steps of `mode` through the Controller, summarised."""
-    from jaxrl.controller import Controller, sampling_config
-    from jaxrl.executors import (
-        GeneratorExecutor,
-        GeneratorWeights,
-        RewardExecutor,
+    from jaxrl.generation.executor import GeneratorExecutor
+    from jaxrl.generation.placement import (
         colocated_sampler,
         generator_param_shardings,
         mesh_sampler,
     )
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import GENERATOR_RULES
-    from jaxrl.weight_sync import WeightSync
+    from jaxrl.loop.config import sampling_config
+    from jaxrl.loop.controller import Controller
+    from jaxrl.loop.reward import RewardExecutor
+    from jaxrl.sync.in_process import WeightSync
+    from jaxrl.sync.store import GeneratorWeights
 
     trainer = _trainer(mode.trainer, steps, smoke)
     tokenizer = IdTokenizer()
@@ -302,9 +303,10 @@ def proxy_generator(steps: int, smoke: bool, weights_in, rollouts_out) -> list[d
     import jax
     from flax import nnx
 
-    from jaxrl.executors import GeneratorExecutor, RewardExecutor
+    from jaxrl.generation.executor import GeneratorExecutor
     from jaxrl.generation.sampler import Sampler
     from jaxrl.generation.sampling import SamplingConfig
+    from jaxrl.loop.reward import RewardExecutor
     from jaxrl.models.transformer import Transformer
     from jaxrl.tasks.source import encode_prompts
 

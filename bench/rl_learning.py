@@ -80,7 +80,7 @@ def continued_sft(
     evaluated like the RL run."""
     from jaxrl import workdir as run_dir
     from jaxrl.evaluation import evaluate
-    from jaxrl.executors import colocated_sampler
+    from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.metrics import MetricsWriter
     from jaxrl.infra.sharding import TRAINER_RULES

@@ -12,7 +12,7 @@ idle time, and its weight push, which waits for the generator to free a buffer, 
   one device (`RLConfig.mode = "sync"`).
 - roles: `launch.local_cluster` with 2 processes of one device each, process i pinned to core i
   (`taskset -c $JAXRL_PROCESS_ID`): process 0 the trainer, process 1 the generator, fixed lag 2
-  (`rl_main.roles`, jaxrl/roles.py).
+  (`rl_main.roles`, jaxrl/loop/roles.py).
 
 Per row: the median seconds per trainer step over the steps after `--warmup` (compiles), the
 phases (generate + reward on the generator, train, weight push), the trainer's idle fraction

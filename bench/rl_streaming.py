@@ -25,9 +25,9 @@ role its own process pinned to its own core with one CPU device (sync: one proce
 fixed lag 1 and streaming keep: the trainer on core 0, the generator on core 1), the weights
 sent host to host through a pipe, every scored group (streaming) or batch (fixed lag) sent back
 through another as it is done. The library's own loops run in those processes (the engine with
-in-flight swaps, `_StreamProducer` / `_Producer`, `GroupQueue`'s staleness bound and drops,
+in-flight swaps, `StreamProducer` / `BatchProducer`, `GroupQueue`'s staleness bound and drops,
 the loss's `rl_step`); only the queue and the device-to-device push are pipes. (A role-split job,
-`jaxrl.roles`, runs fixed lag only, hence the proxy.) In the pinned rows, sync's trainer idle
+`jaxrl.loop.roles`, runs fixed lag only, hence the proxy.) In the pinned rows, sync's trainer idle
 is the share of each step spent generating and scoring (the same core does both), and its
 generator idle the share spent training.
 

@@ -2,12 +2,12 @@
 
 A proxy, labelled so, as `bench.rl`'s "CPU proxy": each role is its own process pinned to one
 core (`os.sched_setaffinity`) with one CPU device, since XLA:CPU cannot pin one process's threads
-per role and a role-split job (`jaxrl.roles`) runs fixed lag only. The library's pieces run
+per role and a role-split job (`jaxrl.loop.roles`) runs fixed lag only. The library's pieces run
 unchanged in each process: the engine and the generator threads' own loops
-(`controller._Producer._run` for fixed lag, `streaming._StreamProducer._run` for streaming), the
-reward executor, `Controller._collate`, `GroupQueue` (staleness bound on a group's oldest token,
-drops counted), `token_staleness_metrics`, `Trainer.rl_step` (AIPO). Only the in-process
-queue and the device-to-device weight push are replaced, by two pipes:
+(`feeds.lagged.BatchProducer._run` for fixed lag, `feeds.streaming.StreamProducer._run` for
+streaming), the reward executor, `Controller.collate`, `GroupQueue` (staleness bound on a
+group's oldest token, drops counted), `token_staleness_metrics`, `Trainer.rl_step` (AIPO). Only
+the in-process queue and the device-to-device weight push are replaced, by two pipes:
 
 - weights (trainer -> generator): `("weights", version, host params, push time, removed)` after
   each step and `("removed", n)` right after each take, `removed` the cumulative count of queue
@@ -18,7 +18,7 @@ queue and the device-to-device weight push are replaced, by two pipes:
 - rollouts (generator -> trainer): each scored group (streaming) or batch (fixed lag) as it is
   done (`_PipeQueue.put`); the trainer's receiver thread admits groups into its `GroupQueue`.
 
-Rows: sync (one process on core 0: `Controller.run_sync`, generate, score, train in turn);
+Rows: sync (one process on core 0: `Controller.run`, colocated: generate, score, train in turn);
 fixed lag 1 (trainer on core 0, generator on core 1, batch k sampled whole by version k - 1);
 streaming keep (the engine never drains; the trainer takes the next `num_prompts` groups to
 finish). Times are `time.perf_counter` (CLOCK_MONOTONIC, one clock for all processes on Linux),
@@ -57,11 +57,14 @@ def build(spec: dict, schedule: str, with_state: bool):
     from flax import nnx
 
     from jaxrl import workdir as run_dir
-    from jaxrl.controller import Controller, sampling_config
-    from jaxrl.executors import GeneratorExecutor, RewardExecutor, colocated_sampler
+    from jaxrl.generation.executor import GeneratorExecutor
+    from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.config import parse_gin, resolve_bindings
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import TRAINER_RULES
+    from jaxrl.loop.config import sampling_config
+    from jaxrl.loop.controller import Controller
+    from jaxrl.loop.reward import RewardExecutor
     from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
     from jaxrl.trainer import Trainer
     from launch.rl import rl_main
@@ -154,7 +157,7 @@ class _PipeWeights:
 
     def drain(self, block: bool) -> None:
         """Reads every waiting message (with `block`, at least one); QueueClosed on stop."""
-        from jaxrl.rollout_queue import QueueClosed
+        from jaxrl.infra.closable import QueueClosed
 
         while not self._stopped and (block or self.conn.poll()):
             block = False
@@ -248,7 +251,7 @@ class _PipeQueue:
         return True
 
     def filter(self, group, oversample: int) -> bool:
-        from jaxrl.streaming import leave_out
+        from jaxrl.loop.rollout_queue import leave_out
 
         if not leave_out(group, oversample, self.filtered, self.sent):
             return False
@@ -263,20 +266,20 @@ class _PipeQueue:
 
 def proxy_generator(spec: dict, weights_in, rollouts_out) -> dict:
     """The generator process: the library's generator loop with the pipes for queue and weights."""
-    from jaxrl.controller import _Producer
-    from jaxrl.streaming import _StreamProducer
+    from jaxrl.loop.feeds.lagged import BatchProducer
+    from jaxrl.loop.feeds.streaming import StreamProducer
 
     ctl, _ = build(spec, spec["schedule"], with_state=False)
     ctl.weights = _PipeWeights(weights_in)
     if spec["schedule"] == "streaming":
-        from jaxrl.streaming import groups_in_flight
+        from jaxrl.loop.feeds.streaming import groups_in_flight
 
-        capacity = ctl.config.queue_size * ctl.config.num_prompts  # groups, as run_streaming
+        capacity = ctl.config.queue_size * ctl.config.num_prompts  # groups, as StreamingFeed
         pipe = _PipeQueue(rollouts_out, ctl.weights, capacity, groups_in_flight(ctl))
-        producer = _StreamProducer(ctl, pipe)
+        producer = StreamProducer(ctl, pipe)
     else:
         pipe = _PipeQueue(rollouts_out, ctl.weights, ctl.config.queue_size)  # batches
-        producer = _Producer(ctl, pipe, first_index=0)
+        producer = BatchProducer(ctl, pipe, first_index=0)
     producer._run()  # returns on the trainer's stop (QueueClosed) or after the last batch
     if pipe.error is not None:
         raise pipe.error
@@ -341,8 +344,9 @@ def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
     import jax
     import numpy as np
 
+    from jaxrl.loop.feeds.streaming import token_staleness_metrics
+    from jaxrl.loop.rollout_queue import GroupQueue
     from jaxrl.run_io import to_host
-    from jaxrl.streaming import GroupQueue, token_staleness_metrics
 
     class ForwardedGroups(GroupQueue):
         """A `GroupQueue` fed from another process: each group is issued there."""
@@ -391,7 +395,7 @@ def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
             record["dropped"] = 0
         outbox.put(("removed", removed(k + 1)))  # room in the queue: the generator may go on
         t1 = time.perf_counter()
-        state, metrics = ctl.trainer.rl_step(state, ctl._collate(rollouts), None)
+        state, metrics = ctl.trainer.rl_step(state, ctl.collate(rollouts), None)
         to_host(metrics)
         t2 = time.perf_counter()
         if streaming:
@@ -416,7 +420,8 @@ def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
 
 
 def proxy_sync(spec: dict) -> dict:
-    """One process on one core: the library's `Controller.run_sync` (generate, score, train)."""
+    """One process on one core: the library's `Controller.run` in sync mode (generate, score,
+    train)."""
     ctl, state = build(spec, "sync", with_state=True)
     ctl.run(state)
     records = []

@@ -277,8 +277,8 @@ class Recorder:
 @contextlib.contextmanager
 def recording(recorder: Recorder):
     """Wraps the jitted programs of every Trainer, Engine and Sampler built inside."""
-    from jaxrl.executors import GeneratorExecutor
     from jaxrl.generation.engine import Engine
+    from jaxrl.generation.executor import GeneratorExecutor
     from jaxrl.generation.sampler import Sampler
     from jaxrl.trainer import Trainer
 

@@ -27,7 +27,7 @@ mmapped, so pushes (and `np.copy`) pay page faults; prefixing the command with
     python -m bench.sync            # ~100M params, 7 layout pairs, about 2 minutes on 2 cores
     python -m bench.sync --smoke    # tiny model, 5 pairs, a few seconds (tests/test_bench_sync.py)
 
-`--cross_process` measures `jaxrl.weight_sync_xproc` instead: the first pair (fsdp2 tp2 -> dp2
+`--cross_process` measures `jaxrl.sync.cross_process` instead: the first pair (fsdp2 tp2 -> dp2
 tp2) pushed in this process (8 devices, the in-process figure, transport "assemble") and then
 in a 2-process job (`launch.local_cluster`, 4 devices each, gloo) with both cross-process
 transports, (split) trainer on process 0 and generator on process 1, (span, not in --smoke)
@@ -69,7 +69,8 @@ from jaxrl.infra.sharding import (  # noqa: E402
 )
 from jaxrl.models.presets import llama_100m, rlbench_tiny  # noqa: E402
 from jaxrl.models.transformer import Transformer  # noqa: E402
-from jaxrl.weight_sync import WeightSync, live_bytes_by_device  # noqa: E402
+from jaxrl.sync.in_process import WeightSync  # noqa: E402
+from jaxrl.sync.plan import live_bytes_by_device  # noqa: E402
 
 MB = 1e6
 
@@ -310,7 +311,7 @@ def _xproc_worker(args) -> list[dict]:
     from jax.experimental import multihost_utils
 
     from jaxrl.infra.distributed import initialize_from_env
-    from jaxrl.weight_sync_xproc import CrossProcessWeightSync
+    from jaxrl.sync.cross_process import CrossProcessWeightSync
 
     info = initialize_from_env()
     abstract, host_params, repeats, chunk_bytes = _model(args)

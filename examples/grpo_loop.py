@@ -17,7 +17,7 @@ import argparse
 import jax
 import numpy as np
 
-from jaxrl.executors import colocated_sampler
+from jaxrl.generation.placement import colocated_sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES

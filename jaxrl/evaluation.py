@@ -8,9 +8,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxrl.generation.engine_sampler import EngineSampler
-from jaxrl.generation.sampler import Sampler
-from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.generation.sampling import Sampler, SamplingConfig
 from jaxrl.tasks.rewards import compute_rewards, decode_completions
 from jaxrl.tasks.source import PromptItem
 
@@ -39,7 +37,7 @@ def accuracy_key(temperature: float) -> str:
 
 
 def evaluate(
-    sampler: EngineSampler | Sampler,
+    sampler: Sampler,
     params,
     tokenizer,
     reward,

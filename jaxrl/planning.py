@@ -352,14 +352,14 @@ def plan_weight_push(
     target_rules: ax.LogicalRules = ax.GENERATOR_RULES,
 ) -> PushPlan:
     """Compiles the weight push from the trainer's layout to the generator's, as
-    `jaxrl.weight_sync.WeightSync` (transport "reshard", the GPU / TPU default) runs it: per
+    `jaxrl.sync.in_process.WeightSync` (transport "reshard", the GPU / TPU default) runs it: per
     chunk, one jit on the trainer devices casts the chunk's weights to the generator's dtype
     and reshards them to a layout whose blocks are generator blocks (a "shadow"); a
     slice-for-slice `device_put` then copies those blocks to the generator devices. The chunk
     compiled is the one with the largest per-device footprint; its FLOPs and bytes are scaled
     to all chunks by the bytes each moves. Rules: the trainer's (`trainer_rules`) and the
     generator's. Report parts: params (the trainer's weights the chunk's jit reads)."""
-    from jaxrl.weight_sync import WeightSync
+    from jaxrl.sync.in_process import WeightSync
 
     source_rules = trainer_rules(trainer_mesh) if source_rules is None else source_rules
     _, source = abstract_params(trainer_config, trainer_mesh, source_rules)

@@ -93,6 +93,10 @@ class RunIO:
         self._start = time.perf_counter()
         self._start_step = step
 
+    def histogram(self, step: int, name: str, values: Any) -> None:
+        """A metric's distribution at `step` (TensorBoard only; `StepReport`'s optional hook)."""
+        self.metrics.write_histogram(step, name, values)
+
     def log(self, step: int, metrics: dict[str, Any], headline: dict[str, str]) -> dict:
         """Writes `metrics` for `step`; raises NonFiniteLossError naming the step if the loss or
         gradient is NaN / Inf (the last good checkpoint is named too)."""

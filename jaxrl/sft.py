@@ -13,11 +13,10 @@ import jax
 
 from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
-
-# `colocated_sampler` lives in jaxrl.executors; importable from here as before.
-from jaxrl.executors import colocated_sampler
+from jaxrl.generation.placement import colocated_sampler
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.loop.report import StepReport
 from jaxrl.run_io import RunIO, to_host
 from jaxrl.specs import (
     PolicySpec,
@@ -30,7 +29,7 @@ from jaxrl.specs import (
 from jaxrl.tasks.source import PromptSource, SkipSource, encode_prompts
 from jaxrl.trainer import OptimizerConfig, Params, Trainer
 
-__all__ = ["SFTConfig", "colocated_sampler", "rl_source_after_sft", "run_sft", "sft_items_used"]
+__all__ = ["SFTConfig", "rl_source_after_sft", "run_sft", "sft_items_used"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +157,13 @@ def run_sft(
                 seed=config.seed,
             )
 
-        io.start(step)
+        report = StepReport(
+            io,
+            total_steps=config.steps,
+            eval_every_steps=config.eval_every_steps,
+            evaluate=run_eval,
+        )
+        report.start(step)
         while step < config.steps:
             tokens, loss_mask = source.demonstrations(
                 step * config.batch_size,
@@ -173,13 +178,14 @@ def run_sft(
             step += 1
             metrics = to_host(metrics)
             metrics["learning_rate"] = float(config.optimizer.schedule_fn(config.steps)(step - 1))
-            if step % config.eval_every_steps == 0 or step == config.steps:
-                metrics |= run_eval(state.params)
-            io.log(step, metrics, {"loss": f"{metrics['loss']:.3f}"})
-            extra = {"data_position": step * config.batch_size, "stage": "sft"}
-            io.save(state, extra, force=step == config.steps)
-            io.after_step(step)
+            headline = {"loss": f"{metrics['loss']:.3f}"}
+            report.step(step, state, metrics, headline, _sft_extra(config))
         jax.block_until_ready(state.params)
         return state.params
     finally:
         io.close()
+
+
+def _sft_extra(config: SFTConfig):
+    """The checkpoint's run state of an SFT step: where the demonstrations continue."""
+    return lambda step: {"data_position": step * config.batch_size, "stage": "sft"}

@@ -3,9 +3,10 @@
 Gin files and --gin_param refer to them by class name, e.g. `RLConfig.total_steps = 2000`.
 """
 
-from jaxrl.controller import RLConfig
+from jaxrl.generation.placement import GeneratorConfig
 from jaxrl.infra.config import register_config
 from jaxrl.infra.mesh import MeshConfig
+from jaxrl.loop.config import RLConfig
 from jaxrl.lora import LoraConfig
 from jaxrl.sft import SFTConfig
 from jaxrl.specs import PolicySpec, TaskSpec
@@ -14,8 +15,10 @@ from jaxrl.trainer import LossConfig, OptimizerConfig
 for _cls in (RLConfig, MeshConfig, SFTConfig, PolicySpec, TaskSpec, LossConfig, OptimizerConfig):
     register_config(_cls)
 register_config(LoraConfig)
+register_config(GeneratorConfig)
 
 __all__ = [
+    "GeneratorConfig",
     "LoraConfig",
     "LossConfig",
     "MeshConfig",

@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.controller import Controller, RLConfig, sampling_config
-from jaxrl.executors import GeneratedBatch, GeneratorExecutor, RewardExecutor, colocated_sampler
+from jaxrl.generation.executor import GeneratedBatch, GeneratorExecutor
+from jaxrl.generation.placement import colocated_sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.loop.config import RLConfig, sampling_config
+from jaxrl.loop.controller import Controller
+from jaxrl.loop.reward import RewardExecutor
 from jaxrl.models import hf
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import collate_rollouts, rollouts_from_samples

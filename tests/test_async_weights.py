@@ -9,9 +9,9 @@ import time
 import jax.numpy as jnp
 import pytest
 
-from jaxrl.executors import GeneratorWeights
-from jaxrl.rollout_queue import QueueClosed
-from jaxrl.weight_sync import GeneratorParams
+from jaxrl.infra.closable import QueueClosed
+from jaxrl.sync.plan import GeneratorParams
+from jaxrl.sync.store import GeneratorWeights
 
 
 class FakeSync:

@@ -16,13 +16,15 @@ import optax
 import pytest
 
 from jaxrl import lora as lora_lib
-from jaxrl.executors import GeneratorWeights, generator_param_shardings
+from jaxrl.generation.placement import generator_param_shardings
 from jaxrl.infra.checkpoint import CheckpointMismatchError
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.models.config import ModelConfig
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.run_io import RunIO
+from jaxrl.sync.cross_process import make_weight_sync
+from jaxrl.sync.store import GeneratorWeights
 from jaxrl.trainer import (
     MasterWeightsState,
     OptimizerConfig,
@@ -31,7 +33,6 @@ from jaxrl.trainer import (
     init_state,
     with_master_weights,
 )
-from jaxrl.weight_sync_xproc import make_weight_sync
 
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
 

@@ -11,8 +11,8 @@ import pytest
 from jaxrl.infra import distributed
 from jaxrl.infra.distributed import DistributedConfig, ProcessLayoutError
 from jaxrl.infra.mesh import MeshConfig, make_mesh
-from jaxrl.weight_sync import WeightSync
-from jaxrl.weight_sync_xproc import CrossProcessWeightSync, make_weight_sync
+from jaxrl.sync.cross_process import CrossProcessWeightSync, make_weight_sync
+from jaxrl.sync.in_process import WeightSync
 
 
 def test_config_round_trips_through_the_environment():

@@ -107,7 +107,7 @@ def _push_random(info) -> None:
     import numpy as np
     from layouts_for_tests import describe, host_params, shardings
 
-    from jaxrl.weight_sync_xproc import CrossProcessWeightSync
+    from jaxrl.sync.cross_process import CrossProcessWeightSync
 
     devices = jax.devices()
     for transport, cases in _random_cases(len(devices)).items():
@@ -194,7 +194,7 @@ def _push_and_check(layout, trainer_devices, gen_devices, abstract, host, info) 
 
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings
-    from jaxrl.weight_sync_xproc import CrossProcessWeightSync
+    from jaxrl.sync.cross_process import CrossProcessWeightSync
 
     trainer_mesh = make_mesh(
         MeshConfig(

@@ -37,7 +37,7 @@ def test_the_documented_colocated_sampler_on_a_long_context_model_fits(tmp_path)
     """docs/API.md's recipe: `Trainer.from_hf` + `colocated_sampler(trainer, tokenizer)` with its
     defaults (256 slots) on a model whose context is 2^20 tokens samples with a cache of the
     request's length (64 positions, 8 MiB), not 256 x 2^20 positions (512 GiB)."""
-    from jaxrl.executors import colocated_sampler
+    from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.models import hf
     from jaxrl.specs import PolicySpec, build_model_config

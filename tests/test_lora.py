@@ -181,7 +181,7 @@ def test_lora_fa_trains_and_pushes_b_only(base):
     """LoRA-FA (`freeze_a`): the state (so the optimizer, checkpoints and pushes) holds the B's
     alone; the A's sit in the base, bitwise their seeded init after training; the generator's
     layouts split the same way; merged logits match the unmerged model."""
-    from jaxrl.executors import generator_param_shardings
+    from jaxrl.generation.placement import generator_param_shardings
     from jaxrl.infra.sharding import GENERATOR_RULES
 
     _, config, params = base

@@ -127,8 +127,8 @@ def test_a_stalled_generator_ends_the_run_after_stall_timeout_s(tmp_path, monkey
     """Async mode whose generator never returns batch 0: the trainer, waiting for it, gives up
     after `RLConfig.stall_timeout_s` (2 s here) with a TimeoutError naming what it waited for,
     and stops the generator thread on its way out; nothing is saved."""
-    from jaxrl.executors import GeneratorExecutor
-    from jaxrl.rollout_queue import RolloutQueue
+    from jaxrl.generation.executor import GeneratorExecutor
+    from jaxrl.loop.rollout_queue import RolloutQueue
 
     stall_s = 2.0
     released = threading.Event()

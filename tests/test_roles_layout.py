@@ -1,4 +1,4 @@
-"""`jaxrl.roles.check_roles`: which role each process of a job runs, and the refusals (named,
+"""`jaxrl.loop.roles.check_roles`: which role each process of a job runs, and the refusals (named,
 with the fix) of a roles list that does not fit the job or the meshes. Meshes are stand-ins
 whose devices carry a process index, so a 2-process layout is checked in one process."""
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxrl import roles as roles_lib
+from jaxrl.loop import roles as roles_lib
 
 
 def _mesh(*devices: tuple[int, int]):

@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl.infra.closable import QueueClosed
+from jaxrl.loop.rollout_queue import QueueStats, RolloutQueue, ScoredBatch
 from jaxrl.rl import Rollout
-from jaxrl.rollout_queue import QueueClosed, QueueStats, RolloutQueue, ScoredBatch
 
 
 def _batch(index: int, version: int, samples: int, rng=None) -> ScoredBatch:

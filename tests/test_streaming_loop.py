@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from jaxrl.infra.metrics import read_metrics
-from jaxrl.streaming import prompt_ledger
+from jaxrl.loop.rollout_queue import prompt_ledger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "chain_tiny_streaming.gin")

@@ -1,4 +1,4 @@
-"""`GroupQueue` (jaxrl/streaming.py): the oldest token bounds a group's staleness (dropped and
+"""`jaxrl.loop.rollout_queue.GroupQueue`: the oldest token bounds a group's staleness (dropped and
 counted on admission or consumption); a prompt is issued only while the queued and in-flight
 groups leave room, and a finished group never waits; every issued prompt is in flight, queued,
 consumed, dropped or filtered (dynamic sampling, within its budget); a snapshot restores to the
@@ -12,15 +12,16 @@ import threading
 import numpy as np
 import pytest
 
-from jaxrl.rl import Rollout
-from jaxrl.rollout_queue import QueueClosed, ScoredBatch
-from jaxrl.streaming import (
+from jaxrl.infra.closable import QueueClosed
+from jaxrl.loop.feeds.streaming import token_staleness_metrics
+from jaxrl.loop.rollout_queue import (
     GroupQueue,
+    ScoredBatch,
     ledger_bitmap,
     ledger_indices,
     prompt_ledger,
-    token_staleness_metrics,
 )
+from jaxrl.rl import Rollout
 
 
 def _group(index: int, versions_per_row: list[list[int]]) -> ScoredBatch:
@@ -147,11 +148,11 @@ def test_stream_in_flight_sets_the_groups_issued_beyond_the_queue():
 
     from flax import nnx
 
-    from jaxrl.controller import RLConfig
     from jaxrl.generation.engine_sampler import EngineSampler
+    from jaxrl.loop.config import RLConfig
+    from jaxrl.loop.feeds.streaming import groups_in_flight
     from jaxrl.models.config import ModelConfig
     from jaxrl.models.transformer import Transformer
-    from jaxrl.streaming import groups_in_flight
 
     with pytest.raises(ValueError, match="stream_in_flight=-2"):
         RLConfig(mode="async", schedule="streaming", stream_in_flight=-2).validate()

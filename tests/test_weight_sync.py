@@ -16,7 +16,8 @@ from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from jaxrl.weight_sync import GeneratorParams, WeightSync, live_bytes_by_device
+from jaxrl.sync.in_process import WeightSync
+from jaxrl.sync.plan import GeneratorParams, live_bytes_by_device
 
 # Small, but every weight is 2-D or 3-D and split like a real one; 4 heads so tp=4 divides.
 CONFIG = ModelConfig("llama", 256, 64, 128, 2, 4, 4, 16)

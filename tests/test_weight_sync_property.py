@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from layouts_for_tests import describe, host_params, make_case, shardings
 
-from jaxrl.weight_sync import WeightSync
+from jaxrl.sync.in_process import WeightSync
 
 NUM_CASES = 50
 SEED0 = 20261201

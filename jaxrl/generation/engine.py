@@ -47,7 +47,7 @@ Design
 * **Exact behaviour log-probs.** Every token's log-prob is `processed_logprobs` (fp32
   temperature, top-k / top-p, log-softmax) of the logits it was drawn from, as in the `Sampler`.
 
-In-flight weight updates (streaming RL, `jaxrl.streaming`). `run(..., update=fn)` asks
+In-flight weight updates (streaming RL, `jaxrl.loop.feeds.streaming`). `run(..., update=fn)` asks
 `fn(version)` before every device call (so every `steps_per_call` decode steps) for newer weights;
 when it returns `(new_version, new_params)` the running rows continue with them, without
 draining. Every token records the version that sampled it (`GroupResult.versions_gn`), so a

@@ -9,11 +9,37 @@ policy change and nothing else.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
 _NEG_INF = -jnp.inf
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What the RL loop and evaluation need of a sampler: the static one
+    (`jaxrl.generation.sampler.Sampler`), the engine (`engine_sampler.EngineSampler`) and their
+    LoRA variants (`placement.AdapterSampler`, `AdapterEngineSampler`) all have it.
+
+    `generate` completes each prompt `num_samples` times (rows prompt-major) and returns host
+    arrays `tokens_bn`, `logprobs_bn`, `mask_bn` (`sampler.SampleOutput`); `prompt_buckets` are
+    the padded prompt lengths it compiles for (train batches are padded to the same bucket).
+    """
+
+    prompt_buckets: tuple[int, ...]
+
+    def generate(
+        self,
+        params: Any,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        key: jax.Array,
+        *,
+        num_samples: int = 1,
+    ) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)

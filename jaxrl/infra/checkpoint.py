@@ -210,7 +210,7 @@ _ACTIVE: tuple[int, ...] | None = None  # restrict_to_processes
 def restrict_to_processes(processes: tuple[int, ...] | None) -> None:
     """Checkpointers made from now on run over these processes only (None: every process).
 
-    A role-split RL job (`jaxrl.roles`) calls it on its trainer processes: they alone hold the
+    A role-split RL job (`jaxrl.loop.roles`) calls it on its trainer processes: they alone hold the
     train state, and the generator processes never take part in a save or restore. The lowest
     process of the subset writes the JSON state and cleans up."""
     global _ACTIVE

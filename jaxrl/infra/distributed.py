@@ -35,7 +35,7 @@ What JAX 0.10.2 does on CPU, and what this module adds (each checked with local 
   `CoordinatorUnreachableError` naming the address if it never does; and a watchdog prints which
   process waited for how many others, and exits with status 1, when the processes have not all
   joined by the timeout.
-- Cross-process `jax.device_put` (weight sync, `jaxrl.weight_sync_xproc`) needs a transfer server
+- Cross-process `jax.device_put` (weight sync, `jaxrl.sync.cross_process`) needs a transfer server
   per process: `jax_cross_host_transfer_socket_address` set to a concrete `host:port` before the
   backend starts (port 0 hangs the receiver: the server publishes the port it was given). The
   default picks a free port on the interface that routes to the coordinator.

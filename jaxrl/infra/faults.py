@@ -8,7 +8,7 @@ Set `JAXRL_FAULT` to one of
                      `jaxrl.infra.preemption`: the run saves a later step and exits 0);
   `sigint_at_step=N` SIGINT (Ctrl-C) to itself right after step N (the same graceful stop);
   `kill_at_batch=N`  SIGKILL right after a generator process of a role-split job
-                     (`jaxrl.roles`) sent batch N to the trainer.
+                     (`jaxrl.loop.roles`) sent batch N to the trainer.
 A SIGKILL is announced first on stdout (`jaxrl.faults: SIGKILL ... at unix time T`), so a test
 can time how long the rest of the job takes to stop.
 A suffix `@P` limits the fault to process P of a multi-process job (`JAXRL_PROCESS_ID`, as set

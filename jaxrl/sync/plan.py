@@ -1,67 +1,11 @@
-"""Weight sync in one process: trainer layout -> generator layout, device to device.
+"""Planning a weight push: which bytes go from which trainer device to which generator device.
 
-`WeightSync(trainer_shardings, generator_shardings)` is built once; `push(trainer_params, version)`
-returns the generator's copy of the params, laid out, cast and stamped, with no host round trip.
-
-What JAX 0.10.2 does (each point checked on CPU devices under the transfer guards):
-
-- `jax.device_put(x, s)` copies device to device, shard by shard, only when every destination
-  device's slice equals a slice some source device already holds (replicated destinations
-  included: each replica is copied from some holder). Otherwise, even when a source shard merely
-  *contains* the slice, or the source is fully replicated, it gathers the whole array through the
-  host (it trips `jax.transfer_guard_host_to_device("disallow_explicit")`; on CPU only that one:
-  device buffers are host memory, reads are zero-copy and the device-to-host guard never fires).
-- Slicing a single-device array with Python indices sends the start indices from the host (the
-  guard rejects it); cuts here are jitted with static bounds.
-- `jax.device_put(..., donate=True)` segfaults on CPU for multi-device sources and is a no-op for
-  single-device ones, so temporaries are freed with `Array.delete()`. `may_alias=False` is ignored
-  when a destination device holds the slice already (colocated roles), so such leaves go through
-  single-device copies, which honour it.
-- XLA:CPU collectives are slow next to plain d2d copies, and get worse when device threads
-  outnumber cores. Fresh CPU buffers of 32 MB and more are mmapped, so every push also pays page
-  faults (`GLIBC_TUNABLES=glibc.malloc.mmap_max=0` keeps freed pages for reuse). Figures:
-  docs/benchmarks.md, "Measurements behind design choices".
-
-Two transports; both only ever copy device to device:
-
-- "reshard" (the design's two steps; default on GPU/TPU, where collectives ride NVLink/ICI):
-  when some generator slice is not already inside a trainer shard, one jit per chunk casts and
-  reshards on the trainer mesh to a *shadow* layout: the generator's block grid, coarsened per
-  dimension (gcd) until its block count divides the trainer device count (the rest replicates),
-  with the device arrangement overlapping the trainer's own blocks most. Then a batched
-  `device_put` to the generator shardings is slice for slice. Every input and output of one jit
-  must list its devices in the same order, so a shadow is never a mesh over a reordered device
-  list (that raised "incompatible devices for jitted computation" for fsdp 2 x tp 2 -> tp 4):
-  it is a `NamedSharding` over `factor_mesh`, the trainer's devices in the trainer's order split
-  into prime-sized axes, and the arrangements tried (`factor_groupings`) are the ways to hand
-  those axes, in any order, to the shadow's dimensions: every transposition, merge or split of
-  the trainer mesh axes, each one legal as a jit output.
-- "assemble" (default on CPU, faster there): no collectives. Each generator block is tiled by the
-  trainer shards it intersects; each tile is cut on its trainer device if needed, copied d2d to
-  the first generator device holding the block, and joined there by one jitted `jnp.block`;
-  replicas are copied from that device. This is LlamaRL's DDMA pattern: every trainer shard goes
-  straight to the generator devices that need it.
-In both, blocks equal to a source shard go through one batched `device_put`, blocks inside a
-larger shard are cut and copied, arrays are put together with
-`jax.make_array_from_single_device_arrays` (no copy), and casts run first, on the trainer.
-
-Peak memory: pause-and-swap per chunk (default, `strategy="swap"`). Leaves are grouped in order
-into chunks whose extra bytes on any one device (new generator shards, tiles before joining,
-casts, shadows, cuts) stay within `chunk_bytes`; a chunk's old generator buffers are deleted as
-soon as its new ones are complete. Peak = params + one chunk per device (a leaf bigger than
-`chunk_bytes` is a chunk by itself; `SyncPlan` reports the real bound). Why: generator memory
-bounds the KV cache and batch, and the generator pauses between batches to take new weights
-anyway (as in LlamaRL); a double buffer would spend a second copy of the params to save a pause
-of a fraction of a second. `strategy="double_buffer"` (peak = 2x params) serves a caller that
-samples from the old weights during a push and frees them (`GeneratorParams.delete`) after.
-
-Contract. `push(trainer_params, version, previous)` returns `(GeneratorParams(version, params),
-SyncMetrics)` only after every array is complete; the generator swaps its reference in one
-assignment and stamps every rollout with `GeneratorParams.version`, so behaviour log-probs are
-reproducible from exactly the weights of that version. Under "swap", `previous` is consumed: the
-generator must not sample from it once `push` starts (a later use raises "Array has been
-deleted"). If a push fails midway under "swap" the error says the generator holds no complete
-params and must be pushed again; under "double_buffer" `previous` is untouched.
+The transports (`in_process.WeightSync`, `cross_process.CrossProcessWeightSync`; read
+`in_process`'s docstring for what JAX does and the two in-process transports) share this
+module: the tree checks (`ShardingPair`), block geometry (`device_blocks`, `intersect`,
+`volume`), the per-leaf routes (`route_leaf`: shadow layouts, tiles, cuts), chunking under a
+per-device byte bound (`pack_chunks`), the cast / reshard jits (`cast_sources`) and the chunked
+push loop with its failure handling (`push_in_chunks`).
 """
 
 from __future__ import annotations
@@ -81,7 +25,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 STRATEGIES = ("swap", "double_buffer")
-TRANSPORTS = ("auto", "reshard", "assemble")
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 Block = tuple[tuple[int, int], ...]  # per dimension [start, stop)
@@ -188,19 +131,19 @@ def live_bytes_by_device() -> dict[int, int]:
     return dict(totals)
 
 
-def _blocks(sharding: Sharding, shape: tuple[int, ...]) -> dict[jax.Device, Block]:
+def device_blocks(sharding: Sharding, shape: tuple[int, ...]) -> dict[jax.Device, Block]:
     return {
         device: tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         for device, index in sharding.devices_indices_map(shape).items()
     }
 
 
-def _intersect(a: Block, b: Block) -> Block | None:
+def intersect(a: Block, b: Block) -> Block | None:
     out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
     return out if all(start < stop for start, stop in out) else None
 
 
-def _volume(block: Block) -> int:
+def volume(block: Block) -> int:
     return math.prod(stop - start for start, stop in block)
 
 
@@ -274,15 +217,15 @@ def factor_groupings(
     return list(found)
 
 
-def _spec_entry(axes: tuple[str, ...]):
+def spec_entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _overlap(candidate: Sharding, current: dict[jax.Device, Block], shape) -> int:
+def block_overlap(candidate: Sharding, current: dict[jax.Device, Block], shape) -> int:
     total = 0
-    for device, block in _blocks(candidate, shape).items():
-        common = _intersect(block, current[device])
-        total += 0 if common is None else _volume(common)
+    for device, block in device_blocks(candidate, shape).items():
+        common = intersect(block, current[device])
+        total += 0 if common is None else volume(common)
     return total
 
 
@@ -306,11 +249,11 @@ def _shadow_sharding(
         else (len(order),)
     )
     mesh = factor_mesh(order, shape_of)
-    current = _blocks(trainer_sharding, shape)
+    current = device_blocks(trainer_sharding, shape)
     best, best_overlap = None, -1
     for groups in factor_groupings(mesh, (left, *grid)):
-        candidate = NamedSharding(mesh, PartitionSpec(*map(_spec_entry, groups[1:])))
-        overlap = _overlap(candidate, current, shape)
+        candidate = NamedSharding(mesh, PartitionSpec(*map(spec_entry, groups[1:])))
+        overlap = block_overlap(candidate, current, shape)
         if overlap > best_overlap:
             best, best_overlap = candidate, overlap
     return best
@@ -331,7 +274,7 @@ def _deliveries(
     for gen_block, devices in targets.items():
         tiles, starts = [], []
         for source_block in sorted(holders):  # row-major over the tile grid
-            common = _intersect(source_block, gen_block)
+            common = intersect(source_block, gen_block)
             if common is None:
                 continue
             device = min(holders[source_block], key=lambda d: (reads[d], d.id))  # spread reads
@@ -348,21 +291,20 @@ def _deliveries(
     return tuple(deliveries)
 
 
-def _route(index, path, shape, dtype, trainer, generator, target_dtype, transport) -> LeafRoute:
+def route_leaf(index, path, shape, dtype, trainer, generator, target_dtype, transport) -> LeafRoute:
     shape = tuple(shape)
     floating = jnp.issubdtype(dtype, jnp.floating)
     out_dtype = jnp.dtype(target_dtype if target_dtype is not None and floating else dtype)
-    trainer_blocks = _blocks(trainer, shape)
-    gen_blocks = _blocks(generator, shape)
+    trainer_blocks = device_blocks(trainer, shape)
+    gen_blocks = device_blocks(generator, shape)
     covered = all(
-        any(_intersect(tb, gb) == gb for tb in trainer_blocks.values())
-        for gb in gen_blocks.values()
+        any(intersect(tb, gb) == gb for tb in trainer_blocks.values()) for gb in gen_blocks.values()
     )
     source, source_blocks = trainer, trainer_blocks
     if transport == "reshard" and not covered:
         grid = _grid(list(gen_blocks.values()), shape, f"generator sharding of {path} {shape}")
         source = _shadow_sharding(trainer, grid, shape)
-        source_blocks = _blocks(source, shape)
+        source_blocks = device_blocks(source, shape)
     cast = out_dtype != jnp.dtype(dtype)
     # device_put ignores may_alias=False when a generator device is also a source device
     # (colocated), and would alias buffers we free; single-device copies honour it.
@@ -372,19 +314,19 @@ def _route(index, path, shape, dtype, trainer, generator, target_dtype, transpor
     extra: dict[int, int] = collections.defaultdict(int)
     if source is not trainer or cast:  # a jit writes a new source array
         for device, block in source_blocks.items():
-            extra[device.id] += _volume(block) * out_dtype.itemsize
+            extra[device.id] += volume(block) * out_dtype.itemsize
     for device, block in gen_blocks.items():
-        extra[device.id] += _volume(block) * out_dtype.itemsize
+        extra[device.id] += volume(block) * out_dtype.itemsize
     cuts = set()
     for delivery in blocks:
-        block_bytes = _volume(gen_blocks[delivery.targets[0]]) * out_dtype.itemsize
+        block_bytes = volume(gen_blocks[delivery.targets[0]]) * out_dtype.itemsize
         if len(delivery.tiles) > 1:  # the tiles wait on targets[0] until joined
             extra[delivery.targets[0].id] += block_bytes
         for tile in delivery.tiles:
             if tile.cut is not None and (tile.source_device, tile.cut) not in cuts:
                 cuts.add((tile.source_device, tile.cut))
-                volume = math.prod(b - a for a, b in zip(*tile.cut, strict=True))
-                extra[tile.source_device.id] += volume * out_dtype.itemsize
+                cut_size = math.prod(b - a for a, b in zip(*tile.cut, strict=True))
+                extra[tile.source_device.id] += cut_size * out_dtype.itemsize
     return LeafRoute(
         index=index,
         path=path,
@@ -395,11 +337,11 @@ def _route(index, path, shape, dtype, trainer, generator, target_dtype, transpor
         cast=cast,
         blocks=blocks,
         extra_bytes=dict(extra),
-        moved_bytes=sum(_volume(b) for b in gen_blocks.values()) * out_dtype.itemsize,
+        moved_bytes=sum(volume(b) for b in gen_blocks.values()) * out_dtype.itemsize,
     )
 
 
-def _pack_chunks(routes: Sequence[LeafRoute], chunk_bytes: int):
+def pack_chunks(routes: Sequence[LeafRoute], chunk_bytes: int):
     """Greedy, in order: a chunk grows while its largest per-device footprint fits."""
     chunks: list[list[int]] = []
     footprints: list[int] = []
@@ -419,14 +361,14 @@ def _pack_chunks(routes: Sequence[LeafRoute], chunk_bytes: int):
 _JITS: dict[tuple, Callable] = {}
 
 
-def _cut(array: jax.Array, start: tuple[int, ...], limit: tuple[int, ...]) -> jax.Array:
+def cut_block(array: jax.Array, start: tuple[int, ...], limit: tuple[int, ...]) -> jax.Array:
     key = ("cut", start, limit)  # static bounds: Python indices would come from the host
     if key not in _JITS:
         _JITS[key] = jax.jit(lambda x: jax.lax.slice(x, start, limit))
     return _JITS[key](array)
 
 
-def _join(tiles: Sequence[jax.Array], grid: tuple[int, ...]) -> jax.Array:
+def join_tiles(tiles: Sequence[jax.Array], grid: tuple[int, ...]) -> jax.Array:
     """`jnp.block` of row-major `tiles` over `grid`, on the tiles' device."""
 
     def nest(flat, dims):
@@ -474,14 +416,20 @@ def cast_sources(
 
 
 def push_in_chunks(
-    sync, plan, leaves, old, previous, version: int, start: float, move_chunk, on_chunk
+    transport, trainer_params, version: int, previous, on_chunk
 ) -> tuple[GeneratorParams, SyncMetrics]:
-    """The push loop every transport shares. Checks the trainer layout, then per chunk:
-    `move_chunk(routes, leaves, new)` (fills `new`, returns temporaries) -> `on_chunk(i)` at the
-    high-water mark -> frees the temporaries and, under "swap", the previous version's leaves of
-    the chunk. On failure, frees what arrived and says whether the generator still holds
-    complete weights."""
-    for route, leaf, expected in zip(plan.routes, leaves, sync._trainer, strict=True):
+    """The push every transport shares (`transport`: `trees`, `strategy`, `plan(params)` and
+    `move_chunk(routes, leaves, new)`, which fills `new` and returns temporaries). Checks the
+    params, the previous version and the trainer layout, then per chunk: `move_chunk` ->
+    `on_chunk(i)` at the high-water mark -> frees the temporaries and, under "swap", the
+    previous version's leaves of the chunk. On failure, frees what arrived and says whether
+    the generator still holds complete weights."""
+    start = time.perf_counter()
+    trees, strategy = transport.trees, transport.strategy
+    leaves = trees.leaves(trainer_params, "trainer_params")
+    plan = transport.plan(trainer_params)
+    old = trees.check_previous(previous, plan, version)
+    for route, leaf, expected in zip(plan.routes, leaves, trees.trainer, strict=True):
         if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
             raise ValueError(
                 f"trainer param {route.path} has sharding {leaf.sharding}, but this weight sync "
@@ -492,13 +440,13 @@ def push_in_chunks(
     try:
         for i, chunk in enumerate(plan.chunks):
             routes = [plan.routes[j] for j in chunk]
-            temporaries = move_chunk(routes, leaves, new)
+            temporaries = transport.move_chunk(routes, leaves, new)
             if on_chunk is not None:
                 on_chunk(i)
             for array in temporaries:
                 if not array.is_deleted():
                     array.delete()
-            if old is not None and sync.strategy == "swap":
+            if old is not None and strategy == "swap":
                 for route in routes:
                     old[route.index].delete()
             done += 1
@@ -506,7 +454,7 @@ def push_in_chunks(
         for array in new:
             if array is not None and not array.is_deleted():
                 array.delete()
-        if old is not None and sync.strategy == "swap" and done:
+        if old is not None and strategy == "swap" and done:
             raise RuntimeError(
                 f"weight push of version {version} failed after {done} of "
                 f"{len(plan.chunks)} chunks; the generator's previous params (version "
@@ -522,113 +470,56 @@ def push_in_chunks(
         num_chunks=len(plan.chunks),
         peak_extra_bytes=plan.peak_extra_bytes,
     )
-    return GeneratorParams(version, jax.tree.unflatten(sync._treedef, new)), metrics
+    return GeneratorParams(version, jax.tree.unflatten(trees.treedef, new)), metrics
 
 
-class WeightSync:
-    """Pushes params from the trainer's shardings to the generator's, device to device.
+def check_options(strategy: str, transport: str, transports: Sequence[str], chunk_bytes: int):
+    """Raises ValueError naming the choices when a transport's options are unknown."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}; expected one of {STRATEGIES}.")
+    if transport not in transports:
+        raise ValueError(f"transport={transport!r}; expected one of {tuple(transports)}.")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
 
-    Args:
-      trainer_shardings: pytree of shardings, one per params leaf (e.g. from `param_shardings`).
-      generator_shardings: same structure, on the generator's devices.
-      generator_dtype: dtype of the generator's floating-point params (None: unchanged).
-      chunk_bytes: bound on the extra bytes one chunk adds to any one device.
-      strategy: "swap" (peak = params + one chunk) or "double_buffer" (peak = 2x params).
-      transport: "reshard", "assemble", or "auto" (assemble on CPU, reshard elsewhere).
-    """
 
-    def __init__(
-        self,
-        trainer_shardings: Any,
-        generator_shardings: Any,
-        *,
-        generator_dtype=None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        strategy: str = "swap",
-        transport: str = "auto",
-    ):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}; expected one of {STRATEGIES}.")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}; expected one of {TRANSPORTS}.")
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
-        with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(trainer_shardings)
+class ShardingPair:
+    """The trainer's and the generator's shardings of one params tree, flattened in one order
+    (`paths`, `trainer`, `generator`: one entry per leaf), and the checks every transport makes
+    of the params it is handed."""
+
+    def __init__(self, trainer_shardings: Any, generator_shardings: Any):
+        with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(trainer_shardings)
         gen_leaves, gen_treedef = jax.tree.flatten(generator_shardings)
-        if gen_treedef != self._treedef:
+        if gen_treedef != self.treedef:
             raise ValueError(
                 "trainer and generator shardings have different tree structures:\n"
-                f"  trainer:   {self._treedef}\n  generator: {gen_treedef}"
+                f"  trainer:   {self.treedef}\n  generator: {gen_treedef}"
             )
-        self._paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
-        self._trainer = [s for _, s in with_paths]
-        self._generator = gen_leaves
-        for path, t, g in zip(self._paths, self._trainer, self._generator, strict=True):
+        self.paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+        self.trainer = [s for _, s in with_paths]
+        self.generator = gen_leaves
+        for path, t, g in zip(self.paths, self.trainer, self.generator, strict=True):
             if not (isinstance(t, Sharding) and isinstance(g, Sharding)):
                 raise TypeError(f"{path}: expected jax Shardings, got {t!r} and {g!r}.")
-        if transport == "auto" and self._trainer:
-            on_cpu = next(iter(self._trainer[0].device_set)).platform == "cpu"
-            transport = "assemble" if on_cpu else "reshard"
-        self.transport = transport
-        self.generator_dtype = None if generator_dtype is None else jnp.dtype(generator_dtype)
-        self.chunk_bytes = int(chunk_bytes)
-        self.strategy = strategy
-        self._plans: dict[tuple, SyncPlan] = {}
-        self._jits: dict[tuple, Callable] = {}
 
-    def plan(self, params: Any) -> SyncPlan:
-        """The routes and chunks for params of these shapes and dtypes (computed once)."""
-        leaves = self._leaves(params, "params")
-        key = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
-        if key not in self._plans:
-            routes = tuple(
-                _route(i, path, shape, dtype, t, g, self.generator_dtype, self.transport)
-                for i, (path, (shape, dtype), t, g) in enumerate(
-                    zip(self._paths, key, self._trainer, self._generator, strict=True)
-                )
-            )
-            chunks, footprints = _pack_chunks(routes, self.chunk_bytes)
-            self._plans[key] = SyncPlan(
-                routes=routes,
-                chunks=chunks,
-                chunk_extra_bytes=footprints,
-                params_bytes=sum(math.prod(r.shape) * r.dtype.itemsize for r in routes),
-                bytes_moved=sum(r.moved_bytes for r in routes),
-            )
-        return self._plans[key]
+    @property
+    def platform(self) -> str | None:
+        """The trainer devices' platform (None: no params)."""
+        return next(iter(self.trainer[0].device_set)).platform if self.trainer else None
 
-    def push(
-        self,
-        trainer_params: Any,
-        version: int,
-        previous: GeneratorParams | None = None,
-        *,
-        on_chunk: Callable[[int], None] | None = None,
-    ) -> tuple[GeneratorParams, SyncMetrics]:
-        """Copies `trainer_params` into the generator layout and stamps them with `version`.
-
-        `previous` (the generator's current params) is freed chunk by chunk under "swap" and left
-        alone under "double_buffer". `on_chunk(i)` runs at each chunk's high-water mark (new
-        shards complete, old shards and temporaries not yet freed): a hook for memory probes.
-        """
-        start = time.perf_counter()
-        leaves = self._leaves(trainer_params, "trainer_params")
-        plan = self.plan(trainer_params)
-        old = self._check_previous(previous, plan, version)
-        return push_in_chunks(
-            self, plan, leaves, old, previous, version, start, self._move_chunk, on_chunk
-        )
-
-    def _leaves(self, params: Any, what: str) -> list[jax.Array]:
+    def leaves(self, params: Any, what: str) -> list[jax.Array]:
         leaves, treedef = jax.tree.flatten(params)
-        if treedef != self._treedef:
+        if treedef != self.treedef:
             raise ValueError(
                 f"{what} do not have the structure of the shardings given to WeightSync:\n"
-                f"  {what}: {treedef}\n  shardings: {self._treedef}"
+                f"  {what}: {treedef}\n  shardings: {self.treedef}"
             )
         return leaves
 
-    def _check_previous(self, previous, plan: SyncPlan, version: int):
+    def check_previous(self, previous, plan, version: int):
+        """The leaves of `previous` (None: no previous version), checked to be the live
+        generator params of an older version, laid out as `plan` writes them."""
         if not isinstance(version, int | np.integer) or version < 0:
             raise ValueError(f"version={version!r} must be a non-negative int.")
         if previous is None:
@@ -638,7 +529,7 @@ class WeightSync:
                 f"pushing version {version} over version {previous.version}: policy versions "
                 "must increase."
             )
-        old = self._leaves(previous.params, "previous.params")
+        old = self.leaves(previous.params, "previous.params")
         for route, leaf in zip(plan.routes, old, strict=True):
             if leaf.is_deleted():
                 raise ValueError(
@@ -651,54 +542,3 @@ class WeightSync:
                     f"previous {route.path}: {leaf.aval}, not {route.dtype}{list(route.shape)}"
                 )
         return old
-
-    def _move_chunk(self, routes, leaves, new) -> list[jax.Array]:
-        """Moves one chunk into `new`; returns the temporaries to free after the high-water
-        mark."""
-        made = [r for r in routes if r.resharded or r.cast]
-        sources, temporaries = cast_sources(self._jits, routes, made, leaves)
-        direct = [r.index for r in routes if not r.blocks]
-        arrived = jax.device_put(
-            [sources[i] for i in direct], [self._generator[i] for i in direct], may_alias=False
-        )
-        results = dict(zip(direct, arrived, strict=True))
-        for route in routes:
-            if route.blocks:
-                results[route.index] = self._assemble(route, sources[route.index], temporaries)
-        jax.block_until_ready([results[r.index] for r in routes])
-        for route in routes:
-            new[route.index] = results[route.index]
-        return temporaries
-
-    def _assemble(self, route: LeafRoute, source: jax.Array, temporaries: list) -> jax.Array:
-        """Tiles to each block's first target (d2d), joined there, copied to the replicas."""
-        shards = {shard.device: shard.data for shard in source.addressable_shards}
-        cuts: dict[tuple, jax.Array] = {}
-        pieces, destinations = [], []
-        for delivery in route.blocks:
-            for tile in delivery.tiles:
-                piece = shards[tile.source_device]
-                if tile.cut is not None:
-                    key = (tile.source_device, tile.cut)
-                    if key not in cuts:
-                        cuts[key] = _cut(piece, *tile.cut)
-                        temporaries.append(cuts[key])
-                    piece = cuts[key]
-                pieces.append(piece)
-                destinations.append(delivery.targets[0])
-        moved = iter(jax.device_put(pieces, destinations, may_alias=False))
-        first = []
-        for delivery in route.blocks:
-            tiles = [next(moved) for _ in delivery.tiles]
-            if len(tiles) > 1:
-                temporaries.extend(tiles)
-                first.append(_join(tiles, delivery.grid))
-            else:
-                first.append(tiles[0])
-        replicas = [(b, t) for b, d in zip(first, route.blocks, strict=True) for t in d.targets[1:]]
-        copies = jax.device_put([b for b, _ in replicas], [t for _, t in replicas], may_alias=False)
-        by_device = {d.targets[0]: b for b, d in zip(first, route.blocks, strict=True)}
-        by_device.update(zip((t for _, t in replicas), copies, strict=True))
-        sharding = self._generator[route.index]
-        arrays = [by_device[d] for d in sharding.devices_indices_map(route.shape)]
-        return jax.make_array_from_single_device_arrays(route.shape, sharding, arrays)

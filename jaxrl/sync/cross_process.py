@@ -2,7 +2,7 @@
 belong to different JAX processes (multi-controller: every process runs `push` alike).
 
 `CrossProcessWeightSync(trainer_shardings, generator_shardings)` has the interface, contract
-and metrics of the in-process `jaxrl.weight_sync.WeightSync` (read its docstring first):
+and metrics of the in-process `jaxrl.sync.in_process.WeightSync` (read its docstring first):
 `push(trainer_params, version, previous) -> (GeneratorParams, SyncMetrics)`, pause-and-swap per
 chunk or a double buffer, an optional cast on the trainer, and no host round trip.
 `make_weight_sync` picks this class in a multi-process job and `WeightSync` otherwise.
@@ -43,7 +43,7 @@ What JAX 0.10.2 does across processes (checked with 2 and 3 local processes on C
 Both transports first do the design's step (1) on the trainer's devices (one jit per chunk:
 cast, and reshard to the generator's block layout), then move data across:
 
-- "device_put": the in-process planner's routes (`weight_sync._route`, transport "reshard"):
+- "device_put": the in-process planner's routes (`plan.route_leaf`, transport "reshard"):
   a shadow layout only when some generator block is not inside one trainer shard. Then, on
   each process, the first generator device of each distinct block gets it as pieces (cut on
   the trainer if need be, joined on the generator) from holders on its own process when there
@@ -70,7 +70,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,23 +78,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from jaxrl import weight_sync
 from jaxrl.infra import distributed
-from jaxrl.weight_sync import (
+from jaxrl.sync.in_process import WeightSync
+from jaxrl.sync.plan import (
     DEFAULT_CHUNK_BYTES,
-    STRATEGIES,
     GeneratorParams,
+    ShardingPair,
     SyncMetrics,
-    WeightSync,
-    _blocks,
-    _cut,
-    _intersect,
-    _join,
-    _pack_chunks,
-    _route,
-    _volume,
+    block_overlap,
     cast_sources,
+    check_options,
+    cut_block,
+    device_blocks,
+    device_order,
+    factor_groupings,
+    factor_mesh,
+    intersect,
+    join_tiles,
+    pack_chunks,
     push_in_chunks,
+    route_leaf,
+    spec_entry,
+    volume,
 )
 
 TRANSPORTS = ("auto", "device_put", "ppermute")
@@ -176,7 +180,7 @@ def _piece_blocks(source_blocks, gen_blocks, itemsize: int) -> tuple[tuple[Block
         first[(gen_block, target.process_index)] = target
         pieces, starts = [], []
         for source_block in sorted(holders):  # row-major over the piece grid
-            common = _intersect(source_block, gen_block)
+            common = intersect(source_block, gen_block)
             if common is None:
                 continue
             device = min(
@@ -193,7 +197,7 @@ def _piece_blocks(source_blocks, gen_blocks, itemsize: int) -> tuple[tuple[Block
             pieces.append(Piece(device, None if common == source_block else cut, shape, target))
             starts.append([start for start, _ in common])
             if device.process_index != target.process_index:
-                cross += _volume(common) * itemsize
+                cross += volume(common) * itemsize
         grid = tuple(len(set(column)) for column in zip(*starts, strict=True)) if starts else ()
         out.append(Block(target, tuple(pieces), grid))
     return tuple(out), cross
@@ -207,7 +211,7 @@ def _mirror(trainer: Sharding, generator: NamedSharding, shape: tuple[int, ...])
     trainer mesh's axes, the one with the most same-process pairs, then the most overlap with
     the trainer's own blocks. Returns (mirror sharding, row 0 as an array of devices)."""
     gen_mesh = generator.mesh
-    order = weight_sync.device_order(trainer)
+    order = device_order(trainer)
     n_t, n_g = len(order), gen_mesh.devices.size
     if n_t % n_g:
         raise ValueError(
@@ -216,15 +220,15 @@ def _mirror(trainer: Sharding, generator: NamedSharding, shape: tuple[int, ...])
             "transport='device_put' (any device counts) or change the meshes."
         )
     mesh_shape = trainer.mesh.devices.shape if isinstance(trainer, NamedSharding) else (n_t,)
-    mesh = weight_sync.factor_mesh(order, mesh_shape)
-    current = _blocks(trainer, shape)
+    mesh = factor_mesh(order, mesh_shape)
+    current = device_blocks(trainer, shape)
     best, best_score = None, None
-    for groups in weight_sync.factor_groupings(mesh, (n_t // n_g, *gen_mesh.devices.shape)):
+    for groups in factor_groupings(mesh, (n_t // n_g, *gen_mesh.devices.shape)):
         by_axis = dict(zip(gen_mesh.axis_names, groups[1:], strict=True))
 
         def entry(e, by_axis=by_axis):
             names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-            return weight_sync._spec_entry(tuple(a for n in names for a in by_axis[n]))
+            return spec_entry(tuple(a for n in names for a in by_axis[n]))
 
         mirror = NamedSharding(mesh, PartitionSpec(*map(entry, generator.spec)))
         axes = [a for g in groups for a in g]
@@ -235,7 +239,7 @@ def _mirror(trainer: Sharding, generator: NamedSharding, shape: tuple[int, ...])
             t.process_index == g.process_index
             for t, g in zip(row.flat, gen_mesh.devices.flat, strict=True)
         )
-        score = (same, weight_sync._overlap(mirror, current, shape))
+        score = (same, block_overlap(mirror, current, shape))
         if best_score is None or score > best_score:
             best, best_score = (mirror, row), score
     return best
@@ -262,21 +266,13 @@ class CrossProcessWeightSync:
         transport: str = "auto",
         barrier_timeout_s: float = 300.0,
     ):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}; expected one of {STRATEGIES}.")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}; expected one of {TRANSPORTS}.")
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be positive.")
-        # The in-process class checks the trees; reuse its flattening and checks.
-        self._local = WeightSync(trainer_shardings, generator_shardings, transport="reshard")
-        self._treedef, self._paths = self._local._treedef, self._local._paths
-        self._trainer, self._generator = self._local._trainer, self._local._generator
-        for path, g in zip(self._paths, self._generator, strict=True):
+        check_options(strategy, transport, TRANSPORTS, chunk_bytes)
+        self.trees = ShardingPair(trainer_shardings, generator_shardings)
+        for path, g in zip(self.trees.paths, self.trees.generator, strict=True):
             if transport == "ppermute" and not isinstance(g, NamedSharding):
                 raise TypeError(f"{path}: transport 'ppermute' needs NamedShardings, got {g!r}.")
-        if transport == "auto" and self._trainer:
-            transport = default_transport(next(iter(self._trainer[0].device_set)).platform)
+        if transport == "auto" and self.trees.trainer:
+            transport = default_transport(self.trees.platform)
         self.transport = transport
         self.generator_dtype = None if generator_dtype is None else jnp.dtype(generator_dtype)
         self.chunk_bytes = int(chunk_bytes)
@@ -289,17 +285,18 @@ class CrossProcessWeightSync:
 
     def plan(self, params: Any) -> CrossPlan:
         """Routes and chunks for params of these shapes and dtypes (computed once)."""
-        leaves = self._local._leaves(params, "params")
+        leaves = self.trees.leaves(params, "params")
         key = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
         if key not in self._plans:
             make = self._ppermute_route if self.transport == "ppermute" else self._put_route
+            pair = self.trees
             routes = tuple(
                 make(i, path, shape, dtype, t, g)
                 for i, (path, (shape, dtype), t, g) in enumerate(
-                    zip(self._paths, key, self._trainer, self._generator, strict=True)
+                    zip(pair.paths, key, pair.trainer, pair.generator, strict=True)
                 )
             )
-            chunks, footprints = _pack_chunks(routes, self.chunk_bytes)
+            chunks, footprints = pack_chunks(routes, self.chunk_bytes)
             self._plans[key] = CrossPlan(
                 routes=routes,
                 chunks=chunks,
@@ -312,11 +309,11 @@ class CrossProcessWeightSync:
         return self._plans[key]
 
     def _put_route(self, index, path, shape, dtype, trainer, generator) -> CrossRoute:
-        local = _route(
+        local = route_leaf(
             index, path, shape, dtype, trainer, generator, self.generator_dtype, "reshard"
         )
-        gen_blocks = _blocks(generator, local.shape)
-        source_blocks = _blocks(local.source_sharding, local.shape)
+        gen_blocks = device_blocks(generator, local.shape)
+        source_blocks = device_blocks(local.source_sharding, local.shape)
         blocks, cross = _piece_blocks(source_blocks, gen_blocks, local.dtype.itemsize)
         return CrossRoute(
             index=index,
@@ -347,11 +344,11 @@ class CrossProcessWeightSync:
             )
         mirror, row = _mirror(trainer, generator, shape)
         union = Mesh(np.stack([row, gen_mesh.devices]), ("role", *gen_mesh.axis_names))
-        gen_blocks = _blocks(generator, shape)
-        block_bytes = {d.id: _volume(b) * out_dtype.itemsize for d, b in gen_blocks.items()}
+        gen_blocks = device_blocks(generator, shape)
+        block_bytes = {d.id: volume(b) * out_dtype.itemsize for d, b in gen_blocks.items()}
         extra = collections.Counter(block_bytes)  # zero buffers, then (aliased) new shards
-        for device, block in _blocks(mirror, shape).items():
-            extra[device.id] += _volume(block) * out_dtype.itemsize
+        for device, block in device_blocks(mirror, shape).items():
+            extra[device.id] += volume(block) * out_dtype.itemsize
         pairs = zip(row.flat, gen_mesh.devices.flat, strict=True)
         return CrossRoute(
             index=index,
@@ -391,15 +388,9 @@ class CrossProcessWeightSync:
         on_chunk: Callable[[int], None] | None = None,
     ) -> tuple[GeneratorParams, SyncMetrics]:
         """As `WeightSync.push`; every process calls it with its view of the same arrays."""
-        start = time.perf_counter()
-        leaves = self._local._leaves(trainer_params, "trainer_params")
-        plan = self.plan(trainer_params)
-        old = self._local._check_previous(previous, plan, version)
-        return push_in_chunks(
-            self, plan, leaves, old, previous, version, start, self._move_chunk, on_chunk
-        )
+        return push_in_chunks(self, trainer_params, version, previous, on_chunk)
 
-    def _move_chunk(self, routes, leaves, new) -> list[jax.Array]:
+    def move_chunk(self, routes, leaves, new) -> list[jax.Array]:
         if self.transport == "ppermute":
             return self._ppermute_chunk(routes, leaves, new)
         return self._put_chunk(routes, leaves, new, f"{self._name}/{next(self._barriers)}")
@@ -427,7 +418,7 @@ class CrossProcessWeightSync:
                 return data
             key = (route.index, piece.source_device, piece.cut)
             if key not in cuts:
-                cuts[key] = _cut(data, *piece.cut)
+                cuts[key] = cut_block(data, *piece.cut)
                 temporaries.append(cuts[key])
             return cuts[key]
 
@@ -462,7 +453,7 @@ class CrossProcessWeightSync:
                 tiles = [arrived[(route.index, b, p)] for p in range(len(block.pieces))]
                 if len(tiles) > 1:
                     temporaries.extend(tiles)
-                    by_device[block.target] = _join(tiles, block.grid)
+                    by_device[block.target] = join_tiles(tiles, block.grid)
                 else:
                     by_device[block.target] = tiles[0]
             received[route.index] = by_device
@@ -475,7 +466,7 @@ class CrossProcessWeightSync:
             received[i][block.target] = copy
         for route in routes:
             by_device = received[route.index]
-            sharding = self._generator[route.index]
+            sharding = self.trees.generator[route.index]
             arrays = [by_device[d] for d in sharding.addressable_devices_indices_map(route.shape)]
             new[route.index] = jax.make_array_from_single_device_arrays(
                 route.shape, sharding, arrays, dtype=route.dtype
@@ -488,7 +479,7 @@ class CrossProcessWeightSync:
         sources, temporaries = self._sources(routes, leaves)
         key = tuple((r.index, r.shape, r.dtype, r.union_sharding) for r in routes)
         if key not in self._jits:
-            shardings = [self._generator[r.index] for r in routes]
+            shardings = [self.trees.generator[r.index] for r in routes]
             zeros = jax.jit(
                 lambda: [jnp.zeros(r.shape, r.dtype) for r in routes], out_shardings=shardings
             )
@@ -524,14 +515,14 @@ class CrossProcessWeightSync:
             )
         outs = move(unions)
         for route, out in zip(routes, outs, strict=True):
-            sharding = self._generator[route.index]
+            sharding = self.trees.generator[route.index]
             mine = {s.device: s.data for s in out.addressable_shards}
             arrays = [mine[d] for d in sharding.addressable_devices_indices_map(route.shape)]
             new[route.index] = jax.make_array_from_single_device_arrays(
                 route.shape, sharding, arrays, dtype=route.dtype
             )
         jax.block_until_ready([new[r.index] for r in routes])
-        generator_devices = {d for r in routes for d in self._generator[r.index].device_set}
+        generator_devices = {d for r in routes for d in self.trees.generator[r.index].device_set}
         for out in outs:  # what the trainer's side received: nothing of use
             for shard in out.addressable_shards:
                 if shard.device not in generator_devices:

@@ -1,4 +1,9 @@
-"""The bounded rollout queue between the generator and the trainer (async mode).
+"""The bounded rollout queues between the generator and the trainer (async mode).
+
+`RolloutQueue` holds whole batches (fixed lag, free running, role split); `GroupQueue` holds
+one prompt's group per item and the ledger of the prompts in flight (streaming, see
+`jaxrl.loop.feeds.streaming`). What follows describes `RolloutQueue`; `GroupQueue`'s docstring its
+differences.
 
 Items are `ScoredBatch`es: the scored rollouts of one generate call (one train batch), stamped
 with the policy version `v_g` whose weights sampled them and with their batch index. The queue
@@ -25,23 +30,18 @@ back from the checkpoint, so no batch is lost or trained twice.
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import threading
 import time
+import zlib
 from typing import Any
 
 import numpy as np
 
+from jaxrl.infra.closable import QueueClosed, wait_until
 from jaxrl.rl import Rollout
-
-
-class QueueClosed(RuntimeError):
-    """The queue was closed: by the other side's failure (`error`) or a normal shutdown."""
-
-    def __init__(self, error: BaseException | None = None):
-        super().__init__("rollout queue closed" + (f" after {error!r}" if error else ""))
-        self.error = error
 
 
 @dataclasses.dataclass
@@ -143,7 +143,7 @@ class QueueStats:
 
 
 class _ClosableQueue:
-    """What both bounded queues share (`RolloutQueue`, `streaming.GroupQueue`): the queued
+    """What both bounded queues share (`RolloutQueue`, `GroupQueue`): the queued
     `_items`, one condition for every waiter, and closing, which wakes them all."""
 
     def __init__(self, items) -> None:
@@ -166,6 +166,10 @@ class _ClosableQueue:
     @property
     def closed(self) -> bool:
         return self._closed is not None
+
+    def _raise_if_closed(self) -> None:
+        if self._closed is not None:
+            raise QueueClosed(self._closed.error)
 
 
 class RolloutQueue(_ClosableQueue):
@@ -258,7 +262,7 @@ class RolloutQueue(_ClosableQueue):
 
     def wait_for_room(self, timeout: float | None = None) -> None:
         """Waits until `put` would not wait for room (a producer that must ask for its next
-        batch before it has it: the trainer's side of a role-split job, `jaxrl.roles`)."""
+        batch before it has it: the trainer's side of a role-split job, `jaxrl.loop.roles`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -303,21 +307,225 @@ class RolloutQueue(_ClosableQueue):
         self._next_index = batch.batch_index + 1
         self._cond.notify_all()
 
-    def _raise_if_closed(self) -> None:
-        if self._closed is not None:
-            raise QueueClosed(self._closed.error)
-
     def _wait(self, deadline: float | None, what: str) -> None:
         wait_until(self._cond, deadline, what)
 
 
-def wait_until(cond: threading.Condition, deadline: float | None, what: str) -> None:
-    """One `cond.wait` (held by the caller) until `deadline` (time.monotonic; None: forever);
-    raises TimeoutError naming `what` once the deadline has passed."""
-    if deadline is None:
-        cond.wait()
-        return
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError(f"timed out waiting for {what}")
-    cond.wait(remaining)
+# --- streaming: one group per item ---------------------------------------------------------
+
+
+def leave_out(group: ScoredBatch, oversample: int, filtered: int, put: int) -> bool:
+    """Streaming's dynamic sampling rule: a group whose samples all got one reward (zero
+    advantage, no gradient) is left out while the groups left out (`filtered`) stay within
+    `oversample - 1` per group put into the queue so far (`put`), plus one."""
+    if oversample <= 1 or len({r.reward for r in group.rollouts}) > 1:
+        return False
+    return filtered < (oversample - 1) * (put + 1)
+
+
+def ledger_bitmap(indices, size: int) -> str:
+    """Prompt indices in [0, size) as a checkpoint string: bit i of `np.packbits` order set for
+    prompt i, zlib-compressed, base64 (a few bytes for runs, size / 8 at most for any set)."""
+    bits = np.zeros(size, np.uint8)
+    bits[np.fromiter(indices, np.int64)] = 1
+    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 9)).decode()
+
+
+def ledger_indices(bitmap: str) -> list[int]:
+    """The prompt indices of a `ledger_bitmap` string, ascending."""
+    packed = np.frombuffer(zlib.decompress(base64.b64decode(bitmap)), np.uint8)
+    return np.flatnonzero(np.unpackbits(packed)).tolist()
+
+
+def prompt_ledger(blob: dict) -> dict[str, list[int]]:
+    """Each issued prompt's fate in a streaming checkpoint (`GroupQueue.snapshot`): the prompt
+    indices queued, in flight, dropped, filtered, and trained (the rest of [0, next_prompt))."""
+    ledger = {
+        "queued": sorted(int(g["batch_index"]) for g in blob["pending_groups"]),
+        "in_flight": sorted(int(i) for i in blob["in_flight_prompts"]),
+        "dropped": ledger_indices(blob["dropped_prompts"]),
+        "filtered": ledger_indices(blob["filtered_prompts"]),
+    }
+    elsewhere = {i for indices in ledger.values() for i in indices}
+    return ledger | {"trained": [i for i in range(blob["next_prompt"]) if i not in elsewhere]}
+
+
+class GroupQueue(_ClosableQueue):
+    """Scored groups between the streaming generator and the trainer, and the ledger of the
+    prompts in flight. Items are `ScoredBatch`es of one group each: `batch_index` is the prompt
+    index, `policy_version` the version of the group's oldest token.
+
+    Every issued prompt is exactly one of: in flight, queued, consumed, dropped (by admission
+    or consumption) or filtered (dynamic sampling), each dropped and filtered one counted in
+    `stats` and named in `dropped` / `filtered`. `snapshot()` takes all of it at once, under
+    one lock.
+
+    Args:
+      capacity: queued groups beyond which no prompt is issued (`issue` waits).
+      max_staleness: largest `v_t - v_oldest_token` a consumed group may have.
+      max_in_flight: the most groups in flight once the queue is empty: a prompt is issued only
+        while queued + in flight < capacity + max_in_flight (0: capacity alone bounds it).
+      trainer_version, next_prompt, pending, reissue, stats, dropped, filtered: a resumed
+        run's state (`reissue`: the prompts that were in flight, issued again first).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int,
+        *,
+        max_in_flight: int = 0,
+        trainer_version: int = 0,
+        next_prompt: int = 0,
+        pending: list[ScoredBatch] = (),
+        reissue: list[int] = (),
+        stats: QueueStats | None = None,
+        dropped: set[int] = frozenset(),
+        filtered: set[int] = frozenset(),
+    ):
+        if capacity < 1 or max_staleness < 0 or max_in_flight < 0:
+            raise ValueError(
+                f"need capacity={capacity} >= 1, max_staleness={max_staleness} >= 0 and "
+                f"max_in_flight={max_in_flight} >= 0"
+            )
+        super().__init__(pending)
+        self.capacity, self.max_staleness = capacity, max_staleness
+        self.max_in_flight = max_in_flight
+        self._reissue = collections.deque(reissue)
+        self._in_flight: set[int] = set()
+        self._trainer_version, self._next_prompt = trainer_version, next_prompt
+        self.stats = stats or QueueStats()
+        self.dropped, self.filtered = set(dropped), set(filtered)
+
+    # --- generator side -----------------------------------------------------------------------
+
+    def issue(self, block: bool = True, timeout: float | None = None) -> int | None:
+        """The next prompt index to submit (re-issued ones first), now in flight. Waits while
+        the queue holds `capacity` groups or queued + in flight reach `capacity + max_in_flight`
+        (`block=False`: None at once)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_closed()
+                held = len(self._items)
+                if held < self.capacity and (
+                    held + len(self._in_flight) < self.capacity + self.max_in_flight
+                ):
+                    break
+                if not block:
+                    return None
+                wait_until(self._cond, deadline, "room to issue a prompt")
+            if self._reissue:
+                index = self._reissue.popleft()
+            else:
+                index, self._next_prompt = self._next_prompt, self._next_prompt + 1
+            self._in_flight.add(index)
+            return index
+
+    def put(self, group: ScoredBatch) -> bool:
+        """Queues a scored group (True), or drops it as too stale (False). Never waits: room
+        was taken when its prompt was issued."""
+        with self._cond:
+            self._raise_if_closed()
+            if group.batch_index not in self._in_flight:
+                raise ValueError(f"group of prompt {group.batch_index} was never issued")
+            self._in_flight.discard(group.batch_index)
+            self._cond.notify_all()  # room to issue, or a group to take
+            if self._stale(group):
+                self.stats.dropped_on_admission += 1
+                self.stats.dropped_samples += group.num_samples
+                self.dropped.add(group.batch_index)
+                return False
+            self._items.append(group)
+            return True
+
+    def filter(self, group: ScoredBatch, oversample: int) -> bool:
+        """Dynamic sampling (`leave_out`): True when the group is left out of the queue
+        (counted in `stats.filtered_batches`, no longer in flight); False: queue it."""
+        with self._cond:
+            if group.batch_index not in self._in_flight:
+                raise ValueError(f"group of prompt {group.batch_index} was never issued")
+            s = self.stats
+            put = s.consumed_batches + len(self._items) + s.dropped_batches
+            if not leave_out(group, oversample, s.filtered_batches, put):
+                return False
+            s.filtered_batches += 1
+            self.filtered.add(group.batch_index)
+            self._in_flight.discard(group.batch_index)
+            self._cond.notify_all()
+            return True
+
+    # --- trainer side -------------------------------------------------------------------------
+
+    def advance(self, trainer_version: int) -> None:
+        with self._cond:
+            self._trainer_version = trainer_version
+            self._cond.notify_all()
+
+    def take(self, count: int, timeout: float | None = None) -> list[ScoredBatch]:
+        """The next `count` groups fresh enough to train on now (in the order they finished);
+        staler ones are dropped and counted. Waits until `count` are there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_closed()
+                stale = [g for g in self._items if self._stale(g)]
+                for group in stale:
+                    self._items.remove(group)
+                    self.stats.dropped_on_consumption += 1
+                    self.stats.dropped_samples += group.num_samples
+                    self.dropped.add(group.batch_index)
+                if stale:  # room freed: a generator waiting in `put` must see it
+                    self._cond.notify_all()
+                if len(self._items) >= count:
+                    taken = [self._items.popleft() for _ in range(count)]
+                    self._cond.notify_all()
+                    for group in taken:
+                        staleness = self._trainer_version - group.policy_version
+                        self.stats.consumed_batches += 1
+                        self.stats.consumed_samples += group.num_samples
+                        counts = self.stats.staleness_counts
+                        counts[staleness] = counts.get(staleness, 0) + 1
+                    return taken
+                wait_until(self._cond, deadline, f"{count} scored groups")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The queue's part of a checkpoint (JSON): queued groups, prompts in flight (to
+        re-issue), the next prompt index, the cumulative counts, the prompts dropped and
+        filtered (`ledger_bitmap`s; `prompt_ledger` reads it all back by prompt)."""
+        with self._cond:
+            return {
+                "pending_groups": [g.to_json() for g in self._items],
+                "in_flight_prompts": sorted(self._in_flight | set(self._reissue)),
+                "next_prompt": self._next_prompt,
+                "queue_stats": self.stats.to_json(),
+                "dropped_prompts": ledger_bitmap(self.dropped, self._next_prompt),
+                "filtered_prompts": ledger_bitmap(self.filtered, self._next_prompt),
+            }
+
+    @classmethod
+    def restore(
+        cls, capacity: int, max_staleness: int, step: int, blob: dict, max_in_flight: int = 0
+    ) -> GroupQueue:
+        # A checkpoint written before the ledger named its prompts has counts only.
+        named = {k: set(ledger_indices(blob[k])) if k in blob else set() for k in _NAMED}
+        return cls(
+            capacity,
+            max_staleness,
+            max_in_flight=max_in_flight,
+            trainer_version=step,
+            next_prompt=int(blob["next_prompt"]),
+            pending=[ScoredBatch.from_json(g) for g in blob["pending_groups"]],
+            reissue=[int(i) for i in blob["in_flight_prompts"]],
+            stats=QueueStats.from_json(blob["queue_stats"]),
+            dropped=named["dropped_prompts"],
+            filtered=named["filtered_prompts"],
+        )
+
+    # --- both ---------------------------------------------------------------------------------
+
+    def _stale(self, group: ScoredBatch) -> bool:
+        return self._trainer_version - group.policy_version > self.max_staleness
+
+
+_NAMED = ("dropped_prompts", "filtered_prompts")

@@ -1,0 +1,198 @@
+"""Where a run's sampler lives: on the trainer's mesh (colocated) or on the generator's own.
+
+`mesh_sampler` builds the engine or the static sampler for the trainer's model on a mesh with
+that role's rules table; `colocated_sampler` on the trainer's; `generator_param_shardings` gives
+the params' layout on the generator mesh (the target of a weight push). A LoRA policy's sampler
+(`AdapterEngineSampler`, `AdapterSampler`) holds the frozen base once and takes the adapters as
+each call's params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+
+from jaxrl import lora as lora_lib
+from jaxrl.generation.engine_sampler import GENERATORS, EngineSampler, make_sampler
+from jaxrl.generation.sampler import Sampler as StaticSampler
+from jaxrl.generation.sampling import Sampler
+from jaxrl.infra.sharding import param_shardings
+from jaxrl.models.transformer import Transformer
+
+GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorConfig:
+    """The RL generator: which sampler, its engine's size, and its copy of the weights
+    (`rl_main.generator_config = @GeneratorConfig()`).
+
+    kind: "engine" (the continuous-batching engine, `jaxrl.generation.engine`: each prompt's G
+      samples share one prefill, finished rows free their slots at once) or "static" (the
+      left-padded `Sampler`); meshes spanning several processes always use the static one.
+    dtype (async mode): the generator's copy of the weights, cast on the trainer during each
+      push: "bfloat16", "float32", or "auto" (bfloat16 on GPU / TPU, where decoding is bound by
+      reading the weights; the trainer's parameter dtype on CPU, where bf16 matmuls are slower
+      and the fp32 log-ratio checks hold exactly). AIPO's per-token ratio corrects for the bf16
+      sampler like any lag.
+    slots: the engine's decode slots (0: the schedule's own, `feeds.*.engine_slots`: the rows
+      of one generate call, num_prompts x oversample x samples_per_prompt; streaming:
+      num_prompts x samples_per_prompt, one step's groups in flight).
+    steps_per_call: decode steps per device call (capped at max_new_tokens).
+    max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
+      from the prompts it gets, the next power of two above the longest prompt +
+      max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
+      that length x layers x 2 x kv_heads x head_dim values (e.g. 256 slots x 4096 on Llama 3
+      8B in bf16: 128 GiB); one that cannot fit in free memory is refused before it is
+      allocated.
+    precompile: the generator's engine compiles every program it can call (each decode span x
+      active-slot bucket, prefill batch x prompt-length bucket, slot move) before its first
+      batch, instead of one at a time when a new shape first comes up: a streaming run
+      otherwise stalls its generator, and then its trainer, for each compile during its first
+      hundred or so steps (cost: docs/benchmarks.md, "Engine precompile").
+    """
+
+    kind: str = "engine"
+    dtype: str = "auto"
+    slots: int = 0
+    steps_per_call: int = 8
+    max_len: int = 0
+    precompile: bool = False
+
+    def validate(self) -> None:
+        if self.kind not in GENERATORS:
+            raise ValueError(f"GeneratorConfig.kind={self.kind!r}; expected one of {GENERATORS}")
+        if self.dtype not in GENERATOR_DTYPES:
+            raise ValueError(
+                f"GeneratorConfig.dtype={self.dtype!r}; expected one of {GENERATOR_DTYPES}"
+            )
+        if self.slots < 0 or self.steps_per_call < 1 or self.max_len < 0:
+            raise ValueError(
+                f"GeneratorConfig.slots={self.slots}, steps_per_call={self.steps_per_call}, "
+                f"max_len={self.max_len}: need slots >= 0 (0: automatic), steps_per_call >= 1, "
+                "max_len >= 0 (0: the model's context)"
+            )
+
+    def resolve_dtype(self, generator_mesh) -> str | None:
+        """The dtype a weight push casts to (None: the trainer's own)."""
+        if self.dtype != "auto":
+            return self.dtype
+        platform = generator_mesh.devices.flat[0].platform
+        return None if platform == "cpu" else "bfloat16"
+
+
+# Prompt lengths a run's sampler pads to (one compiled program per bucket in use).
+RL_PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class _Adapters:
+    """A sampler of a LoRA policy that holds the frozen base once (`base_params`, on its mesh)
+    and takes the adapters as the params of each `generate` call: applied unmerged, so a weight
+    push moves the adapters only and the base is never rewritten or copied."""
+
+    base_params: dict | None = None
+
+    def generate(self, params, *args, **kwargs):
+        if self.base_params is None:
+            raise ValueError(
+                f"{type(self).__name__}.base_params is unset: place the frozen base first"
+            )
+        return super().generate(lora_lib.combine(self.base_params, params), *args, **kwargs)
+
+
+class AdapterSampler(_Adapters, StaticSampler):
+    """The static sampler of a LoRA policy (see `_Adapters`)."""
+
+
+class AdapterEngineSampler(_Adapters, EngineSampler):
+    """The engine of a LoRA policy (see `_Adapters`)."""
+
+
+def mesh_sampler(
+    trainer,
+    tokenizer,
+    mesh: jax.sharding.Mesh,
+    rules,
+    max_total_len: int | None = None,
+    prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
+    base_dtype: str | None = None,
+    generator: str = "engine",
+    num_slots: int = 256,
+    steps_per_call: int = 8,
+    precompile: bool = False,
+) -> Sampler:
+    """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
+    own (colocated, `colocated_sampler`) or the generator's devices in async mode.
+    `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
+    the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
+    `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
+    first use) or "static" (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
+
+    A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
+    (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
+    pushed version."""
+    lora = trainer.lora is not None
+    sampler = make_sampler(
+        generator,
+        trainer.graphdef,
+        trainer.model_config,
+        num_slots=num_slots,
+        steps_per_call=steps_per_call,
+        precompile=precompile,
+        cls_static=AdapterSampler if lora else StaticSampler,
+        cls_engine=AdapterEngineSampler if lora else EngineSampler,
+        pad_id=tokenizer.pad_token_id,
+        eos_ids=trainer.model_config.eos_token_ids,
+        max_total_len=max_total_len,
+        prompt_buckets=prompt_buckets,
+        mesh=mesh,
+        rules=rules,
+    )
+    if trainer.lora is not None:
+        if trainer.base_params is None:
+            raise ValueError("a LoRA trainer's sampler needs its base: call trainer.init first")
+        base = trainer.base_params
+        if base_dtype is not None:
+            base = jax.tree.map(lambda x: x.astype(base_dtype), base)
+        if mesh is trainer.mesh and rules is trainer.rules:
+            sampler.base_params = base
+        else:
+            shardings = generator_param_shardings(trainer, mesh, rules, base=True)
+            sampler.base_params = jax.device_put(base, shardings)
+    return sampler
+
+
+def colocated_sampler(
+    trainer,
+    tokenizer,
+    max_total_len: int | None = None,
+    prompt_buckets: Sequence[int] = RL_PROMPT_BUCKETS,
+    **generator,
+) -> Sampler:
+    """A sampler on the trainer's own mesh and rules (colocated generation: sync mode, evals):
+    `sampler.generate(state.params, prompt_ids, SamplingConfig(...), key)` samples from the
+    trainer's current params with no copy. `generator`: `mesh_sampler`'s generator, num_slots,
+    steps_per_call, precompile."""
+    return mesh_sampler(
+        trainer, tokenizer, trainer.mesh, trainer.rules, max_total_len, prompt_buckets,
+        **generator,
+    )  # fmt: skip
+
+
+def generator_param_shardings(trainer, mesh: jax.sharding.Mesh, rules, base: bool = False):
+    """The params' shardings on the generator mesh (same pure-dict tree as the trainer's): the
+    trained params (LoRA: the adapters; LoRA-FA: the B's), or with `base` the full model's
+    (LoRA-FA: with the frozen A's)."""
+    frozen = {}
+    if trainer.lora is not None:
+        _, abstract = lora_lib.abstract_lora(trainer.model_config, trainer.lora)
+        adapters = nnx.to_pure_dict(param_shardings(abstract, mesh, rules))
+        if not base:
+            return lora_lib.trained_part(adapters, trainer.lora)
+        frozen = lora_lib.frozen_part(adapters, trainer.lora)  # LoRA-FA: the A's ride with it
+    model = nnx.eval_shape(lambda: Transformer(trainer.model_config, rngs=nnx.Rngs(0)))
+    full = nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
+    return lora_lib.combine(full, frozen)
