@@ -15,6 +15,7 @@ generator process of a role-split job: `roles.run_generator`) -> wait for checkp
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 import gin
@@ -88,8 +89,12 @@ def resolve_generator_config(config: GeneratorConfig | None, **legacy) -> Genera
     try:
         config.validate()
     except ValueError as err:
-        flat = ", ".join(f"rl_main.{n}={v!r}" for n, v in bound.items())
-        raise SystemExit(f"{err} (bound as {flat}; bind GeneratorConfig fields instead)") from None
+        # Said in the names the config bound (rl_main.generator=..., engine_slots >= 0, ...).
+        message = str(err)
+        for knob, field in LEGACY_GENERATOR_KNOBS.items():
+            message = message.replace(f"GeneratorConfig.{field}=", f"rl_main.{field}=")
+            message = re.sub(rf"(?<![\w.])(rl_main\.)?{field}\b", rf"\g<1>{knob}", message)
+        raise SystemExit(f"{message} (bind GeneratorConfig fields instead)") from None
     return config
 
 

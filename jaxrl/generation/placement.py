@@ -73,7 +73,7 @@ class GeneratorConfig:
             raise ValueError(
                 f"GeneratorConfig.slots={self.slots}, steps_per_call={self.steps_per_call}, "
                 f"max_len={self.max_len}: need slots >= 0 (0: automatic), steps_per_call >= 1, "
-                "max_len >= 0 (0: the model's context)"
+                "max_len >= 0 (0: sized from the requests)"
             )
 
     def resolve_dtype(self, generator_mesh) -> str | None:
