@@ -265,8 +265,8 @@ def proxy_trainer(steps: int, smoke: bool, weights_out, rollouts_in) -> list[dic
     import jax
     import numpy as np
 
+    from jaxrl.infra.run_io import to_host
     from jaxrl.rl import collate_rollouts
-    from jaxrl.run_io import to_host
 
     trainer = _trainer(((1, 1), 0), steps, smoke)
     state = trainer.init(trainer.init_params(0))

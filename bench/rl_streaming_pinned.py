@@ -344,9 +344,9 @@ def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
     import jax
     import numpy as np
 
+    from jaxrl.infra.run_io import to_host
     from jaxrl.loop.feeds.streaming import token_staleness_metrics
     from jaxrl.loop.rollout_queue import GroupQueue
-    from jaxrl.run_io import to_host
 
     class ForwardedGroups(GroupQueue):
         """A `GroupQueue` fed from another process: each group is issued there."""
