@@ -281,7 +281,7 @@ def proxy_generator(spec: dict, weights_in, rollouts_out) -> dict:
     else:
         pipe = _PipeQueue(rollouts_out, ctl.weights, ctl.config.queue_size)  # batches
         producer = BatchProducer(ctl, pipe, first_index=0)
-    producer._run()  # returns on the trainer's stop (QueueClosed) or after the last batch
+    producer.run()  # returns on the trainer's stop (QueueClosed) or after the last batch
     if pipe.error is not None:
         raise pipe.error
     rollouts_out.send(("done",))
