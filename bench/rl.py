@@ -21,7 +21,9 @@ Two settings:
   times are what each async executor gets: they give the LlamaRL bound) and on 2 cores (the same
   hardware as async); async = trainer process on core 0 and generator process on core 1, fixed
   lag 1, the weights sent host to host through a pipe after every step (the proxy's stand-in for
-  the device-to-device push; counted as sync time).
+  the device-to-device push; counted as sync time). The two processes are the library's role
+  split over pipes (`bench.pipes`): `Controller.run` over a pipe-backed `RemoteFeed` and
+  `roles.serve_batches`.
 
 Per row: medians over the steps after warm-up (compiles) of the step time and each phase
 (generate, reward, train, weight sync), the trainer's idle fraction (waiting for rollouts), the
@@ -47,8 +49,6 @@ import multiprocessing
 import os
 import statistics
 import sys
-import threading
-import time
 import traceback
 
 from jaxrl.infra.xla_cpu import cpu_xla_flags
@@ -260,79 +260,69 @@ def fake8_rows(steps: int, smoke: bool) -> list[dict]:
 # --- the CPU proxy's async row: two pinned processes ------------------------------------------
 
 
-def proxy_trainer(steps: int, smoke: bool, weights_out, rollouts_in) -> list[dict]:
-    """The trainer process: step k trains batch k, then sends its weights (version k + 1)."""
-    import jax
-    import numpy as np
-
-    from jaxrl.rl import collate_rollouts
-    from jaxrl.run_io import to_host
-
-    trainer = _trainer(((1, 1), 0), steps, smoke)
-    state = trainer.init(trainer.init_params(0))
-    weights_out.send((0, jax.tree.map(np.array, state.params)))
-    max_new_tokens = _rl_config(PROXY_SYNC_1, steps, smoke).max_new_tokens
-    sender, records, last = None, [], time.perf_counter()
-    for k in range(steps):
-        t0 = time.perf_counter()
-        rollouts = rollouts_in.recv()
-        t1 = time.perf_counter()
-        batch = collate_rollouts(
-            rollouts, prompt_len=PROMPT_LEN, completion_len=max_new_tokens, pad_id=0
-        )
-        state, metrics = trainer.rl_step(state, batch)
-        to_host(metrics)
-        t2 = time.perf_counter()
-        if k + 1 <= steps - 2:  # lag 1: batch k + 2 is the last one sampled by version k + 1
-            host = jax.tree.map(np.array, state.params)  # copies: the next step donates them
-            if sender is not None:
-                sender.join()
-            sender = threading.Thread(target=weights_out.send, args=((k + 1, host),))
-            sender.start()  # pickling + the pipe, beside the next step
-        t3 = time.perf_counter()
-        records.append(dict(step_s=t3 - last, idle_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2))
-        records[-1]["train"] = (t1, t2)
-        last = t3
-    if sender is not None:
-        sender.join()
-    return records
-
-
-def proxy_generator(steps: int, smoke: bool, weights_in, rollouts_out) -> list[dict]:
-    """The generator process: batch k is sampled by version max(k - 1, 0) (fixed lag 1)."""
-    import jax
-    from flax import nnx
-
+def _proxy_controller(steps: int, smoke: bool, trainer, weights, feed=None):
+    """A `Controller` of the proxy's async row (fixed lag 1) in one of its two processes."""
     from jaxrl.generation.executor import GeneratorExecutor
     from jaxrl.generation.sampler import Sampler
-    from jaxrl.generation.sampling import SamplingConfig
+    from jaxrl.loop.config import sampling_config
+    from jaxrl.loop.controller import Controller
     from jaxrl.loop.reward import RewardExecutor
-    from jaxrl.models.transformer import Transformer
-    from jaxrl.tasks.source import encode_prompts
 
-    config = _model_config(smoke)
-    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
-    sampler = Sampler(graphdef, config, pad_id=0, eos_ids=config.eos_token_ids)
-    max_new_tokens = _rl_config(PROXY_SYNC_1, steps, smoke).max_new_tokens
-    generator = GeneratorExecutor(sampler, SamplingConfig(max_new_tokens), SAMPLES, seed=0)
+    rl = dataclasses.replace(_rl_config(PROXY_SYNC_1, steps, smoke), mode="async")
+    config = trainer.model_config
+    sampler = Sampler(trainer.graphdef, config, pad_id=0, eos_ids=config.eos_token_ids)
     tokenizer = IdTokenizer()
-    rewarder, source = RewardExecutor(even_ids, tokenizer), RandomPrompts(config.vocab_size)
-    version, params, records = -1, None, []
-    for k in range(steps):
-        while version < max(k - 1, 0):
-            version, host = weights_in.recv()
-            params = jax.device_put(host)
-        t1 = time.perf_counter()
-        items = [source.item(k * NUM_PROMPTS + j) for j in range(NUM_PROMPTS)]
-        prompt_ids = encode_prompts(tokenizer, items, chat_formatted=False)
-        generated = generator.generate(params, items, prompt_ids, version, k)
-        rollouts, metrics = rewarder.score(generated)
-        t2 = time.perf_counter()
-        rollouts_out.send(rollouts)
-        records.append(
-            dict(generate_s=generated.seconds, reward_s=metrics["time/reward_s"], busy=(t1, t2))
+    return Controller(
+        rl,
+        trainer,
+        GeneratorExecutor(sampler, sampling_config(rl), SAMPLES, seed=0),
+        RewardExecutor(even_ids, tokenizer),
+        RandomPrompts(config.vocab_size),
+        tokenizer,
+        MemoryIO(),
+        reward=even_ids,
+        weights=weights,
+        feed=feed,
+    )
+
+
+def proxy_trainer(steps: int, smoke: bool, control, rollouts, weights) -> list[dict]:
+    """The trainer process: the library's loop over a `PipeFeed` (step k trains batch k, then
+    sends its weights, version k + 1)."""
+    from bench.pipes import PipeFeed, PipeWeights, TrainerChannel
+
+    trainer = _trainer(((1, 1), 0), steps, smoke)
+    channel = TrainerChannel(control, rollouts)
+    ctl = _proxy_controller(
+        steps, smoke, trainer, PipeWeights(weights), lambda ctl: PipeFeed(ctl, channel)
+    )
+    ctl.run(trainer.init(trainer.init_params(0)))
+    records = [r for r in ctl.io.records if r["step"]]
+    return [
+        dict(
+            step_s=r["time/step_s"],
+            idle_s=r["time/trainer_idle_s"],
+            train_s=r["time/train_s"],
+            sync_s=r["time/sync_s"],
+            train=span,
         )
-    return records
+        for r, span in zip(records, ctl.feed.train_spans, strict=True)
+    ]
+
+
+def proxy_generator(steps: int, smoke: bool, control, rollouts, weights) -> list[dict]:
+    """The generator process: the library's generator side (`roles.serve_batches`); batch k is
+    sampled by version max(k - 1, 0) (fixed lag 1)."""
+    from bench.pipes import GeneratorChannel, PipeSync, Spans
+    from jaxrl.loop.roles import serve_batches
+    from jaxrl.sync.store import GeneratorWeights
+
+    trainer = _trainer(((1, 1), 0), steps, smoke)
+    store = GeneratorWeights(PipeSync(weights), latest_only=False)
+    ctl = _proxy_controller(steps, smoke, trainer, store)
+    channel, busy = GeneratorChannel(control, rollouts), Spans()
+    serve_batches(ctl, channel, lead=True, timeline=busy)
+    return [sent | {"busy": span} for sent, span in zip(channel.sent, busy.spans, strict=True)]
 
 
 def summarise_proxy_async(trainer: list[dict], generator: list[dict], warmup: int) -> dict:
@@ -403,10 +393,15 @@ def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
         sync_runs.append(Spawned(run_mode, PROXY_SYNC_2, steps, smoke, cores=set(cores[:2])))
         sync_runs[1].result()
     ctx = multiprocessing.get_context("spawn")
-    weights_in, weights_out = ctx.Pipe(duplex=False)
+    control_in, control_out = ctx.Pipe(duplex=False)
     rollouts_in, rollouts_out = ctx.Pipe(duplex=False)
-    trainer = Spawned(proxy_trainer, steps, smoke, weights_out, rollouts_in, cores={cores[0]})
-    generator = Spawned(proxy_generator, steps, smoke, weights_in, rollouts_out, cores={cores[1]})
+    weights_in, weights_out = ctx.Pipe(duplex=False)
+    trainer = Spawned(
+        proxy_trainer, steps, smoke, control_out, rollouts_in, weights_out, cores={cores[0]}
+    )
+    generator = Spawned(
+        proxy_generator, steps, smoke, control_in, rollouts_out, weights_in, cores={cores[1]}
+    )
     records = trainer.result(), generator.result()
     return [r.result() for r in sync_runs] + [
         summarise_proxy_async(*records, warmup=1 if smoke else 2)

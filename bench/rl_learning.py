@@ -83,8 +83,8 @@ def continued_sft(
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.metrics import MetricsWriter
+    from jaxrl.infra.run_io import to_host
     from jaxrl.infra.sharding import TRAINER_RULES
-    from jaxrl.run_io import to_host
     from jaxrl.specs import TaskSpec, build_source
     from jaxrl.tasks.source import encode_prompts
     from jaxrl.trainer import OptimizerConfig, Trainer

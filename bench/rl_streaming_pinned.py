@@ -3,11 +3,12 @@
 A proxy, labelled so, as `bench.rl`'s "CPU proxy": each role is its own process pinned to one
 core (`os.sched_setaffinity`) with one CPU device, since XLA:CPU cannot pin one process's threads
 per role and a role-split job (`jaxrl.loop.roles`) runs fixed lag only. The library's pieces run
-unchanged in each process: the engine and the generator threads' own loops
-(`feeds.lagged.BatchProducer._run` for fixed lag, `feeds.streaming.StreamProducer._run` for
-streaming), the reward executor, `Controller.collate`, `GroupQueue` (staleness bound on a
-group's oldest token, drops counted), `token_staleness_metrics`, `Trainer.rl_step` (AIPO). Only
-the in-process queue and the device-to-device weight push are replaced, by two pipes:
+unchanged in each process: the trainer's loop (`Controller.run`, over `PipeFeed`), the engine
+and the generator threads' own loops (`feeds.lagged.BatchProducer` for fixed lag,
+`feeds.streaming.StreamProducer` for streaming), the reward executor, `GroupQueue` (staleness
+bound on a group's oldest token, drops counted), `token_staleness_metrics`, `Trainer.rl_step`
+(AIPO). Only the in-process queue and the device-to-device weight push are replaced, by two
+pipes:
 
 - weights (trainer -> generator): `("weights", version, host params, push time, removed)` after
   each step and `("removed", n)` right after each take, `removed` the cumulative count of queue
@@ -280,7 +281,7 @@ def proxy_generator(spec: dict, weights_in, rollouts_out) -> dict:
     else:
         pipe = _PipeQueue(rollouts_out, ctl.weights, ctl.config.queue_size)  # batches
         producer = BatchProducer(ctl, pipe, first_index=0)
-    producer._run()  # returns on the trainer's stop (QueueClosed) or after the last batch
+    producer.run()  # returns on the trainer's stop (QueueClosed) or after the last batch
     if pipe.error is not None:
         raise pipe.error
     rollouts_out.send(("done",))
@@ -338,85 +339,123 @@ def _receiver(conn, groups, errors: list) -> threading.Thread:
     return thread
 
 
-def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
-    """The trainer process: take (the next batch, or the next `num_prompts` groups fresh enough),
-    train, push. Per step: wall, idle (waiting to take), train and push seconds."""
-    import jax
-    import numpy as np
+class PipeFeed:
+    """The trainer's rollout feed over the two pipes (module docstring), for `Controller.run`:
+    fixed lag takes the generator's next batch from the pipe; streaming the next `num_prompts`
+    groups of a `GroupQueue` a receiver thread admits them into. After each take it reports the
+    queue items removed; after each step it pushes the weights (host copies, sent in order by a
+    thread). `ends`: each step's end on `time.perf_counter`."""
 
-    from jaxrl.loop.feeds.streaming import token_staleness_metrics
-    from jaxrl.loop.rollout_queue import GroupQueue
-    from jaxrl.run_io import to_host
+    timeline = None  # the generator is another process: its idle time comes from there
 
-    class ForwardedGroups(GroupQueue):
-        """A `GroupQueue` fed from another process: each group is issued there."""
+    def __init__(self, controller, weights_out, rollouts_in):
+        self.config = controller.config
+        self.streaming = self.config.schedule == "streaming"
+        self.outbox, self.sender = _sender(weights_out)
+        self.rollouts_in = rollouts_in
+        self.groups = self.receiver = None
+        self.errors: list[str] = []
+        self.taken = 0
+        self.ends: list[float] = []
 
-        def admit(self, group) -> bool:
-            with self._cond:
-                self._in_flight.add(group.batch_index)
-            return self.put(group)
+    def removed(self) -> int:
+        stats = self.groups.stats if self.groups is not None else None
+        return stats.consumed_batches + stats.dropped_batches if stats else self.taken
 
-    ctl, state = build(spec, "sync", with_state=True)
-    c, steps = ctl.config, spec["steps"]
-    streaming = spec["schedule"] == "streaming"
-    outbox, sender = _sender(weights_out)
-    groups = receiver = None
-    errors: list[str] = []
-    if streaming:
-        groups = ForwardedGroups(c.queue_size * c.num_prompts, c.max_staleness)
-        receiver = _receiver(rollouts_in, groups, errors)
+    def push(self, version: int, params) -> None:
+        import jax
+        import numpy as np
 
-    def push(version, removed):
-        host = jax.tree.map(np.array, state.params)  # a copy: the next step donates the params
-        outbox.put(("weights", version, host, time.perf_counter(), removed))
+        host = jax.tree.map(np.array, params)  # a copy: the next step donates the params
+        self.outbox.put(("weights", version, host, time.perf_counter(), self.removed()))
 
-    def removed(taken: int) -> int:
-        return groups.stats.consumed_batches + groups.stats.dropped_batches if groups else taken
+    def start(self, step: int, params, extra: dict | None) -> None:
+        from jaxrl.loop.rollout_queue import GroupQueue
 
-    push(0, 0)
-    records, last = [], time.perf_counter()
-    for k in range(steps):
-        t0 = time.perf_counter()
-        record = {}
-        if streaming:
-            taken = groups.take(c.num_prompts, timeout=c.stall_timeout_s)
+        class ForwardedGroups(GroupQueue):
+            """A `GroupQueue` fed from another process: each group is issued there."""
+
+            def admit(self, group) -> bool:
+                with self._cond:
+                    self._in_flight.add(group.batch_index)
+                return self.put(group)
+
+        c = self.config
+        if self.streaming:
+            self.groups = ForwardedGroups(c.queue_size * c.num_prompts, c.max_staleness)
+            self.receiver = _receiver(self.rollouts_in, self.groups, self.errors)
+        self.push(step, params)
+
+    def take(self, step: int, params):
+        import numpy as np
+
+        from jaxrl.loop.feeds.base import Taken
+        from jaxrl.loop.feeds.streaming import token_staleness_metrics
+
+        c = self.config
+        if self.streaming:
+            taken = self.groups.take(c.num_prompts, timeout=c.stall_timeout_s)
             rollouts = [r for g in taken for r in g.rollouts]
-            staleness, _ = token_staleness_metrics(rollouts, k)
-            record["staleness_mean"] = staleness["stream/token_staleness_mean"]
-            record["staleness_max"] = staleness["stream/token_staleness_max"]
-            record["mixed_rows"] = staleness["stream/mixed_version_rows"]
-            record["dropped"] = groups.stats.dropped_batches
+            staleness, _ = token_staleness_metrics(rollouts, step)
+            metrics = {
+                "staleness_mean": staleness["stream/token_staleness_mean"],
+                "staleness_max": staleness["stream/token_staleness_max"],
+                "mixed_rows": staleness["stream/mixed_version_rows"],
+                "dropped": self.groups.stats.dropped_batches,
+            }
         else:
-            batch = rollouts_in.recv()
+            batch = self.rollouts_in.recv()
             if isinstance(batch, tuple):
                 raise RuntimeError(f"the generator process failed: {batch[1]}")
             rollouts = batch.rollouts
-            record["staleness_mean"] = record["staleness_max"] = float(k - batch.policy_version)
-            record["dropped"] = 0
-        outbox.put(("removed", removed(k + 1)))  # room in the queue: the generator may go on
-        t1 = time.perf_counter()
-        state, metrics = ctl.trainer.rl_step(state, ctl.collate(rollouts), None)
-        to_host(metrics)
-        t2 = time.perf_counter()
-        if streaming:
-            groups.advance(k + 1)
-        # Fixed lag 1: batch k + 2 (the last needing version k + 1) exists; streaming: always.
-        if streaming or k + 1 <= steps - 2:
-            push(k + 1, removed(k + 1))
-        t3 = time.perf_counter()
-        record |= dict(start=t0, take_end=t1, end=t3, step_s=t3 - last, idle_s=t1 - t0)
-        record |= dict(train_s=t2 - t1, sync_s=t3 - t2)
-        record["completion"] = float(np.mean([len(r.completion_ids) for r in rollouts]))
-        records.append(record)
-        last = t3
-    outbox.put(("stop",))
-    outbox.put(None)
-    sender.join(timeout=60)
-    if receiver is not None:  # until the generator's "done": it may be sending a group
-        receiver.join(timeout=60)
-    if errors:
-        raise RuntimeError(f"the generator process failed: {errors[0]}")
-    return {"records": records}
+            lag = float(step - batch.policy_version)
+            metrics = {"staleness_mean": lag, "staleness_max": lag, "dropped": 0}
+        self.taken += 1
+        self.outbox.put(("removed", self.removed()))  # room in the queue: the generator may go on
+        metrics["reward/mean"] = float(np.mean([r.reward for r in rollouts]))
+        metrics["completion"] = float(np.mean([len(r.completion_ids) for r in rollouts]))
+        return Taken(rollouts, metrics)
+
+    def trained(self, step: int, params) -> dict[str, float]:
+        start = time.perf_counter()
+        if self.streaming:
+            self.groups.advance(step)
+        # Fixed lag 1: batch step + 1 (the last needing version step) exists; streaming: always.
+        if self.streaming or step <= self.config.total_steps - 2:
+            self.push(step, params)
+        self.ends.append(time.perf_counter())
+        sampled = float(self.removed() * self.config.num_prompts)
+        return {"time/sync_s": self.ends[-1] - start, "data/prompts_sampled": sampled}
+
+    def snapshot(self, step: int) -> dict:
+        return {}  # the bench saves nothing
+
+    def stop(self, failed: bool) -> None:
+        self.outbox.put(("stop",))
+        self.outbox.put(None)
+        self.sender.join(timeout=60)
+        if self.receiver is not None:  # until the generator's "done": it may be sending a group
+            self.receiver.join(timeout=60)
+        if self.errors and not failed:
+            raise RuntimeError(f"the generator process failed: {self.errors[0]}")
+
+
+def proxy_trainer(spec: dict, weights_out, rollouts_in) -> dict:
+    """The trainer process: the library's `Controller.run` over a `PipeFeed`. Per step: wall,
+    idle (waiting to take), train and push seconds."""
+    ctl, state = build(spec, spec["schedule"], with_state=True)
+    ctl.feed = feed = PipeFeed(ctl, weights_out, rollouts_in)
+    ctl.run(state)
+    records = [r for r in ctl.io.records if r["step"]]
+    keys = ("staleness_mean", "staleness_max", "mixed_rows", "dropped", "completion")
+    return {
+        "records": [
+            {k: r[k] for k in keys if k in r}
+            | dict(end=end, step_s=r["time/step_s"], idle_s=r["time/trainer_idle_s"])
+            | dict(train_s=r["time/train_s"], sync_s=r["time/sync_s"])
+            for r, end in zip(records, feed.ends, strict=True)
+        ]
+    }
 
 
 def proxy_sync(spec: dict) -> dict:

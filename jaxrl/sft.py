@@ -15,9 +15,9 @@ from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
 from jaxrl.generation.placement import colocated_sampler
 from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.run_io import RunIO, to_host
 from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.loop.report import StepReport
-from jaxrl.run_io import RunIO, to_host
 from jaxrl.specs import (
     PolicySpec,
     TaskSpec,

@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatchError
+from jaxrl.infra.run_io import checkpoint_dir
 from jaxrl.infra.sharding import attach_shardings
 from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
@@ -29,16 +30,11 @@ from jaxrl.models.scan import convert_layer_layout, layer_layout_shardings
 from jaxrl.models.transformer import Transformer
 
 MODEL_DIR = "model"
-CHECKPOINT_DIR = "checkpoints"
 PARAMS_KEY = "params"
 
 
 def model_dir(workdir: str) -> str:
     return os.path.join(workdir, MODEL_DIR)
-
-
-def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(workdir, CHECKPOINT_DIR)
 
 
 def save_model_spec(workdir: str, config: ModelConfig, tokenizer=None) -> None:

@@ -34,13 +34,13 @@ from jaxrl.infra import checkpoint
 from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
+from jaxrl.infra.run_io import RunIO
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.loop import roles as roles_lib
 from jaxrl.loop.config import check_rl_job, sampling_config
 from jaxrl.loop.controller import Controller
 from jaxrl.loop.feeds import feed_class
 from jaxrl.loop.reward import RewardExecutor
-from jaxrl.run_io import RunIO
 from jaxrl.sft import rl_source_after_sft, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
 from jaxrl.sync.cross_process import make_weight_sync

@@ -5,12 +5,12 @@
     train_step = step.make_train_step(model.graphdef, optimizer, scheme, ..., state_shardings)
     state = run_training(run_dir, config, state, train_step, step_inputs, desc="kd/seed_0")
 
-`run_training` owns the plumbing of every loop (as `jaxrl.run_io` does on the RL side):
+`run_training` is the loop; its plumbing is `jaxrl.infra.run_io.RunIO`, shared with SFT and RL:
 Orbax checkpoints in `RUN_DIR/checkpoints` (atomic; resumed from the newest finished step),
-metrics in `RUN_DIR/metrics.jsonl`, a progress bar or log lines, NaN checks, and the fault hooks
-of `jaxrl.infra.faults` (`JAXRL_FAULT=kill_at_step=N | kill_in_save=N`). Resuming is exact: the
-batch of step s is a pure function of (seed, s) (`data.batch_indices`), so a run killed and
-resumed ends with the same bits as one that never stopped.
+metrics in `RUN_DIR/metrics.jsonl`, a progress bar or log lines, NaN checks, the graceful stop,
+and the fault hooks of `jaxrl.infra.faults` (`JAXRL_FAULT=kill_at_step=N | kill_in_save=N`).
+Resuming is exact: the batch of step s is a pure function of (seed, s) (`data.batch_indices`),
+so a run killed and resumed ends with the same bits as one that never stopped.
 
 The teacher's objective (`make_supervised_step`) is cross-entropy on the full input plus, with
 weight `unimodal_weight`, on the text-only and image-only views, so that its unimodal
@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,10 +34,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl.infra import faults, preemption
+from jaxrl.infra import preemption
 from jaxrl.infra import sharding as ax
-from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
-from jaxrl.infra.metrics import MetricsWriter, progress_bar
+from jaxrl.infra.run_io import RunIO
 from msd_jax import models
 from msd_jax.data import REGIMES, MultimodalDataset
 from msd_jax.losses import accuracy, cross_entropy
@@ -48,12 +44,8 @@ from msd_jax.step import ShardedFunction, TrainState, batch_sharding, make_teach
 from msd_jax.views import VIEWS
 from msd_jax.weighting import Weighting, WeightingState
 
-CHECKPOINT_DIR = "checkpoints"
+LOSS = "loss/total"  # the metric checked for NaN / Inf
 MODEL_KINDS = ("mlp", "transformer")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN / Inf."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,33 +289,6 @@ def make_supervised_step(
     return ShardedFunction(jitted, mesh, rules)
 
 
-def state_tree(state: TrainState) -> dict[str, Any]:
-    """The checkpointed form of a TrainState (a dict, so `params` can be restored alone)."""
-    return {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "weighting": {"params": state.weighting.params, "opt_state": state.weighting.opt_state},
-    }
-
-
-def _tree_to_state(tree: dict[str, Any], like: TrainState) -> TrainState:
-    weighting = like.weighting.replace(
-        params=tree["weighting"]["params"], opt_state=tree["weighting"]["opt_state"]
-    )
-    return TrainState(
-        step=tree["step"], params=tree["params"], opt_state=tree["opt_state"], weighting=weighting
-    )
-
-
-def checkpointer(run_dir: str | Path, config: TrainConfig) -> Checkpointer:
-    """The run's Checkpointer (`RUN_DIR/checkpoints`)."""
-    ckpt_config = CheckpointConfig(
-        save_every_steps=config.save_every_steps, keep_last_n=config.keep_last_n
-    )
-    return Checkpointer(Path(run_dir) / CHECKPOINT_DIR, ckpt_config)
-
-
 def run_training(
     run_dir: str | Path,
     config: TrainConfig,
@@ -338,78 +303,53 @@ def run_training(
     `state` is the initial state (also the restore target: its shardings are reused) and is
     donated; `step_inputs(s)` gives the step's arguments after the state for 0-based step s.
     A run whose last step is already saved is restored and returned without training.
+    Metrics are written every `log_every_steps` (no TensorBoard); the loss is checked for
+    NaN / Inf there and before every checkpoint, so a non-finite state is never saved.
     """
-    run_dir = Path(run_dir)
+    # Never undone: the handlers stay for the study's later stages, so a signal between two
+    # trainings (e.g. while teacher logits are cached) is still honoured.
     preemption.install()
-    ckpt = checkpointer(run_dir, config)
-    writer = MetricsWriter(run_dir, tensorboard=False)
-    bar = None
+    io = RunIO(
+        run_dir,
+        total_steps=config.steps,
+        save_every_steps=config.save_every_steps,
+        keep_last_n=config.keep_last_n,
+        desc=desc,
+        log_every_steps=config.log_every_steps,
+        tensorboard=False,
+        host_metrics=False,
+        finite=(LOSS,),
+        advice="Lower the learning rate.",
+    )
     try:
-        if ckpt.latest_step() is not None:
-            restored = ckpt.restore(abstract_target=state_tree(state))
-            state = _tree_to_state(restored.state, state)
-            writer.discard_after(restored.step)  # the steps after it run again: one line each
-            if restored.step < config.steps:
-                print(f"[{desc}] resuming {run_dir} from step {restored.step}", flush=True)
+        restored = io.restore(state)
+        if restored is not None:
+            state = restored[0]
         start = int(state.step)
         if start > config.steps:
             raise ValueError(
                 f"[{desc}] {run_dir} holds a checkpoint of step {start} > steps={config.steps}; "
                 "use the run's own config or a new workdir"
             )
-        bar = progress_bar(config.steps, initial_step=start, desc=desc)
-        started = time.perf_counter()
+        io.start(start)
         for s in range(start, config.steps):
             state, metrics = train_step(state, *step_inputs(s))
             done = s + 1
-            if done % config.log_every_steps == 0 or done == config.steps:
-                _log(writer, done, metrics, ckpt, desc)
-                if not sys.stderr.isatty():
-                    elapsed = time.perf_counter() - started
-                    loss = float(metrics["loss/total"])
-                    line = f"[{desc}] step {done}/{config.steps} loss={loss:.4f} ({elapsed:.0f}s)"
-                    print(line, flush=True)
-            if faults.wants_kill_in_save(done):
-                # The previous (async) save must commit first: the fault belongs to this save.
-                ckpt.wait_until_finished()
-            stopping = preemption.requested()  # SIGTERM / Ctrl-C: save this step, then stop
-            force = done == config.steps or stopping
-            if force or ckpt.should_save(done):  # never checkpoint a non-finite state
-                _check_finite(float(metrics["loss/total"]), done, ckpt, desc)
-            ckpt.save(done, state_tree(state), extra={"step": done}, force=force)
-            bar.update(1)
-            faults.after_step(done, wait_for_saves=ckpt.wait_until_finished)
-            if stopping:
-                ckpt.wait_until_finished()
-                preemption.stop(done, str(ckpt.directory))
-        ckpt.wait_until_finished()
+            final = done == config.steps
+            if done % config.log_every_steps == 0 or final:
+                io.log(done, metrics, {"loss": f"{float(metrics[LOSS]):.4f}"})
+            else:
+                io.show(done)
+            if io.save_due(done, force=final):
+                io.check_finite(done, {LOSS: float(metrics[LOSS])})
+                io.save(state, {"step": done}, force=final)
+            # A stop requested by now ends the run at its saved step; one the fault hooks request
+            # (`sigterm_at_step=N`) is honoured at the next step, which it saves.
+            io.stop_if_requested(done)
+            io.fault_hooks(done)
     finally:
-        if bar is not None:
-            bar.close()
-        ckpt.close()
-        writer.close()
-        # No preemption.uninstall(): the handlers stay for the study's later stages, so a
-        # signal between two trainings (e.g. while teacher logits are cached) is still honoured.
+        io.close()
     return state
-
-
-def _log(writer: MetricsWriter, step: int, metrics: dict, ckpt: Checkpointer, desc: str) -> None:
-    written = writer.write(step, metrics)
-    loss = written.get("loss/total")
-    if loss is not None:
-        _check_finite(loss, step, ckpt, desc)
-
-
-def _check_finite(loss: float, step: int, ckpt: Checkpointer, desc: str) -> None:
-    if not math.isfinite(loss):
-        try:  # the previous step's save may still be in flight: it is the last good one
-            ckpt.wait_until_finished()
-        except Exception:  # a failed save is no good checkpoint; report the loss anyway
-            logging.getLogger(__name__).exception("the checkpoint save before step %d failed", step)
-        raise NonFiniteLossError(
-            f"[{desc}] loss is {loss} at step {step}; the last good checkpoint is step "
-            f"{ckpt.latest_step()} in {ckpt.directory}. Lower the learning rate."
-        )
 
 
 def predict_views(

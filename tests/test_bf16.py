@@ -19,10 +19,10 @@ from jaxrl import lora as lora_lib
 from jaxrl.generation.placement import generator_param_shardings
 from jaxrl.infra.checkpoint import CheckpointMismatchError
 from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.run_io import RunIO
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.models.config import ModelConfig
 from jaxrl.rl import Rollout, collate_rollouts
-from jaxrl.run_io import RunIO
 from jaxrl.sync.cross_process import make_weight_sync
 from jaxrl.sync.store import GeneratorWeights
 from jaxrl.trainer import (

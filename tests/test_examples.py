@@ -99,7 +99,7 @@ RUN_IO = textwrap.dedent(
     """
     import json, os, sys
     import jax.numpy as jnp
-    from jaxrl.run_io import RunIO
+    from jaxrl.infra.run_io import RunIO
     from jaxrl.trainer import TrainState
 
     saved = {}

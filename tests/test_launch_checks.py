@@ -274,7 +274,7 @@ def test_too_few_devices_on_a_cpu_names_the_xla_flag():
 
 
 def test_progress_lines_show_seconds_per_step_and_an_eta(tmp_path, capsys):
-    from jaxrl.run_io import RunIO
+    from jaxrl.infra.run_io import RunIO
 
     io = RunIO(str(tmp_path), total_steps=4, save_every_steps=4, keep_last_n=1, desc="sft",
                log_every_steps=2)  # fmt: skip

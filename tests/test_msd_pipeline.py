@@ -20,10 +20,11 @@ from jaxrl.infra.checkpoint import Checkpointer
 from jaxrl.infra.config import launch, parse_gin, resolve_bindings
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.infra.run_io import CHECKPOINT_DIR, state_tree
 from msd_jax import models, report
 from msd_jax.data import make_splits
 from msd_jax.study import make_method
-from msd_jax.train import CHECKPOINT_DIR, CompiledModel, state_tree
+from msd_jax.train import CompiledModel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "msd", "digits_caption.gin")

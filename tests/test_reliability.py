@@ -19,7 +19,7 @@ from jaxrl.infra import checkpoint as ckpt_lib
 from jaxrl.infra.config import launch
 from jaxrl.infra.distributed import ProcessLayoutError
 from jaxrl.infra.metrics import read_metrics
-from jaxrl.run_io import NonFiniteLossError, RunIO
+from jaxrl.infra.run_io import NonFiniteLossError, RunIO
 from jaxrl.trainer import TrainState
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,14 +2,15 @@
 finish the current step, save a checkpoint of it, exit 0. Rerunning the same command resumes
 from that checkpoint.
 
-Training loops (`jaxrl.run_io.RunIO`, `msd_jax.train.run_training`) call `install()` when they
-start (and `uninstall()` when they end: the previous handlers come back), force the save of a
-step when `requested()`, wait until that save is committed, and call `stop()`, which raises
-`StopRequested`; `jaxrl.infra.config.launch` turns it into a message and exit status 0. A signal
-that lands after a step's save decision stops the run after the next step, so the checkpoint
-always holds a whole step. A second SIGTERM is not special (the first one is being honoured); a
-second Ctrl-C stops at once without saving (KeyboardInterrupt), for a user who will not wait;
-SIGKILL cannot be caught, and the run then resumes from its last checkpoint.
+Training loops (`jaxrl.infra.run_io.RunIO`, which `msd_jax.train.run_training` uses too) call
+`install()` when they start (and `uninstall()` when they end: the previous handlers come back),
+force the save of a step when `requested()`, wait until that save is committed, and call
+`stop()`, which raises `StopRequested`; `jaxrl.infra.config.launch` turns it into a message and
+exit status 0. A signal that lands after a step's save decision stops the run after the next
+step, so the checkpoint always holds a whole step. A second SIGTERM is not special (the first
+one is being honoured); a second Ctrl-C stops at once without saving (KeyboardInterrupt), for a
+user who will not wait; SIGKILL cannot be caught, and the run then resumes from its last
+checkpoint.
 
 Single process only: in a `jax.distributed` job JAX's preemption service owns SIGTERM (it treats it
 as a preemption notice), so there `install()` leaves the signals alone.

@@ -144,10 +144,10 @@ class RLConfig:
 
 @runtime_checkable
 class ControllerIO(Protocol):
-    """What the controller needs of a run's I/O. `jaxrl.run_io.RunIO` (checkpoints, metrics.jsonl,
-    TensorBoard, progress) is the launchers'; a script may pass anything with these methods
-    (e.g. one that keeps metrics in memory and never saves). Optional: `histogram(step, name,
-    values)`, a metric's distribution (`RunIO` writes it to TensorBoard), which
+    """What the controller needs of a run's I/O. `jaxrl.infra.run_io.RunIO` (checkpoints,
+    metrics.jsonl, TensorBoard, progress) is the launchers'; a script may pass anything with these
+    methods (e.g. one that keeps metrics in memory and never saves). Optional: `histogram(step,
+    name, values)`, a metric's distribution (`RunIO` writes it to TensorBoard), which
     `jaxrl.loop.report.StepReport` calls when the io has it."""
 
     def start(self, step: int) -> None:

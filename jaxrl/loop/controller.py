@@ -30,13 +30,13 @@ import jax
 from jaxrl.evaluation import evaluate
 from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.sampling import Sampler
+from jaxrl.infra.run_io import to_host
 from jaxrl.loop.config import ControllerIO, RLConfig, check_controller_inputs
 from jaxrl.loop.feeds import feed_class
 from jaxrl.loop.feeds.base import RolloutFeed
 from jaxrl.loop.report import StepClock, StepReport
 from jaxrl.loop.reward import RewardExecutor
 from jaxrl.rl import collate_rollouts, select_groups
-from jaxrl.run_io import to_host
 from jaxrl.sync.store import GeneratorWeights
 from jaxrl.tasks.source import PromptSource, encode_prompts
 from jaxrl.trainer import Params, Trainer, TrainState
@@ -54,7 +54,7 @@ class Controller:
       source: a `jaxrl.tasks.source.PromptSource`; batch k samples items
         [k * m, (k + 1) * m) with m = num_prompts * oversample.
       tokenizer: encodes prompts (`tokenizer.encode(text)`) and gives `pad_token_id`.
-      io: a `ControllerIO` (`jaxrl.run_io.RunIO` for checkpoints and metrics).
+      io: a `ControllerIO` (`jaxrl.infra.run_io.RunIO` for checkpoints and metrics).
       reward: the reward name or function evaluations use.
       ref_params: a frozen reference policy for the KL term (`LossConfig.kl_coef > 0`).
       weights (async mode): the generator's weight store, fed by the trainer's pushes.

@@ -97,7 +97,7 @@ class StepReport:
     """The tail of one training step, the same in every loop (module docstring).
 
     Args:
-      io: the run's `ControllerIO` (`jaxrl.run_io.RunIO`, or a script's own).
+      io: the run's `ControllerIO` (`jaxrl.infra.run_io.RunIO`, or a script's own).
       total_steps, eval_every_steps: evaluation runs at every `eval_every_steps`-th step and the
         last one; the last step's checkpoint is forced.
       evaluate: params -> metrics (`{}` when the run does not evaluate).

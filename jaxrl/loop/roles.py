@@ -38,7 +38,8 @@ weights, pushed again from the restored step, and resample nothing the checkpoin
 
 Trainer processes run the one trainer loop (`Controller.run`) over `trainer_feed(...)` (a
 `feeds.remote.RemoteFeed`, with `PushOnly` as the weight store); generator processes run
-`run_generator`, which samples with the lagged feed's `sample_batch`.
+`run_generator`: `serve_batches` over the key-value store, sampling with the lagged feed's
+`sample_batch` (`serve_batches` takes any channel with `get_json` and `send`).
 """
 
 from __future__ import annotations
@@ -206,19 +207,34 @@ def trainer_feed(controller: Controller, layout: RoleLayout) -> RemoteFeed:
 
 
 def run_generator(ctl: Controller, layout: RoleLayout) -> None:
-    """A generator process's main: samples and scores batches [first_index, total_steps) with
-    the versions the trainer pushes (received into `ctl.weights`, a `GeneratorWeights` over the
-    job's `CrossProcessWeightSync`), and (the first generator process) sends each once the
-    trainer asks for it. `ctl` is built as on a trainer process, with `io=NoIO()`."""
-    c = ctl.config
-    channel = RolloutChannel(c.stall_timeout_s)
+    """A generator process's main: `serve_batches` over the coordination service's key-value
+    store, with the versions the trainer pushes received into `ctl.weights` (a
+    `GeneratorWeights` over the job's `CrossProcessWeightSync`); the first generator process
+    sends the batches. `ctl` is built as on a trainer process, with `io=NoIO()`."""
+    channel = RolloutChannel(ctl.config.stall_timeout_s)
     lead = jax.process_index() == layout.generator_processes[0]
+    phantom = jax.tree.map(
+        lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
+        ctl.trainer.abstract_params,
+        ctl.trainer.param_shardings,
+    )
+    serve_batches(ctl, channel, lead, phantom)
+
+
+def serve_batches(ctl: Controller, channel, lead: bool, pushed=None, timeline=None) -> None:
+    """The generator side of a role split: samples and scores batches [first_index,
+    total_steps) with the versions the trainer pushes, and (`lead`) sends each once the trainer
+    asks for it. `channel` is a `RolloutChannel` or anything with its `get_json` and `send`;
+    a receiver thread issues the trainer's pushes in order (`ctl.weights.publish(pushed, v)`:
+    `pushed` is what this side's transport pushes, e.g. phantom arrays of the trainer's
+    shards). `timeline` (`begin(t)` / `end(t)`, e.g. a `BusyTimeline`) gets the busy spans."""
+    c = ctl.config
     start = channel.get_json("start", "the trainer to start (process 0)")
     step, first_index = int(start["step"]), int(start["first_index"])
     weights = ctl.weights
     versions = [v for v in range(step, c.total_steps + 1) if push_needed(c, v, first_index)]
     receiver = threading.Thread(
-        target=_receive, args=(ctl, versions), name="jaxrl-receiver", daemon=True
+        target=_receive, args=(ctl, versions, pushed), name="jaxrl-receiver", daemon=True
     )
     receiver.start()
     try:
@@ -226,7 +242,11 @@ def run_generator(ctl: Controller, layout: RoleLayout) -> None:
             t0 = time.perf_counter()
             params = unwrap(weights.acquire, version_for(c, k), c.stall_timeout_s)
             waited = time.perf_counter() - t0
+            if timeline is not None:
+                timeline.begin(time.perf_counter())
             batch = sample_batch(ctl, k, params)
+            if timeline is not None:
+                timeline.end(time.perf_counter())
             if lead:
                 t1 = time.perf_counter()
                 channel.get_json(f"room/{k}", f"the trainer to ask for batch {k}")
@@ -243,16 +263,11 @@ def run_generator(ctl: Controller, layout: RoleLayout) -> None:
     channel.get_json("done", "the trainer to finish")
 
 
-def _receive(ctl: Controller, versions: list[int]) -> None:
+def _receive(ctl: Controller, versions: list[int], pushed) -> None:
     """The receiver thread: issues the trainer's pushes, in order, into `ctl.weights`."""
-    phantom = jax.tree.map(
-        lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
-        ctl.trainer.abstract_params,
-        ctl.trainer.param_shardings,
-    )
     try:
         for version in versions:
-            ctl.weights.publish(phantom, version, ctl.config.stall_timeout_s)
+            ctl.weights.publish(pushed, version, ctl.config.stall_timeout_s)
     except QueueClosed:
         return
     except BaseException as error:

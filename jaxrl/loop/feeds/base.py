@@ -118,7 +118,7 @@ class GeneratorThread:
         self.controller, self.queue = controller, queue
         self.version: int | None = None
         self.timeline = timeline or BusyTimeline()
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread = threading.Thread(target=self.run, name=self.thread_name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -145,7 +145,9 @@ class GeneratorThread:
     def finish(self) -> None:
         """After `produce` ends, however it ends (a hook)."""
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The thread's body (`start` runs it on the thread; a process that only generates may
+        call it on its own thread): `produce`, with the failure handling above."""
         try:
             self.produce()
         except QueueClosed:
