@@ -11,7 +11,7 @@ from typing import Any
 
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
-from jaxrl.models.config import _DTYPES as MODEL_DTYPES
+from jaxrl.models.config import DTYPES as MODEL_DTYPES
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.remat import REMAT_POLICIES
 from jaxrl.tasks.arithmetic import ArithmeticTask

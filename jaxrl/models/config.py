@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class UnsupportedModelError(ValueError):
@@ -106,8 +106,8 @@ class ModelConfig:
                 f"({self.num_kv_heads}) for grouped-query attention"
             )
         for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(DTYPES)}")
         if self.attention_impl not in ("xla", "cudnn", "pallas", None):
             raise ValueError(
                 f"attention_impl={self.attention_impl!r}; use 'xla', 'cudnn', 'pallas' or None"
@@ -121,11 +121,11 @@ class ModelConfig:
 
     @property
     def jnp_param_dtype(self):
-        return _DTYPES[self.param_dtype]
+        return DTYPES[self.param_dtype]
 
     @property
     def jnp_dtype(self):
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -210,7 +210,7 @@ class ModelConfig:
             pad_token_id=getattr(hf_config, "pad_token_id", None),
         )
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if dtype is not None and str(dtype).removeprefix("torch.") in _DTYPES:
+        if dtype is not None and str(dtype).removeprefix("torch.") in DTYPES:
             kwargs["param_dtype"] = str(dtype).removeprefix("torch.")
         kwargs.update(overrides)
         return cls(**kwargs)

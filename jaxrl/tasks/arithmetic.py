@@ -38,7 +38,8 @@ _INTEGER = re.compile(r"-?[0-9]{1,32}")
 _MAX_ATTEMPTS = 10_000
 
 
-def _hash_u64(*parts: object) -> int:
+def hash_u64(*parts: object) -> int:
+    """A stable 64-bit hash of `parts` (blake2b of their "/"-joined text): seeded draws."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
@@ -104,7 +105,7 @@ class ArithmeticTask:
 
     def is_heldout(self, problem: ArithmeticProblem) -> bool:
         threshold = self.heldout_fraction * 2.0**64
-        return _hash_u64("heldout", self.seed, problem.a, problem.op, problem.b) < threshold
+        return hash_u64("heldout", self.seed, problem.a, problem.op, problem.b) < threshold
 
     def problem(self, index: int, split: str = "train") -> ArithmeticProblem:
         """The `index`-th problem of `split`, deterministic in (fields, split, index)."""
@@ -114,7 +115,7 @@ class ArithmeticTask:
         size = high - low + 1
         want_heldout = split == "heldout"
         for attempt in range(_MAX_ATTEMPTS):
-            h = _hash_u64("draw", self.seed, split, index, attempt)
+            h = hash_u64("draw", self.seed, split, index, attempt)
             # 64-bit hash: modulo bias below 1e-9 for these ranges.
             op = self.operators[h % len(self.operators)]
             h //= len(self.operators)
@@ -146,7 +147,7 @@ class ArithmeticTask:
                 for b in range(low, high + 1)
                 if self.is_heldout(p := ArithmeticProblem(a, op, b))
             ]
-            found.sort(key=lambda p: _hash_u64("order", self.seed, p.a, p.op, p.b))
+            found.sort(key=lambda p: hash_u64("order", self.seed, p.a, p.op, p.b))
             return found if limit is None else found[:limit]
         if limit is None:
             raise ValueError(f"{self.num_problems} problems: pass a limit for the held-out set")

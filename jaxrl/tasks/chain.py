@@ -27,7 +27,7 @@ import re
 
 import numpy as np
 
-from jaxrl.tasks.arithmetic import _hash_u64, encode_prompt_targets
+from jaxrl.tasks.arithmetic import encode_prompt_targets, hash_u64
 from jaxrl.tasks.tokenizer import EOS_TOKEN
 
 SPLITS = ("train", "heldout")
@@ -102,7 +102,7 @@ class ChainTask:
 
     def is_heldout(self, problem: ChainProblem) -> bool:
         threshold = self.heldout_fraction * 2.0**64
-        return _hash_u64("chain-heldout", self.seed, *problem.operands) < threshold
+        return hash_u64("chain-heldout", self.seed, *problem.operands) < threshold
 
     def _draw(self, h: int) -> ChainProblem:
         # The count by inverse CDF on the top 24 bits, the digits from the rest (a second hash
@@ -113,7 +113,7 @@ class ChainTask:
         digits, bits = [], h & ((1 << 40) - 1)
         for i in range(k):
             if i and i % 12 == 0:
-                bits = _hash_u64("chain-digits", h, i)
+                bits = hash_u64("chain-digits", h, i)
             digits.append(bits % 10)
             bits //= 10
         return ChainProblem(tuple(digits))
@@ -124,7 +124,7 @@ class ChainTask:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         want_heldout = split == "heldout"
         for attempt in range(_MAX_ATTEMPTS):
-            candidate = self._draw(_hash_u64("chain-draw", self.seed, split, index, attempt))
+            candidate = self._draw(hash_u64("chain-draw", self.seed, split, index, attempt))
             if self.is_heldout(candidate) == want_heldout:
                 return candidate
         raise RuntimeError(f"no {split} problem found in {_MAX_ATTEMPTS} draws")
