@@ -39,7 +39,6 @@ from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.infra.sharding import TRAINER_RULES  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.rl import Rollout, collate_rollouts  # noqa: E402
-from jaxrl.rl.packing import pack_rollout_batch  # noqa: E402
 from jaxrl.trainer import OptimizerConfig, Trainer  # noqa: E402
 
 
@@ -83,9 +82,9 @@ def _measure(trainer: Trainer, batch, state, repeats: int) -> tuple[list[float],
     return times, state, jax.device_get(metrics)
 
 
-def _flops(trainer: Trainer, state, batch) -> float:
-    if trainer.pack_length:
-        batch = pack_rollout_batch(batch, trainer.pack_length, trainer._pack_groups())
+def step_flops(trainer: Trainer, state, batch) -> float:
+    """XLA's FLOPs of `trainer`'s RL step on `batch`, laid out as `rl_step` would."""
+    batch = trainer.layout_batch(batch)
     with trainer._context():  # the lowered program's cost: no second compile
         lowered = trainer._rl.lower(state, trainer.place_batch(batch), None, None)
     cost = lowered.cost_analysis()
@@ -106,7 +105,10 @@ def main(argv=None) -> list[dict]:
     for kind in ("long tail",) if args.smoke else ("long tail", "rlbench"):
         batch, pack = _batch(kind, 16 if args.smoke else 64, args.smoke)
         trainers = {
-            layout: Trainer(config, mesh, TRAINER_RULES, optimizer, pack_length=length)
+            # Packing alone: each rollout's prompt kept (shared prompts: bench.shared_prompt).
+            layout: Trainer(
+                config, mesh, TRAINER_RULES, optimizer, pack_length=length, share_prompts=False
+            )
             for layout, length in (("padded", 0), ("packed", pack))
         }
         states = {k: t.init(t.init_params(0)) for k, t in trainers.items()}
@@ -121,7 +123,7 @@ def main(argv=None) -> list[dict]:
                 losses[layout] = float(metrics["loss"])
         padded_s = statistics.median(times["padded"])
         for layout, trainer in trainers.items():
-            packed = pack_rollout_batch(batch, pack) if layout == "packed" else None
+            packed = trainer.layout_batch(batch) if layout == "packed" else None
             tokens = (
                 packed.tokens_rl.size
                 if packed is not None
@@ -132,7 +134,7 @@ def main(argv=None) -> list[dict]:
                 "layout": layout if packed is None else f"packed ({pack}-token rows)",
                 "real_tokens": int(batch.prompt_mask_bp.sum() + batch.completion_mask_bt.sum()),
                 "model_tokens": int(tokens),
-                "gflop": _flops(trainer, states[layout], batch) / 1e9,
+                "gflop": step_flops(trainer, states[layout], batch) / 1e9,
                 "step_s": statistics.median(times[layout]),
                 "loss": losses[layout],
             }

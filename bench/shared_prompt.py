@@ -40,11 +40,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import command, machine, write_results  # noqa: E402
+from bench.packing import step_flops  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.infra.sharding import TRAINER_RULES  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.rl import Rollout, collate_rollouts  # noqa: E402
-from jaxrl.rl.packing import pack_rollout_batch  # noqa: E402
 from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer  # noqa: E402
 
 PROMPTS, G, PROMPT_LEN, COMPLETION_LEN = 8, 8, 128, 32
@@ -76,22 +76,6 @@ def _batch():
     )
 
 
-def _host_batch(trainer: Trainer, batch):
-    if not trainer.pack_length:
-        return batch
-    return pack_rollout_batch(
-        batch, trainer.pack_length, trainer._pack_groups(), share_prompts=trainer.share_prompts
-    )
-
-
-def _flops(trainer: Trainer, state, batch) -> float:
-    with trainer._context():  # the lowered program's cost: no second compile
-        lowered = trainer._rl.lower(state, trainer.place_batch(batch), None, None)
-    cost = lowered.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost.get("flops", 0.0))
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -116,7 +100,7 @@ def main(argv=None) -> list[dict]:
     for name, trainer in trainers.items():
         assert trainer.share_prompts == dict((n, s) for n, _, s in LAYOUTS)[name]
     states = {k: t.init(t.init_params(0)) for k, t in trainers.items()}
-    host = {k: _host_batch(t, batch) for k, t in trainers.items()}  # packed once, as a loop would
+    host = {k: t.layout_batch(batch) for k, t in trainers.items()}  # packed once, as a loop would
     times = {k: [] for k in trainers}
     losses = {}
 
@@ -135,7 +119,7 @@ def main(argv=None) -> list[dict]:
     pack_s = {}
     for name, trainer in trainers.items():  # the host-side packing, timed apart
         start = time.perf_counter()
-        _host_batch(trainer, batch)
+        trainer.layout_batch(batch)
         pack_s[name] = time.perf_counter() - start
     rows = []
     padded_s = statistics.median(times["padded"])
@@ -147,7 +131,7 @@ def main(argv=None) -> list[dict]:
             if trainer.pack_length
             else batch.batch_size * (PROMPT_LEN + COMPLETION_LEN)
         )
-        flops = _flops(trainer, states[name], b)
+        flops = step_flops(trainer, states[name], b)
         padded_flops = padded_flops or flops
         row = {
             "layout": name,

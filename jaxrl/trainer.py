@@ -723,11 +723,17 @@ class Trainer:
     def rl_step(
         self, state: TrainState, batch: RolloutBatch, ref_params: Params | None = None
     ) -> tuple[TrainState, dict]:
-        """One update on `batch` (host arrays, as `collate_rollouts` makes them; packed here
-        when the trainer packs, prompts shared when `share_prompts`)."""
-        if self.pack_length and isinstance(batch, RolloutBatch):
-            batch = pack_rollout_batch(
-                batch, self.pack_length, self._pack_groups(), share_prompts=self.share_prompts
-            )
+        """One update on `batch` (host arrays, as `collate_rollouts` makes them; laid out here
+        by `layout_batch`)."""
+        batch = self.layout_batch(batch)
         with self._context():
             return self._rl(state, self.place_batch(batch), ref_params, self._base())
+
+    def layout_batch(self, batch: RolloutBatch | PackedRolloutBatch):
+        """`batch` as `rl_step` trains on it: packed when the trainer packs (each group's prompt
+        once when `share_prompts`), else unchanged."""
+        if self.pack_length and isinstance(batch, RolloutBatch):
+            return pack_rollout_batch(
+                batch, self.pack_length, self._pack_groups(), share_prompts=self.share_prompts
+            )
+        return batch
