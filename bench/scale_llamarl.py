@@ -119,24 +119,37 @@ def generate_seconds(s: Setting, m: dict, gpus: int, tp: int, w: int, hw=H100) -
                 waves=waves, step_ms=step * 1e3, bound=bound)  # fmt: skip
 
 
+def fastest_split(gpus: int, tp: int, parts) -> tuple:
+    """The async split of `gpus` into generator and trainer GPUs, whole 8-GPU nodes each side
+    (the generator's a multiple of `tp`), with the shortest step max(generate, train + push);
+    `parts(gen_gpus, train_gpus) -> (generate dict, train s, push s)`. Returns
+    (step s, generator GPUs, generate dict, train s, push s)."""
+    best = None
+    for gen_gpus in range(8, gpus, 8):
+        if gen_gpus % tp:
+            continue
+        gen, tt, ts = parts(gen_gpus, gpus - gen_gpus)
+        step = max(gen["total"], tt + ts)
+        if best is None or step < best[0]:
+            best = (step, gen_gpus, gen, tt, ts)
+    return best
+
+
 def predict(s: Setting, hw=H100) -> dict:
     m = shapes(s.preset)
     gen_sync = generate_seconds(s, m, s.gpus, s.tp_sync, 2, hw)
     link = hw["nvlink"] if s.tp_sync <= 8 else hw["ib"]
     reshard = m["params"] * 2 / s.tp_sync / link  # FSDP shards gathered into the TP layout
     tt_sync = train_seconds(s, m, s.gpus, hw)
-    best = None
-    for gen_gpus in range(8, s.gpus, 8):  # whole 8-GPU nodes each side
-        if gen_gpus % s.tp_async:
-            continue
-        train_gpus = s.gpus - gen_gpus
-        gen = generate_seconds(s, m, gen_gpus, s.tp_async, s.gen_bytes_async, hw)
-        tt = train_seconds(s, m, train_gpus, hw)
-        ts = m["params"] * s.gen_bytes_async / (train_gpus * hw["ib"])  # DDMA: all trainers send
-        step = max(gen["total"], tt + ts)
-        if best is None or step < best[0]:
-            best = (step, gen_gpus, gen, tt, ts)
-    asyn, gen_gpus, gen_async, tt_async, ts = best
+    asyn, gen_gpus, gen_async, tt_async, ts = fastest_split(
+        s.gpus,
+        s.tp_async,
+        lambda gen_gpus, train_gpus: (
+            generate_seconds(s, m, gen_gpus, s.tp_async, s.gen_bytes_async, hw),
+            train_seconds(s, m, train_gpus, hw),
+            m["params"] * s.gen_bytes_async / (train_gpus * hw["ib"]),  # DDMA: all trainers send
+        ),
+    )
     sync = gen_sync["total"] + tt_sync + reshard
     return dict(
         name=s.name, params=m["params"], gpus=s.gpus, gen_gpus=gen_gpus,
@@ -255,15 +268,15 @@ def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
     gen_sync = generate(s.gpus, tp)
     reshard = m["params"] * 2 / tp / hw["nvlink"]
     tt_sync = train(s.gpus)
-    best = None
-    for gen_gpus in range(8, s.gpus, 8):
-        gen = generate(gen_gpus, tp)
-        tt = train(s.gpus - gen_gpus)
-        ts = m["params"] * 2 / ((s.gpus - gen_gpus) * hw["ib"])
-        step = max(gen["total"], tt + ts)
-        if best is None or step < best[0]:
-            best = (step, gen_gpus, gen, tt, ts)
-    asyn, gen_gpus, gen_async, tt_async, ts = best
+    asyn, gen_gpus, gen_async, tt_async, ts = fastest_split(
+        s.gpus,
+        tp,
+        lambda gen_gpus, train_gpus: (
+            generate(gen_gpus, tp),
+            train(train_gpus),
+            m["params"] * 2 / (train_gpus * hw["ib"]),
+        ),
+    )
     sync = gen_sync["total"] + tt_sync + reshard
     return dict(
         name=s.name, gpus=s.gpus, gen_gpus=gen_gpus, tp=tp, remat=costs["remat"],
