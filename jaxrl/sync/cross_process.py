@@ -69,7 +69,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -95,9 +94,9 @@ from jaxrl.sync.plan import (
     factor_mesh,
     intersect,
     join_tiles,
-    pack_chunks,
     push_in_chunks,
     route_leaf,
+    routed_plan,
     spec_entry,
     volume,
 )
@@ -289,21 +288,9 @@ class CrossProcessWeightSync:
         key = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
         if key not in self._plans:
             make = self._ppermute_route if self.transport == "ppermute" else self._put_route
-            pair = self.trees
-            routes = tuple(
-                make(i, path, shape, dtype, t, g)
-                for i, (path, (shape, dtype), t, g) in enumerate(
-                    zip(pair.paths, key, pair.trainer, pair.generator, strict=True)
-                )
-            )
-            chunks, footprints = pack_chunks(routes, self.chunk_bytes)
+            fields = routed_plan(self.trees, key, make, self.chunk_bytes)
             self._plans[key] = CrossPlan(
-                routes=routes,
-                chunks=chunks,
-                chunk_extra_bytes=footprints,
-                params_bytes=sum(math.prod(r.shape) * r.dtype.itemsize for r in routes),
-                bytes_moved=sum(r.moved_bytes for r in routes),
-                cross_process_bytes=sum(r.cross_process_bytes for r in routes),
+                **fields, cross_process_bytes=sum(r.cross_process_bytes for r in fields["routes"])
             )
             self._check_transfer_server(self._plans[key])
         return self._plans[key]

@@ -66,7 +66,7 @@ params and must be pushed again; under "double_buffer" `previous` is untouched.
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -84,9 +84,9 @@ from jaxrl.sync.plan import (
     check_options,
     cut_block,
     join_tiles,
-    pack_chunks,
     push_in_chunks,
     route_leaf,
+    routed_plan,
 )
 
 TRANSPORTS = ("auto", "reshard", "assemble")
@@ -130,21 +130,10 @@ class WeightSync:
         leaves = self.trees.leaves(params, "params")
         key = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
         if key not in self._plans:
-            pair = self.trees
-            routes = tuple(
-                route_leaf(i, path, shape, dtype, t, g, self.generator_dtype, self.transport)
-                for i, (path, (shape, dtype), t, g) in enumerate(
-                    zip(pair.paths, key, pair.trainer, pair.generator, strict=True)
-                )
+            route = functools.partial(
+                route_leaf, target_dtype=self.generator_dtype, transport=self.transport
             )
-            chunks, footprints = pack_chunks(routes, self.chunk_bytes)
-            self._plans[key] = SyncPlan(
-                routes=routes,
-                chunks=chunks,
-                chunk_extra_bytes=footprints,
-                params_bytes=sum(math.prod(r.shape) * r.dtype.itemsize for r in routes),
-                bytes_moved=sum(r.moved_bytes for r in routes),
-            )
+            self._plans[key] = SyncPlan(**routed_plan(self.trees, key, route, self.chunk_bytes))
         return self._plans[key]
 
     def push(

@@ -358,6 +358,26 @@ def pack_chunks(routes: Sequence[LeafRoute], chunk_bytes: int):
     return tuple(map(tuple, chunks)), tuple(footprints)
 
 
+def routed_plan(trees: ShardingPair, key: tuple, make_route: Callable, chunk_bytes: int) -> dict:
+    """The fields every sync plan has, for leaves of shapes and dtypes `key`: one route per leaf
+    (`make_route(i, path, shape, dtype, trainer sharding, generator sharding)`), the routes in
+    chunks of at most `chunk_bytes` extra bytes a device, the params' and the moved bytes."""
+    routes = tuple(
+        make_route(i, path, shape, dtype, t, g)
+        for i, (path, (shape, dtype), t, g) in enumerate(
+            zip(trees.paths, key, trees.trainer, trees.generator, strict=True)
+        )
+    )
+    chunks, footprints = pack_chunks(routes, chunk_bytes)
+    return dict(
+        routes=routes,
+        chunks=chunks,
+        chunk_extra_bytes=footprints,
+        params_bytes=sum(math.prod(r.shape) * r.dtype.itemsize for r in routes),
+        bytes_moved=sum(r.moved_bytes for r in routes),
+    )
+
+
 _JITS: dict[tuple, Callable] = {}
 
 
