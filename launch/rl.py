@@ -31,7 +31,7 @@ from jaxrl.generation.placement import (
     mesh_sampler,
 )
 from jaxrl.infra import checkpoint
-from jaxrl.infra.config import keep_torch_out, launch
+from jaxrl.infra.config import from_gin, keep_torch_out, launch
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
 from jaxrl.infra.run_io import RunIO
@@ -70,7 +70,8 @@ LEGACY_GENERATOR_KNOBS = {
 
 def resolve_generator_config(config: GeneratorConfig | None, **legacy) -> GeneratorConfig:
     """`rl_main.generator_config`, or one built from the flat knobs `legacy` (rl_main's
-    `generator`, `generator_dtype`, `engine_*`) of older configs; both at once are refused."""
+    `generator`, `generator_dtype`, `engine_*`) of older configs and gin's `GeneratorConfig.*`
+    bindings; `rl_main.generator_config` and a flat knob at once are refused."""
     defaults = GeneratorConfig()
     bound = {
         name: value
@@ -85,9 +86,9 @@ def resolve_generator_config(config: GeneratorConfig | None, **legacy) -> Genera
                 f"; bind {fields} instead"
             )
         return config
-    config = GeneratorConfig(**{LEGACY_GENERATOR_KNOBS[n]: v for n, v in legacy.items()})
+    fields = {LEGACY_GENERATOR_KNOBS[n]: v for n, v in bound.items()}
     try:
-        config.validate()
+        GeneratorConfig(**fields).validate()
     except ValueError as err:
         # Said in the names the config bound (rl_main.generator=..., engine_slots >= 0, ...).
         message = str(err)
@@ -95,7 +96,8 @@ def resolve_generator_config(config: GeneratorConfig | None, **legacy) -> Genera
             message = message.replace(f"GeneratorConfig.{field}=", f"rl_main.{field}=")
             message = re.sub(rf"(?<![\w.])(rl_main\.)?{field}\b", rf"\g<1>{knob}", message)
         raise SystemExit(f"{message} (bind GeneratorConfig fields instead)") from None
-    return config
+    # Only the knobs set away from their defaults: gin's GeneratorConfig bindings fill the rest.
+    return from_gin(GeneratorConfig, **fields)
 
 
 def _say(line: str) -> None:

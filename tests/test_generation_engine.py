@@ -352,3 +352,24 @@ def test_rl_main_refuses_an_unknown_generator_or_engine_knobs(tmp_path):
     with pytest.raises(SystemExit, match="engine_slots=-1.*need engine_slots >= 0"):
         rl_main(str(tmp_path / "b"), None, None, None, None, engine_slots=-1)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_generator_config_bindings_apply_without_rl_main_generator_config():
+    """`GeneratorConfig.max_len = 4096` alone (no `rl_main.generator_config = @GeneratorConfig()`)
+    reaches the run's generator config, beside a flat knob of an older config."""
+    import gin
+
+    import launch.configs  # noqa: F401  (registers GeneratorConfig with gin)
+    from launch.rl import resolve_generator_config
+
+    knobs = dict(
+        generator="engine", generator_dtype="float32", engine_slots=0,
+        engine_steps_per_call=8, engine_max_len=0, engine_precompile=False,
+    )  # fmt: skip
+    gin.clear_config()
+    try:
+        gin.parse_config("GeneratorConfig.max_len = 4096")
+        config = resolve_generator_config(None, **knobs)
+    finally:
+        gin.clear_config()
+    assert (config.max_len, config.dtype) == (4096, "float32")

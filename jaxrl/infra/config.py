@@ -227,6 +227,9 @@ def check_config(config: Any) -> Any:
     return config
 
 
+_BUILDERS: dict[type, Any] = {}  # config class -> its gin configurable
+
+
 def register_config(cls: type[T]) -> type[T]:
     """Class decorator: makes a frozen config dataclass bindable in gin under its class name.
 
@@ -245,9 +248,15 @@ def register_config(cls: type[T]) -> type[T]:
     build.__qualname__ = cls.__qualname__
     build.__module__ = cls.__module__
     build.__doc__ = cls.__doc__
-    gin.external_configurable(build, name=cls.__name__, module=cls.__module__)
+    _BUILDERS[cls] = gin.external_configurable(build, name=cls.__name__, module=cls.__module__)
     _CONFIGS[f"{cls.__module__}.{cls.__name__}"] = cls
     return cls
+
+
+def from_gin(cls: type[T], **overrides) -> T:
+    """An instance of the registered config `cls` as gin would build it: the fields bound in the
+    parsed gin config, `overrides` on top of them, the rest at their defaults (checked)."""
+    return _BUILDERS[cls](**overrides)
 
 
 # Parsing and resolving ----------------------------------------------------------------------
