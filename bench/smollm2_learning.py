@@ -22,6 +22,10 @@ accuracy and train reward against wall minutes, both runs).
         --minutes 120                                          # the full experiment, 2 x 2 h
     python -m bench.smollm2_learning --init_from DIR --smoke   # 2 short steps each: plumbing
     python -m bench.smollm2_learning --workdir W --no_launch   # summarise runs already in W
+
+The runs of one workdir may come from several invocations (e.g. `--runs rl`, then `--runs
+shuffled`); each launching command is appended to WORKDIR/launched_by.txt and quoted in the
+results note.
 """
 
 from __future__ import annotations
@@ -197,7 +201,12 @@ def main(argv=None) -> None:
     os.makedirs(workdir, exist_ok=True)
     dirs = {n: os.path.join(workdir, n) for n in names}
 
+    launches = os.path.join(workdir, "launched_by.txt")  # every launching command, in order
     if not args.no_launch:
+        from bench.common import command
+
+        with open(launches, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {command()}\n")
         params = run_params(args)
         jobs = [(dirs[n], params + RUNS[n][1], args.minutes * 60) for n in names]
         if args.parallel:
@@ -230,6 +239,9 @@ def main(argv=None) -> None:
         ("reward_first10", "reward, first 10 steps"), ("reward_last10", "reward, last 10 steps"),
     ]  # fmt: skip
     note = f"`{command()}` on {DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
+    if os.path.exists(launches):
+        with open(launches) as f:
+            note += "; runs launched by " + " then ".join(f"`{line.strip()}`" for line in f)
     print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
     print(f"plot: {write_plot(labels, os.path.join(RESULTS_DIR, name + '.png'))}")
