@@ -21,7 +21,6 @@ import traceback
 import gin
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.placement import (
@@ -257,7 +256,7 @@ def rl_main(
                 "(rl_main.sft); a random base has nothing to adapt"
             )
         if is_main_process():
-            lora_lib.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
+            run_dir.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
     if layout is not None:  # checkpoints are written by the trainer processes alone
         checkpoint.restrict_to_processes(layout.trainer_processes)
     io = roles_lib.NoIO() if role == "generator" else _run_io(workdir, rl)
