@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("libtpu", reason="AOT TPU tests need libtpu (pip install -e '.[test]')")
 
 from jaxrl.infra import sharding as ax  # noqa: E402
+from jaxrl.infra.chips import TopologyError  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
-from jaxrl.infra.tpu import TopologyError, device_spec, parse_topology, topology_devices  # noqa: E402
+from jaxrl.infra.tpu import device_spec, parse_topology, topology_devices  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.planning import ProgramReport, generator_fix, sharded_bytes, trainer_fix  # noqa: E402
 from jaxrl.trainer import OptimizerConfig, Trainer, _apply  # noqa: E402
