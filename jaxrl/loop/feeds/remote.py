@@ -1,12 +1,12 @@
 """The trainer's side of a role-split job (`jaxrl.loop.roles`): a fixed-lag feed whose generator
 runs in other processes.
 
-Batches arrive through the coordination service's key-value store (`roles.RolloutChannel`): a
-fetcher thread asks for batch k (key `room/k`) only when the `RolloutQueue` has room, receives
-it and puts it into the queue, which checks staleness on admission and on consumption exactly as
-in one process. Weights leave through the cross-process push (`roles.PushOnly`), which the
-generator processes issue alike. Everything else (the queue, the checkpoint's run state, the
-pushes each version needs) is `LaggedFeed`'s.
+Batches arrive through the coordination service's key-value store
+(`rollout_channel.RolloutChannel`): a fetcher thread asks for batch k (key `room/k`) only when the
+`RolloutQueue` has room, receives it and puts it into the queue, which checks staleness on admission
+and on consumption exactly as in one process. Weights leave through the cross-process push
+(`roles.PushOnly`), which the generator processes issue alike. Everything else (the queue, the
+checkpoint's run state, the pushes each version needs) is `LaggedFeed`'s.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 from jaxrl.infra.closable import QueueClosed
 from jaxrl.loop.config import check_role_split
 from jaxrl.loop.feeds.lagged import LaggedFeed, restore_queue
+from jaxrl.loop.rollout_channel import RolloutChannel
 from jaxrl.loop.rollout_queue import RolloutQueue
 
 if TYPE_CHECKING:
     from jaxrl.loop.controller import Controller
-    from jaxrl.loop.roles import RolloutChannel
 
 
 class RemoteFeed(LaggedFeed):
