@@ -12,16 +12,13 @@ checkpoint's run state, the pushes each version needs) is `LaggedFeed`'s.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from jaxrl.infra.closable import QueueClosed
 from jaxrl.loop.config import check_role_split
+from jaxrl.loop.feeds.base import ControllerView
 from jaxrl.loop.feeds.lagged import LaggedFeed, restore_queue
 from jaxrl.loop.rollout_channel import RolloutChannel
 from jaxrl.loop.rollout_queue import RolloutQueue
-
-if TYPE_CHECKING:
-    from jaxrl.loop.controller import Controller
 
 
 class RemoteFeed(LaggedFeed):
@@ -30,7 +27,7 @@ class RemoteFeed(LaggedFeed):
 
     generator_here = False  # no program of this process samples: nothing takes turns
 
-    def __init__(self, controller: Controller, channel: RolloutChannel, lead: bool):
+    def __init__(self, controller: ControllerView, channel: RolloutChannel, lead: bool):
         check_role_split(controller.config)
         super().__init__(controller)
         self.channel, self.lead = channel, lead
