@@ -2,7 +2,7 @@
 
 ```
 WORKDIR/
-  config.gin          the operative gin config (jaxrl.infra.config)
+  config.gin          the operative gin config (jaxrl.infra.launcher)
   model/              the policy's HF config.json and tokenizer (no weights)
   checkpoints/<step>/ Orbax: `state` = {"params": ..., "opt_state": ..., ...}, `extra` = JSON
   metrics.jsonl       one JSON object per logged step

@@ -30,11 +30,13 @@ from jaxrl.generation.placement import (
     mesh_sampler,
 )
 from jaxrl.infra import checkpoint
-from jaxrl.infra.config import from_gin, keep_torch_out, launch
+from jaxrl.infra.config import from_gin
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
+from jaxrl.infra.launcher import launch
 from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
 from jaxrl.infra.run_io import RunIO
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
+from jaxrl.infra.user_code import keep_torch_out
 from jaxrl.loop import roles as roles_lib
 from jaxrl.loop.config import check_rl_job, sampling_config
 from jaxrl.loop.controller import Controller

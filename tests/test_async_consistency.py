@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 import launch.rl
-from jaxrl.infra.config import launch as run_launch
+from jaxrl.infra.launcher import launch as run_launch
 from jaxrl.models.transformer import Transformer
 from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 from jaxrl.sync.cross_process import make_weight_sync

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
-from jaxrl.infra.config import CONFIG_FILE
+from jaxrl.infra.launcher import CONFIG_FILE
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer

@@ -100,7 +100,7 @@ def get_task(name: str) -> TaskFactory:
     if name in _TASKS:
         return _TASKS[name]
     if ":" in name:
-        from jaxrl.infra.config import import_user_callable
+        from jaxrl.infra.user_code import import_user_callable
 
         return import_user_callable(name, "task")
     raise KeyError(
