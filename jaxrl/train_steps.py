@@ -90,7 +90,7 @@ def sequence_mask(valid_bs: jax.Array) -> jax.Array:
     return jnp.tril(jnp.ones((s, s), bool))[None] & valid_bs[:, None, :].astype(bool)
 
 
-def split_micro_batches(tree: Any, num: int) -> Any:
+def _split_micro(tree: Any, num: int) -> Any:
     def split(x):
         if x.shape[0] % num:
             raise ValueError(f"batch of {x.shape[0]} rows does not split into {num} micro-batches")
@@ -99,7 +99,7 @@ def split_micro_batches(tree: Any, num: int) -> Any:
     return jax.tree.map(split, tree)
 
 
-def accumulate_gradients(
+def _accumulate(
     loss_fn: Callable, params: Params, micro_batches: Any, weights_m: jax.Array
 ) -> tuple[Any, dict]:
     """Gradient of `sum_m weights_m * loss_fn(params, micro_m)`, one micro-batch at a time.
@@ -166,10 +166,10 @@ def sft_step(
     vocab_chunk_size: int | None,
 ):
     loss_fn = lambda p, b: sft_loss(graphdef, with_base(base, p), b, vocab_chunk_size)
-    micro = split_micro_batches(batch, grad_accum_steps)
+    micro = _split_micro(batch, grad_accum_steps)
     counts_m = jnp.sum(micro["loss_mask_bs"][:, :, 1:], axis=(1, 2)).astype(jnp.float32)
     weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
-    grads, metrics = accumulate_gradients(loss_fn, state.params, micro, weights_m)
+    grads, metrics = _accumulate(loss_fn, state.params, micro, weights_m)
     state, opt_metrics = apply_gradients(state, grads, optimizer)
     return state, metrics | opt_metrics
 
@@ -270,18 +270,18 @@ def rl_step(
             ref_model, batch, loss, False, grad_accum_steps * pack_shards
         )
         micro_all["ref_logprobs_bt"] = jax.lax.stop_gradient(ref_logprobs)
-    micro = split_micro_batches(micro_all, grad_accum_steps)
+    micro = _split_micro(micro_all, grad_accum_steps)
     # Micro-batch m's share of the normaliser: its tokens ("tokens") or its non-empty rows
     # ("sequence_mean", "constant": both average over rows).
     if loss.make_loss().normaliser == "tokens":
-        counts_m = jnp.sum(split_micro_batches(mask_bt, grad_accum_steps), axis=(1, 2))
+        counts_m = jnp.sum(_split_micro(mask_bt, grad_accum_steps), axis=(1, 2))
     else:
         rows_b = jnp.any(mask_bt, axis=-1)
-        counts_m = jnp.sum(split_micro_batches(rows_b, grad_accum_steps), axis=1)
+        counts_m = jnp.sum(_split_micro(rows_b, grad_accum_steps), axis=1)
     counts_m = counts_m.astype(jnp.float32)
     weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
     loss_fn = lambda p, m: rl_loss(graphdef, with_base(base, p), m, loss, type(batch), pack_shards)
-    grads, metrics = accumulate_gradients(loss_fn, state.params, micro, weights_m)
+    grads, metrics = _accumulate(loss_fn, state.params, micro, weights_m)
     state, opt_metrics = apply_gradients(state, grads, optimizer)
     metrics = metrics | opt_metrics
     metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantages_b) * batch.valid_b) / jnp.maximum(
