@@ -68,7 +68,7 @@ def run_rl(config: str, workdir: str, params: list[str] = ()) -> float:
     returns its wall seconds."""
     import gin
 
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from launch.rl import rl_main
 
     flags = ["--gin_file", config, "--workdir", workdir]

@@ -26,7 +26,7 @@ import time
 import gin
 
 from bench.common import RESULTS_DIR, command, machine, write_results
-from jaxrl.infra.config import launch
+from jaxrl.infra.launcher import launch
 from msd_jax import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

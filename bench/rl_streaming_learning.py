@@ -115,7 +115,7 @@ def chain_after_sft(spec, tokenizer):
 
 def child_main(flags: list[str]) -> None:
     from bench import rl_async_learning  # noqa: F401  (registers the loss "pg_no_is")
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from jaxrl.tasks.source import register_task
     from launch.rl import rl_main
 

@@ -27,7 +27,8 @@ from jaxrl.specs import (
     reward_name,
 )
 from jaxrl.tasks.source import PromptSource, SkipSource, encode_prompts
-from jaxrl.trainer import OptimizerConfig, Params, Trainer
+from jaxrl.train_state import Params
+from jaxrl.trainer import OptimizerConfig, Trainer
 
 __all__ = ["SFTConfig", "rl_source_after_sft", "run_sft", "sft_items_used"]
 

@@ -2,7 +2,7 @@
 
 ```
 WORKDIR/
-  config.gin          the operative gin config (jaxrl.infra.config)
+  config.gin          the operative gin config (jaxrl.infra.launcher)
   model/              the policy's HF config.json and tokenizer (no weights)
   checkpoints/<step>/ Orbax: `state` = {"params": ..., "opt_state": ..., ...}, `extra` = JSON
   metrics.jsonl       one JSON object per logged step
@@ -15,12 +15,15 @@ weights from the newest (or a chosen) checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from typing import Any
 
 import jax
 from flax import nnx
 
+from jaxrl import lora as lora_lib
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatchError
 from jaxrl.infra.run_io import checkpoint_dir
 from jaxrl.infra.sharding import attach_shardings
@@ -31,6 +34,7 @@ from jaxrl.models.transformer import Transformer
 
 MODEL_DIR = "model"
 PARAMS_KEY = "params"
+LORA_FILE = "lora.json"
 
 
 def model_dir(workdir: str) -> str:
@@ -114,14 +118,80 @@ def load_policy(workdir: str, *, step: int | None = None, **config_overrides: An
     """(step, Transformer, tokenizer) of a run: the architecture from `model/`, the weights from
     the checkpoint. A LoRA run's checkpoints hold adapters only: its policy is the base it
     recorded (`lora.json`) with the checkpoint's adapters merged in."""
-    from jaxrl import lora as lora_lib
-
-    if lora_lib.load_run_lora(workdir) is not None:
-        step, model, _, _, _, tokenizer = lora_lib.load_lora_policy(
-            workdir, step, **config_overrides
-        )
+    if load_run_lora(workdir) is not None:
+        step, model, _, _, _, tokenizer = load_lora_policy(workdir, step, **config_overrides)
         return step, model, tokenizer
     config, tokenizer = load_model_spec(workdir, **config_overrides)
     step, params = restore_params(workdir, config, step=step)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     return step, nnx.merge(graphdef, params), tokenizer
+
+
+def save_run_lora(workdir: str, lora: lora_lib.LoraConfig, base: str) -> None:
+    """Records a LoRA run's adapter config and where its frozen base comes from (a run workdir
+    or an HF directory), so that export can merge without being told. A base inside the
+    workdir (the SFT stage's `sft/`) is recorded relative to it, so that a moved or copied
+    workdir still finds its own; any other base by its absolute path."""
+    os.makedirs(workdir, exist_ok=True)
+    base = os.path.abspath(base)
+    inside = os.path.relpath(base, os.path.abspath(workdir))
+    if inside != os.pardir and not inside.startswith(os.pardir + os.sep):
+        base = inside
+    with open(os.path.join(workdir, LORA_FILE), "w") as f:
+        json.dump(dataclasses.asdict(lora) | {"base": base}, f, indent=2)
+
+
+def load_run_lora(workdir: str) -> tuple[lora_lib.LoraConfig, str] | None:
+    """(LoraConfig, base path) of the LoRA run in `workdir` (None: not a LoRA run). A relative
+    base is the workdir's own (see `save_run_lora`); an absolute one, as older runs recorded
+    every base, is returned as is."""
+    path = os.path.join(workdir, LORA_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    base = record.pop("base")
+    if not os.path.isabs(base):
+        base = os.path.normpath(os.path.join(workdir, base))
+    return lora_lib.LoraConfig(**record), base
+
+
+def restore_adapters(workdir: str, config: ModelConfig, lora: lora_lib.LoraConfig, step=None):
+    """(step, adapters) of a LoRA run's checkpoint `step` (default newest), on the first device."""
+    _, abstract = lora_lib.abstract_lora(config, lora)
+    abstract = lora_lib.trained_part(nnx.to_pure_dict(abstract), lora)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract)
+    return _restore_pure_params(workdir, step, abstract, shardings)
+
+
+def load_base(source: str, config: ModelConfig) -> lora_lib.Params:
+    """A LoRA run's frozen base from `source`: a jaxrl run workdir or an HF directory."""
+    if os.path.isdir(checkpoint_dir(source)):
+        _, params = restore_params(source, config)
+    else:
+        params = hf.load_params(source, config)
+    return nnx.to_pure_dict(params)
+
+
+def load_lora_policy(workdir: str, step=None, **config_overrides: Any):
+    """(step, merged plain Transformer, adapters, LoraConfig, base source, tokenizer) of a LoRA
+    run: the base from where the run recorded it (`lora.json`), the adapters from the run's
+    checkpoint."""
+    record = load_run_lora(workdir)
+    if record is None:
+        raise ValueError(f"{workdir} has no {LORA_FILE}: it is not a LoRA run")
+    lora, source = record
+    if not os.path.isdir(source):
+        raise FileNotFoundError(
+            f"{os.path.join(workdir, LORA_FILE)} records the run's frozen base at {source}, "
+            "which does not exist (moved or deleted?); put the base back there or edit "
+            "'base' in that file (a path relative to the workdir is the workdir's own)"
+        )
+    config, tokenizer = load_model_spec(workdir, **config_overrides)
+    step, adapters = restore_adapters(workdir, config, lora, step)
+    adapters = lora_lib.whole_adapters(config, lora, adapters)  # LoRA-FA: checkpoints hold the B's
+    merged = lora_lib.merge(load_base(source, config), adapters, lora)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(abstract, merged)
+    return step, nnx.merge(graphdef, abstract), adapters, lora, source, tokenizer

@@ -32,7 +32,7 @@ def main(argv=None) -> None:
 
     import jax
 
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from launch.rl import rl_main
 
     devices = jax.devices()
@@ -70,7 +70,7 @@ def summary(metrics_path: str) -> str:
 
 
 if __name__ == "__main__":
-    from jaxrl.infra.config import keep_torch_out
+    from jaxrl.infra.user_code import keep_torch_out
 
     keep_torch_out()
     main()

@@ -38,7 +38,8 @@ def run_settings(workdir: str) -> tuple[TaskSpec, dict]:
     files, reward) is so evaluated on its own held-out split."""
     import gin
 
-    from jaxrl.infra.config import CONFIG_FILE, parse_gin, resolve_bindings
+    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from jaxrl.infra.launcher import CONFIG_FILE
 
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.isfile(path):

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
 
-    is_lora = lora_lib.load_run_lora(args.workdir) is not None
+    is_lora = run_dir.load_run_lora(args.workdir) is not None
     if is_lora and args.out and not args.merge_lora:
         print(
             f"error: {args.workdir} is a LoRA run (its checkpoints hold adapters only): pass "
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             return 2
     start = time.perf_counter()
     if is_lora:
-        step, model, adapters, lora, base, tokenizer = lora_lib.load_lora_policy(
+        step, model, adapters, lora, base, tokenizer = run_dir.load_lora_policy(
             args.workdir, step=args.step
         )
         if args.peft_out:

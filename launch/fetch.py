@@ -156,7 +156,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from jaxrl.infra.config import keep_torch_out
+    from jaxrl.infra.user_code import keep_torch_out
 
     keep_torch_out()
     sys.exit(main())

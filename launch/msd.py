@@ -16,8 +16,8 @@ from pathlib import Path
 
 import gin
 
-from jaxrl.infra.config import launch
 from jaxrl.infra.distributed import initialize_from_argv
+from jaxrl.infra.launcher import launch
 from jaxrl.infra.mesh import make_mesh
 from launch.msd_configs import (
     DigitsCaptionConfig,

@@ -35,6 +35,7 @@ import gin  # noqa: E402
 import jax  # noqa: E402
 
 from jaxrl.infra import gpu, tpu  # noqa: E402
+from jaxrl.infra.chips import ChipSpec, TopologyError  # noqa: E402
 from jaxrl.infra.config import (  # noqa: E402
     ConfigError,
     build_config,
@@ -44,7 +45,6 @@ from jaxrl.infra.config import (  # noqa: E402
     without_gin_call_notes,
 )
 from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes  # noqa: E402
-from jaxrl.infra.tpu import ChipSpec, TopologyError  # noqa: E402
 from jaxrl.models.presets import PRESETS, preset  # noqa: E402
 from jaxrl.planning import (  # noqa: E402
     GiB,

@@ -21,7 +21,6 @@ import traceback
 import gin
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.placement import (
@@ -31,11 +30,13 @@ from jaxrl.generation.placement import (
     mesh_sampler,
 )
 from jaxrl.infra import checkpoint
-from jaxrl.infra.config import from_gin, keep_torch_out, launch
+from jaxrl.infra.config import from_gin
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
+from jaxrl.infra.launcher import launch
 from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
 from jaxrl.infra.run_io import RunIO
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
+from jaxrl.infra.user_code import keep_torch_out
 from jaxrl.loop import roles as roles_lib
 from jaxrl.loop.config import check_rl_job, sampling_config
 from jaxrl.loop.controller import Controller
@@ -257,7 +258,7 @@ def rl_main(
                 "(rl_main.sft); a random base has nothing to adapt"
             )
         if is_main_process():
-            lora_lib.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
+            run_dir.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
     if layout is not None:  # checkpoints are written by the trainer processes alone
         checkpoint.restrict_to_processes(layout.trainer_processes)
     io = roles_lib.NoIO() if role == "generator" else _run_io(workdir, rl)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import gin
 
-from jaxrl.infra.config import keep_torch_out, launch
 from jaxrl.infra.distributed import initialize_from_argv
+from jaxrl.infra.launcher import launch
+from jaxrl.infra.user_code import keep_torch_out
 from jaxrl.sft import run_sft
 from launch.configs import MeshConfig, PolicySpec, SFTConfig, TaskSpec
 

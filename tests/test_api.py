@@ -195,7 +195,7 @@ def test_first_rl_batch_after_sft_holds_no_demonstration(tmp_path, monkeypatch):
     demonstrations): batch 0 of RL, as the controller builds it, holds none of their prompts.
     (SFT and RL training are replaced by stubs: only the prompt stream is under test.)"""
     import launch.rl as rl_launch
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
 
     first = {}
 

@@ -218,7 +218,7 @@ def reward_fails_at_batch_4(prompts, completions, references):
 def launch_with_generator_fault() -> None:
     """`launch.rl` whose generator raises while sampling batch 4 (run in a subprocess)."""
     from jaxrl.generation.executor import GeneratorExecutor
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from launch.rl import rl_main
 
     generate = GeneratorExecutor.generate

@@ -25,14 +25,14 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.sync.cross_process import make_weight_sync
 from jaxrl.sync.store import GeneratorWeights
-from jaxrl.trainer import (
+from jaxrl.train_state import (
     MasterWeightsState,
     OptimizerConfig,
-    Trainer,
-    _apply,
+    apply_gradients,
     init_state,
     with_master_weights,
 )
+from jaxrl.trainer import Trainer
 
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
 
@@ -140,8 +140,8 @@ def test_updates_below_bf16_resolution_are_kept_by_the_master_weights():
     plain = init_state(params, optax.sgd(1.0))
     master = init_state(params, with_master_weights(optax.sgd(1.0)))
     for _ in range(20):
-        plain, _ = _apply(plain, grads, optax.sgd(1.0))
-        master, _ = _apply(master, grads, with_master_weights(optax.sgd(1.0)))
+        plain, _ = apply_gradients(plain, grads, optax.sgd(1.0))
+        master, _ = apply_gradients(master, grads, with_master_weights(optax.sgd(1.0)))
     assert np.all(np.asarray(plain.params["w"], np.float32) == 1.0)
     np.testing.assert_allclose(np.asarray(master.opt_state.master["w"]), 0.98, rtol=1e-4)
     assert master.params["w"].dtype == jnp.bfloat16

@@ -142,7 +142,7 @@ def test_a_user_module_that_needs_torch_is_told_how_to_allow_it(tmp_path):
         "    return [0.0 for _ in completions]\n"
     )
     script = (
-        "from jaxrl.infra.config import keep_torch_out\n"
+        "from jaxrl.infra.user_code import keep_torch_out\n"
         "keep_torch_out()\n"
         "from jaxrl.tasks.rewards import get_reward\n"
         "try:\n"

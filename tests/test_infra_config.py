@@ -8,7 +8,7 @@ import gin
 import pytest
 
 from jaxrl.infra import config as config_lib
-from jaxrl.infra import preemption
+from jaxrl.infra import launcher, preemption, user_code
 from jaxrl.infra.errors import DataError
 
 
@@ -70,7 +70,7 @@ def gin_file(tmp_path):
 
 
 def _launch(gin_file, workdir, *extra):
-    return config_lib.launch(toy_train, ["--gin_file", gin_file, "--workdir", str(workdir), *extra])
+    return launcher.launch(toy_train, ["--gin_file", gin_file, "--workdir", str(workdir), *extra])
 
 
 def test_launch_builds_configs_and_writes_config_gin(gin_file, tmp_path):
@@ -78,7 +78,7 @@ def test_launch_builds_configs_and_writes_config_gin(gin_file, tmp_path):
     config = _launch(gin_file, workdir, "--gin_param", "ToyOptimConfig.betas = [0.8, 0.9]")
     assert config == ToyRunConfig(optim=ToyOptimConfig(3e-4, 0, (0.8, 0.9)), num_steps=5)
     assert CALLS == [(str(workdir), config, 0)]
-    written = (workdir / config_lib.CONFIG_FILE).read_text()
+    written = (workdir / launcher.CONFIG_FILE).read_text()
     assert "ToyOptimConfig.learning_rate = 0.0003" in written and "betas = [0.8, 0.9]" in written
 
 
@@ -124,14 +124,14 @@ def test_wrong_type_in_an_unused_config_is_caught(gin_file, tmp_path):
     unused = tmp_path / "unused.gin"
     unused.write_text("toy_train.config = @ToyRunConfig()\nToyOptimConfig.warmup_steps = 'ten'\n")
     with pytest.raises(SystemExit, match=r"ToyOptimConfig\.warmup_steps: expected int"):
-        config_lib.launch(toy_train, ["--gin_file", str(unused), "--workdir", str(tmp_path / "r")])
+        launcher.launch(toy_train, ["--gin_file", str(unused), "--workdir", str(tmp_path / "r")])
 
 
 def test_unquoted_string_in_a_gin_file_names_its_line(gin_file, tmp_path):
     path = tmp_path / "bare.gin"
     path.write_text(f"include '{gin_file}'\nToyRunConfig.schedule = runs/x  # a path\n")
     with pytest.raises(SystemExit) as exit_info:
-        config_lib.launch(toy_train, ["--gin_file", str(path), "--workdir", str(tmp_path / "r")])
+        launcher.launch(toy_train, ["--gin_file", str(path), "--workdir", str(tmp_path / "r")])
     assert str(exit_info.value) == (
         f"config error: {path}, line 2: `ToyRunConfig.schedule = runs/x  # a path`: strings need "
         "quotes in gin (its values are Python literals); write `ToyRunConfig.schedule = 'runs/x'`"
@@ -143,7 +143,7 @@ def test_a_data_error_ends_the_launch_in_one_line(gin_file, tmp_path):
 
     flags = ["--gin_file", gin_file, "--gin_param", "toy_read.config = @ToyRunConfig()"]
     with pytest.raises(SystemExit) as exit_info:
-        config_lib.launch(toy_read, [*flags, "--workdir", str(tmp_path / "run")])
+        launcher.launch(toy_read, [*flags, "--workdir", str(tmp_path / "run")])
     assert str(exit_info.value) == "data error: train.jsonl:2: invalid JSON"
 
 
@@ -151,7 +151,7 @@ def test_a_stopped_run_says_so_in_one_line(gin_file, tmp_path, capsys):
     """Regression: gin's `In call to configurable` line followed the message of a Ctrl-C."""
     flags = ["--gin_file", gin_file, "--gin_param", "toy_stopped.config = @ToyRunConfig()"]
     with pytest.raises(SystemExit) as exit_info:
-        config_lib.launch(toy_stopped, [*flags, "--workdir", str(tmp_path / "run")])
+        launcher.launch(toy_stopped, [*flags, "--workdir", str(tmp_path / "run")])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == "[jaxrl] stopped by SIGINT after step 2\n"
 
@@ -166,7 +166,7 @@ def test_keep_torch_out_drops_the_transformers_notice_it_causes(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # restored after the test
     monkeypatch.delenv("JAXRL_ALLOW_TORCH", raising=False)
     try:
-        config_lib.keep_torch_out()
+        user_code.keep_torch_out()
         assert sys.modules["torch"] is None
     finally:
         del sys.modules["torch"]
@@ -178,9 +178,9 @@ def test_keep_torch_out_drops_the_transformers_notice_it_causes(monkeypatch):
 def test_missing_required_binding(tmp_path):
     try:
         with pytest.raises(SystemExit, match=r"toy_train\.config is required"):
-            config_lib.launch(toy_train, ["--workdir", str(tmp_path / "run")])
+            launcher.launch(toy_train, ["--workdir", str(tmp_path / "run")])
         with pytest.raises(SystemExit, match=r"--gin_file nope\.gin: no such file"):
-            config_lib.launch(toy_train, ["--gin_file", "nope.gin", "--workdir", str(tmp_path)])
+            launcher.launch(toy_train, ["--gin_file", "nope.gin", "--workdir", str(tmp_path)])
     finally:
         gin.clear_config()
 
@@ -193,7 +193,7 @@ def test_workdir_reuse_rules(gin_file, tmp_path, caplog):
     # without a warning about an --overwrite that was not passed.
     _launch(gin_file, workdir, *changed)
     assert "--overwrite" not in caplog.text
-    assert "num_steps = 7" in (workdir / config_lib.CONFIG_FILE).read_text()
+    assert "num_steps = 7" in (workdir / launcher.CONFIG_FILE).read_text()
     _launch(gin_file, workdir, "--overwrite")
     (workdir / "checkpoints" / "1").mkdir(parents=True)
     _launch(gin_file, workdir)  # same config: resume allowed
@@ -204,7 +204,7 @@ def test_workdir_reuse_rules(gin_file, tmp_path, caplog):
     assert len(CALLS) == 4
     _launch(gin_file, workdir, *changed, "--overwrite")
     assert not (workdir / "checkpoints").exists(), "--overwrite replaces the old run"
-    assert "num_steps = 7" in (workdir / config_lib.CONFIG_FILE).read_text()
+    assert "num_steps = 7" in (workdir / launcher.CONFIG_FILE).read_text()
 
     stranger = tmp_path / "not_a_run"
     stranger.mkdir()

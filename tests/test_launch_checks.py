@@ -17,7 +17,7 @@ import pytest
 from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 
 from jaxrl.infra import faults
-from jaxrl.infra.config import launch
+from jaxrl.infra.launcher import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASYNC = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")

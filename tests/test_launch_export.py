@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
-from jaxrl.infra.config import CONFIG_FILE
+from jaxrl.infra.launcher import CONFIG_FILE
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
@@ -130,7 +130,7 @@ def fake_lora_run(workdir) -> None:
     trained = jax.tree.map(lambda b: rng.normal(0.0, 0.5, b.shape).astype(np.float32), trained)
     with Checkpointer(run_dir.checkpoint_dir(workdir), saves) as ckpt:
         ckpt.save(7, {"params": trained}, extra={})
-    lora_lib.save_run_lora(workdir, LORA, base)
+    run_dir.save_run_lora(workdir, LORA, base)
     with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
         f.write(LORA_RUN_GIN)
 
@@ -153,7 +153,7 @@ def test_a_moved_lora_run_exports_from_its_own_base(tmp_path):
     assert record["base"] == "sft"
     # An older run's lora.json holds an absolute base: still read, and a missing one is named.
     (moved / "lora.json").write_text(json.dumps(record | {"base": str(moved / "sft")}))
-    assert lora_lib.load_run_lora(str(moved))[1] == str(moved / "sft")
+    assert run_dir.load_run_lora(str(moved))[1] == str(moved / "sft")
     (moved / "lora.json").write_text(json.dumps(record | {"base": str(tmp_path / "run/sft")}))
     with pytest.raises(FileNotFoundError, match="records the run's frozen base"):
         export.main([f"--workdir={moved}", f"--out={tmp_path / 'x'}", "--merge_lora"])

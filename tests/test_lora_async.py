@@ -15,6 +15,7 @@ from flax import nnx
 from test_async_loop import _finish, _last_records, _start
 
 from jaxrl import lora as lora_lib
+from jaxrl import workdir as run_dir
 from jaxrl.models import hf
 from jaxrl.models.transformer import Transformer
 from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
@@ -32,8 +33,8 @@ def _run(workdir, cache, base, fault=None):
 
 def _adapters(workdir, step=None):
     config = build_model_config(PolicySpec(), build_tokenizer(PolicySpec(), TaskSpec()))
-    lora, _ = lora_lib.load_run_lora(str(workdir))
-    step, adapters = lora_lib.restore_adapters(str(workdir), config, lora, step)
+    lora, _ = run_dir.load_run_lora(str(workdir))
+    step, adapters = run_dir.restore_adapters(str(workdir), config, lora, step)
     flat = jax.tree_util.tree_leaves_with_path(adapters)
     return step, {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
 
@@ -74,10 +75,10 @@ def test_async_lora_resumes_bitwise_and_exports(tmp_path):
     argv = [f"--workdir={run}", f"--out={merged_dir}", "--merge_lora", f"--peft_out={peft_dir}"]
     assert export.main(argv) == 0
     assert export.main([f"--workdir={run}", f"--out={tmp_path / 'x'}"]) == 2  # needs --merge_lora
-    lora, _ = lora_lib.load_run_lora(str(run))
-    _, adapters = lora_lib.restore_adapters(str(run), config, lora)
+    lora, _ = run_dir.load_run_lora(str(run))
+    _, adapters = run_dir.restore_adapters(str(run), config, lora)
     adapters = lora_lib.whole_adapters(config, lora, adapters)
-    base_params = lora_lib.load_base(base, config)
+    base_params = run_dir.load_base(base, config)
     graphdef, _ = lora_lib.abstract_lora(config, lora)
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 14, (2, 7)), jnp.int32)
     unmerged = nnx.merge(graphdef, lora_lib.combine(base_params, adapters))(tokens)

@@ -17,7 +17,8 @@ import pytest
 
 from bench import msd_results
 from jaxrl.infra.checkpoint import Checkpointer
-from jaxrl.infra.config import launch, parse_gin, resolve_bindings
+from jaxrl.infra.config import parse_gin, resolve_bindings
+from jaxrl.infra.launcher import launch
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.infra.run_io import CHECKPOINT_DIR, state_tree

@@ -13,11 +13,13 @@ import pytest
 pytest.importorskip("libtpu", reason="AOT TPU tests need libtpu (pip install -e '.[test]')")
 
 from jaxrl.infra import sharding as ax  # noqa: E402
+from jaxrl.infra.chips import TopologyError  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
-from jaxrl.infra.tpu import TopologyError, device_spec, parse_topology, topology_devices  # noqa: E402
+from jaxrl.infra.tpu import device_spec, parse_topology, topology_devices  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.planning import ProgramReport, generator_fix, sharded_bytes, trainer_fix  # noqa: E402
-from jaxrl.trainer import OptimizerConfig, Trainer, _apply  # noqa: E402
+from jaxrl.train_state import apply_gradients  # noqa: E402
+from jaxrl.trainer import OptimizerConfig, Trainer  # noqa: E402
 
 # Shards of every weight are whole TPU tiles (8 x 128 float32) on a 2 x 2 mesh.
 E, F, V, H, K, D, L = 256, 512, 512, 16, 16, 128, 2
@@ -56,12 +58,13 @@ def test_memory_analysis_params_and_optimizer_bytes_match_hand_count(v5e_mesh):
     assert _argument_bytes(state.opt_state) == hand_opt
     assert sharded_bytes(state.params) == hand_params
     assert sharded_bytes(state.opt_state) == hand_opt
-    # The optimizer update of the train step (`trainer._apply`): its arguments are the state
-    # (params + Adam + the int32 step) and gradients shaped like the params; the state is donated.
+    # The optimizer update of the train step (`train_state.apply_gradients`): its arguments are the
+    # state (params + Adam + the int32 step) and gradients shaped like the params; the state is
+    # donated.
     optimizer = OptimizerConfig().make(10)
 
     def update(state, grads):
-        return _apply(state, grads, optimizer)[0]
+        return apply_gradients(state, grads, optimizer)[0]
 
     lowered = jax.jit(update, donate_argnums=0).lower(state, state.params)
     memory = lowered.compile().memory_analysis()

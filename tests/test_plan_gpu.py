@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="AOT GPU tests need jax-cuda12-plugin")
 
 from jaxrl.infra import gpu  # noqa: E402
+from jaxrl.infra.chips import TopologyError  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
-from jaxrl.infra.tpu import TopologyError  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.planning import plan_trainer  # noqa: E402
 from jaxrl.trainer import LossConfig, OptimizerConfig  # noqa: E402

@@ -25,7 +25,7 @@ import gin
 import pytest
 from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 
-from jaxrl.infra.config import launch
+from jaxrl.infra.launcher import launch
 from jaxrl.infra.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,7 +123,8 @@ def run_command(command: str) -> str:
 
 
 def _bind_only(launch_fn, args: list[str]) -> str:
-    from jaxrl.infra.config import parse_flags, parse_gin, resolve_bindings
+    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from jaxrl.infra.launcher import parse_flags
 
     flags = parse_flags(args)
     try:

@@ -277,7 +277,7 @@ def test_missing_chat_template_is_a_clear_error():
 
 
 def test_launch_refuses_an_unknown_dataset_before_the_workdir(tmp_path):
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from launch.rl import rl_main
 
     workdir = tmp_path / "run"

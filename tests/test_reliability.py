@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrl.infra import checkpoint as ckpt_lib
-from jaxrl.infra.config import launch
 from jaxrl.infra.distributed import ProcessLayoutError
+from jaxrl.infra.launcher import launch
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.infra.run_io import NonFiniteLossError, RunIO
 from jaxrl.trainer import TrainState

@@ -55,7 +55,7 @@ def _final_params(workdir):
 
 
 def test_sync_rl_runs_end_to_end_on_a_2x2_mesh(tmp_path, capsys):
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from launch.rl import rl_main
 
     mesh = [

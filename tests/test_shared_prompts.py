@@ -22,7 +22,8 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.rl.packing import pack_rollout_batch, segment_mask
-from jaxrl.trainer import LossConfig, Trainer, completion_logprobs
+from jaxrl.train_steps import completion_logprobs
+from jaxrl.trainer import LossConfig, Trainer
 
 CONFIG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=64)
 PROMPT_LEN, COMPLETION_LEN, PACK = 10, 7, 40

@@ -71,144 +71,34 @@ slot-move program per span bucket: bounded by the bucket lists, never by the num
 Each is compiled the first time its shape comes up, which stalls `run` mid-stream (0.7-1.9 s per
 program on a CPU core for a 0.4M-parameter model); `precompile` compiles them all up front.
 
-Shapes: S slots, C cache capacity, L span (attended prefix), P prompt batch, T prompt length,
-V vocabulary, N steps per call.
+This module is the host scheduler (queue, admission, slots, swaps); the jitted programs are in
+`jaxrl.generation.engine_programs`, `Request` / `GroupResult` / `EngineStats` in
+`jaxrl.generation.engine_requests` (importable from here). Shapes: S slots, C cache capacity,
+L span (attended prefix), P prompt batch, T prompt length, V vocabulary, N steps per call.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.core import spmd as flax_spmd
 
 from jaxrl.generation import kv_memory
+from jaxrl.generation.engine_programs import EnginePrograms, bucket, pow2_buckets
+from jaxrl.generation.engine_requests import EngineStats, GroupResult, Request
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
-from jaxrl.generation.sampling import SamplingConfig, inverse_cdf_tokens, processed_logprobs
+from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import (
-    Transformer,
-    causal_mask,
-    constrain_cache,
-    init_cache,
-    positions_from_mask,
-)
+from jaxrl.models.transformer import Transformer
 
 KV_ON_UPDATE = ("keep", "recompute")
 # The shortest cache an engine that grows with its requests starts from.
 MIN_CAPACITY = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One prompt to complete `num_samples` times.
-
-    max_new_tokens: this request's completion budget (default: `sampling.max_new_tokens`).
-    request_id: keys the sampling noise (with the sample index and token index); unique per run.
-    """
-
-    request_id: int
-    prompt: Sequence[int]
-    num_samples: int = 1
-    sampling: SamplingConfig = SamplingConfig()
-    max_new_tokens: int | None = None
-
-    @property
-    def budget(self) -> int:
-        return self.max_new_tokens or self.sampling.max_new_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupResult:
-    """The G completions of one request (host arrays, N = the request's `max_new_tokens`).
-
-    tokens_gn: sampled ids, `pad_id` after a row's stop. logprobs_gn: float32 behaviour
-    log-probs (0 where masked). mask_gn: True on completion tokens (the stop token included).
-    versions_gn: int32 policy version that sampled each token (-1 where masked).
-    """
-
-    request_id: int
-    prompt: tuple[int, ...]
-    tokens_gn: np.ndarray
-    logprobs_gn: np.ndarray
-    mask_gn: np.ndarray
-    versions_gn: np.ndarray | None = None
-
-    @property
-    def lengths_g(self) -> np.ndarray:
-        return self.mask_gn.sum(axis=-1)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters since the engine was built.
-
-    prefill_tokens: prompt tokens run through prefill (each request's prompt once).
-    prefill_padded_tokens: prefill positions computed, padding included.
-    slot_steps: decode slot-steps executed (S per decode step, idle slots included).
-    kept_tokens: slot-steps that produced a completion token (utilisation = kept / slot_steps).
-    decode_calls, prefill_calls: device calls; num_traces: programs compiled.
-    swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
-    moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
-    """
-
-    prefill_tokens: int = 0
-    prefill_padded_tokens: int = 0
-    slot_steps: int = 0
-    kept_tokens: int = 0
-    decode_calls: int = 0
-    prefill_calls: int = 0
-    num_traces: int = 0
-    swaps: int = 0
-    recompute_tokens: int = 0
-    moved_rows: int = 0
-
-    @property
-    def utilisation(self) -> float:
-        return self.kept_tokens / max(self.slot_steps, 1)
-
-
-def _bucket(n: int, buckets: Sequence[int], cap: int) -> int:
-    i = bisect.bisect_left(buckets, n)
-    return min(buckets[i] if i < len(buckets) else cap, cap)
-
-
-def _copy_rows(full, new, dest_s, src_s, axis: int):
-    """`full` with slot `dest_s[i]` (along `axis`) overwritten, over its leading positions, by
-    row `src_s[i]` of `new`, for the leading entries with `dest_s[i]` in range (the rest mark
-    unused entries and are skipped).
-
-    One in-place `dynamic_update_slice` per copied row, in a loop: the cost follows the rows and
-    positions copied, not the cache. (A scatter, `full.at[dest_s].set(...)`, is a loop that
-    copies the whole buffer per index on XLA:CPU: 6 s per call on a 64-slot, 8192-position
-    cache.)
-    """
-    count = jnp.sum(dest_s < full.shape[axis])
-
-    def body(i, full):
-        row = jax.lax.dynamic_index_in_dim(new, src_s[i], axis, keepdims=True)
-        start = [jnp.zeros((), jnp.int32)] * full.ndim
-        start[axis] = dest_s[i]
-        return jax.lax.dynamic_update_slice(full, row.astype(full.dtype), start)
-
-    return jax.lax.fori_loop(0, count, body, full)
-
-
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return (*out, hi)
 
 
 @dataclasses.dataclass
@@ -298,22 +188,25 @@ class Engine:
         # queue drains), so a draining tail does not pay for idle slots.
         # Buckets start at 8 rows: below that a decode step costs about the same.
         self.active_buckets = tuple(
-            b for b in _pow2_buckets(min(8, self.num_slots), self.num_slots) if b % dp == 0
+            b for b in pow2_buckets(min(8, self.num_slots), self.num_slots) if b % dp == 0
         )
         self.stats = EngineStats()
         self._queue: collections.deque[Request] = collections.deque()
         self._ids: set[int] = set()
         self._cancelled: set[int] = set()
         self._cache = None
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._decode = jax.jit(
-            self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
+        # The jitted device programs (`jaxrl.generation.engine_programs`), with those compiled
+        # ahead by `precompile`, which `run` uses.
+        self.programs = EnginePrograms(
+            graphdef,
+            model_config,
+            num_slots=self.num_slots,
+            steps_per_call=self.steps_per_call,
+            pad_id=self.pad_id,
+            mesh=mesh,
+            rules=rules,
+            stats=self.stats,
         )
-        self._move = jax.jit(self._move_impl, static_argnames=("span",), donate_argnums=(0,))
-        self._jitted = {"prefill": self._prefill, "decode": self._decode, "move": self._move}
-        # Programs compiled ahead by `precompile`, by (name, static args); `run` uses them
-        # (jit's own cache is not filled by an ahead-of-time compile).
-        self._compiled: dict[tuple, Any] = {}
         if not compile_only and not self.grows:
             self._check_fits(self.capacity)
 
@@ -332,7 +225,7 @@ class Engine:
         prompt_buckets, span_buckets = self._asked_buckets
         self.capacity = int(capacity)
         self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
-        spans = span_buckets or _pow2_buckets(min(32, self.capacity), self.capacity)
+        spans = span_buckets or pow2_buckets(min(32, self.capacity), self.capacity)
         self.span_buckets = tuple(sorted(b for b in spans if b <= self.capacity))
 
     def _check_fits(self, capacity: int) -> None:
@@ -357,17 +250,8 @@ class Engine:
         capacity = min(self.max_capacity, max(MIN_CAPACITY, 1 << (int(positions) - 1).bit_length()))
         self._check_fits(capacity)
         if self._cache is not None:
-            axis = 2 if self.model_config.scan_layers else 1  # [L,] S, C, K, D
-            extra = capacity - self.capacity
-
-            def pad(cache):
-                widths = [(0, 0)] * cache.ndim
-                widths[axis] = (0, extra)
-                return jnp.pad(cache, widths)
-
-            grow = jax.jit(lambda c: constrain_cache(jax.tree.map(pad, c)), donate_argnums=0)
-            self._cache = self._call(grow, self._cache)
-        self._compiled.clear()
+            self._cache = self.programs.grow_cache(self._cache, capacity - self.capacity)
+        self.programs.compiled.clear()
         self._set_capacity(capacity)
 
     # --- requests -----------------------------------------------------------------------------
@@ -450,7 +334,7 @@ class Engine:
         key_data = np.asarray(jax.random.key_data(key))
         self.reserve()
         if self._cache is None:
-            self._cache = self._call(self._init_cache)
+            self._cache = self.programs.new_cache(self.capacity)
         # Host mirrors of the per-slot state (the device gets them each call: [S] int32 / bool).
         owner: list[int | None] = [None] * s_count  # request id per slot
         token = np.zeros(s_count, np.int32)
@@ -520,15 +404,15 @@ class Engine:
             # Pack live rows into the smallest slot bucket that holds them (a device copy of
             # their cache rows), then decode over that bucket only.
             state = [token, pos, index, budget, live, req_of, sample_of]
-            target = _bucket(int(live.sum()), self.active_buckets, s_count)
+            target = bucket(int(live.sum()), self.active_buckets, s_count)
             movers = [s for s in np.flatnonzero(live) if s >= target]
             if movers:
                 holes = [s for s in range(target) if owner[s] is None][: len(movers)]
                 dest = np.full(s_count, s_count, np.int32)
                 src = np.zeros(s_count, np.int32)
                 dest[: len(movers)], src[: len(movers)] = holes, movers
-                span = _bucket(int(pos[movers].max()) + 1, self.span_buckets, self.capacity)
-                self._cache = self._program("move", self._cache, dest, src, span=span)
+                span = bucket(int(pos[movers].max()) + 1, self.span_buckets, self.capacity)
+                self._cache = self.programs.run("move", self._cache, dest, src, span=span)
                 self.stats.moved_rows += len(movers)
                 for a, b in zip(movers, holes, strict=True):
                     for x in state:
@@ -536,16 +420,16 @@ class Engine:
                     live[a], owner[b], owner[a] = False, owner[a], None
                     group = running[owner[b]]
                     group.slots[group.slots.index(a)] = b
-            active = _bucket(int(np.flatnonzero(live).max()) + 1, self.active_buckets, s_count)
+            active = bucket(int(np.flatnonzero(live).max()) + 1, self.active_buckets, s_count)
             # Past each live row's last write this call (its budget may end sooner than
             # n_steps): the span follows the rows, never the cache's length.
             last = pos[live] + np.minimum(n_steps, budget[live] - index[live])
-            span = _bucket(int(last.max()), self.span_buckets, self.capacity)
-            self._cache, new_state, out = self._program(
+            span = bucket(int(last.max()), self.span_buckets, self.capacity)
+            self._cache, new_state, out = self.programs.run(
                 "decode",
                 params,
                 self._cache,
-                tuple(self._place(x[:active]) for x in state),
+                tuple(self.programs.place_rows(x[:active]) for x in state),
                 key_data,
                 sampling=config,
                 span=span,
@@ -615,8 +499,8 @@ class Engine:
         rows = [(s, ids) for s, (_, _, ids) in sorted(self.cached_sequences().items()) if ids]
         if not rows:
             return
-        width = _bucket(max(len(ids) for _, ids in rows), self.prompt_buckets, self.capacity)
-        batch = _bucket(len(rows), _pow2_buckets(1, self.num_slots), self.num_slots)
+        width = bucket(max(len(ids) for _, ids in rows), self.prompt_buckets, self.capacity)
+        batch = bucket(len(rows), pow2_buckets(1, self.num_slots), self.num_slots)
         tokens = np.full((batch, width), self.pad_id, np.int32)
         valid = np.zeros((batch, width), bool)
         dest = np.full(self.num_slots, self.num_slots, np.int32)
@@ -627,13 +511,13 @@ class Engine:
         valid[len(rows) :, 0] = True
         self.stats.recompute_tokens += sum(len(ids) for _, ids in rows)
         self.stats.prefill_padded_tokens += batch * width
-        self._cache = self._program("prefill", params, self._cache, tokens, valid, dest, src)
+        self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
 
     def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
         """Prefills the admitted prompts (each once) and copies each into its G slots."""
         lengths = [len(r.prompt) for r, _ in admitted]
-        width = _bucket(max(lengths), self.prompt_buckets, self.capacity)
-        batch = _bucket(len(admitted), _pow2_buckets(1, self.num_slots), self.num_slots)
+        width = bucket(max(lengths), self.prompt_buckets, self.capacity)
+        batch = bucket(len(admitted), pow2_buckets(1, self.num_slots), self.num_slots)
         tokens = np.full((batch, width), self.pad_id, np.int32)
         valid = np.zeros((batch, width), bool)
         dest = np.full(self.num_slots, self.num_slots, np.int32)  # out of range: dropped
@@ -649,21 +533,9 @@ class Engine:
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(lengths)
         self.stats.prefill_padded_tokens += batch * width
-        self._cache = self._program("prefill", params, self._cache, tokens, valid, dest, src)
+        self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
 
     # --- device side --------------------------------------------------------------------------
-
-    @staticmethod
-    def _program_key(name: str, args, static: dict) -> tuple:
-        shapes = tuple(np.shape(a) for a in args[2:4]) if name == "prefill" else ()
-        return (name, shapes, tuple(sorted(static.items())))
-
-    def _program(self, name: str, *args, **static):
-        """Runs program `name` (its precompiled executable if `precompile` made one)."""
-        compiled = self._compiled.get(self._program_key(name, args, static))
-        if compiled is not None:
-            return self._call(compiled, *args)
-        return self._call(self._jitted[name], *args, **static)
 
     def precompile(
         self,
@@ -684,245 +556,40 @@ class Engine:
         lowered for `params`, the cache and host arrays of the shapes and placements `run`
         passes. Returns how many programs were compiled; `progress` gets a one-line summary."""
         if self._cache is None:
-            self._cache = self._call(self._init_cache)
-        config = self._static_sampling(sampling)
-        n = self.num_slots
-        widest = self.capacity if max_prompt_len is None else int(max_prompt_len)
-        top_width = _bucket(widest, self.prompt_buckets, self.capacity)
-        widths = [b for b in self.prompt_buckets if b < top_width] + [top_width]
-        most = max(1, n // max(int(samples_per_request), 1))
-        batches = sorted({_bucket(k, _pow2_buckets(1, n), n) for k in range(1, most + 1)})
-        prefills = [(b, w) for b in batches for w in widths]
-        if recompute:  # every running row's prefix (up to the capacity), one row per slot
-            all_widths = [*self.prompt_buckets, self.capacity]
-            rows = sorted({_bucket(k, _pow2_buckets(1, n), n) for k in range(1, n + 1)})
-            prefills += [(b, w) for b in rows for w in all_widths if (b, w) not in prefills]
-        index = np.zeros(n, np.int32)
-        jobs = []
-        for batch, width in prefills:
-            tokens = np.zeros((batch, width), np.int32)
-            jobs.append(("prefill", (params, self._cache, tokens, tokens.astype(bool), index,
-                                     index), {}))  # fmt: skip
-        key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
-        spans = sorted(set(self.span_buckets) | {self.capacity})  # past the last: the capacity
-        for span in spans:
-            for active in self.active_buckets:
-                state = tuple(
-                    self._place(np.zeros(active, dtype))
-                    for dtype in (np.int32,) * 4 + (bool,) + (np.int32,) * 2
-                )
-                static = {"sampling": config, "span": span, "active": active}
-                jobs.append(("decode", (params, self._cache, state, key_data), static))
-            jobs.append(("move", (self._cache, index, index), {"span": span}))
-        start, done = time.perf_counter(), 0
-        for name, args, static in jobs:
-            key = self._program_key(name, args, static)
-            if key in self._compiled:
-                continue
-            lowered = self._call(self._jitted[name].lower, *args, **static)
-            self._compiled[key] = lowered.compile()
-            done += 1
-        if progress is not None:
-            progress(
-                f"[engine] precompiled {done} programs ({len(prefills)} prefill, "
-                f"{len(spans) * len(self.active_buckets)} decode, {len(spans)} move) in "
-                f"{time.perf_counter() - start:.1f}s"
-            )
-        return done
-
-    def _call(self, fn, *args, **kwargs):
-        if self.mesh is None:
-            return fn(*args, **kwargs)
-        with jax.set_mesh(self.mesh), flax_spmd.logical_axis_rules(self.rules):
-            return fn(*args, **kwargs)
-
-    def _place(self, array: np.ndarray) -> jax.Array:
-        if self.mesh is None:
-            return jnp.asarray(array)
-        spec = ax.logical_to_pspec((ax.ACT_BATCH,), self.rules)
-        return ax.place_host(array, jax.sharding.NamedSharding(self.mesh, spec))
+            self._cache = self.programs.new_cache(self.capacity)
+        return self.programs.precompile(
+            params,
+            self._cache,
+            self._static_sampling(sampling),
+            capacity=self.capacity,
+            prompt_buckets=self.prompt_buckets,
+            span_buckets=self.span_buckets,
+            active_buckets=self.active_buckets,
+            samples_per_request=samples_per_request,
+            max_prompt_len=max_prompt_len,
+            recompute=recompute,
+            progress=progress,
+        )
 
     def cache_shardings(self, positions: int | None = None):
         """NamedShardings of the KV cache (of `positions`, default the capacity) on the engine's
         mesh (None without a mesh)."""
-        if self.mesh is None:
-            return None
-        abstract = jax.eval_shape(
-            lambda: init_cache(self.model_config, self.num_slots, positions or self.capacity)
-        )
-        axes = (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)
-        return jax.tree.map(
-            lambda c: jax.sharding.NamedSharding(
-                self.mesh, ax.logical_to_pspec((None,) * (c.ndim - 4) + axes, self.rules)
-            ),
-            abstract,
-        )
+        return self.programs.cache_shardings(positions or self.capacity)
+
+    def abstract_cache(self, positions: int | None = None):
+        """ShapeDtypeStructs of the KV cache (of `positions`, default the capacity), with its
+        shardings on a mesh."""
+        return self.programs.abstract_cache(positions or self.capacity)
 
     def lower_prefill(self, abstract_params, prompts: int, width: int):
         """The prefill program lowered for abstract inputs (nothing allocated): `prompts`
         right-padded prompts of `width` tokens copied into the slots. For `launch.plan`."""
-        cache = self.abstract_cache()
-        rep = self._replicated()
-        s = jax.ShapeDtypeStruct
-        args = (
-            abstract_params,
-            cache,
-            s((prompts, width), jnp.int32, sharding=rep),
-            s((prompts, width), bool, sharding=rep),
-            s((self.num_slots,), jnp.int32, sharding=rep),
-            s((self.num_slots,), jnp.int32, sharding=rep),
-        )
-        return self._call(self._prefill.lower, *args)
+        return self.programs.lower_prefill(abstract_params, self.abstract_cache(), prompts, width)
 
     def lower_decode(self, abstract_params, sampling: SamplingConfig, span: int | None = None):
         """The decode program (`steps_per_call` steps of every slot over the cache prefix `span`,
         default the capacity) lowered for abstract inputs. For `launch.plan`."""
         span = self.capacity if span is None else span
-        n = self.num_slots
-        spec = ax.logical_to_pspec((ax.ACT_BATCH,), self.rules) if self.mesh is not None else None
-        rows = None if spec is None else jax.sharding.NamedSharding(self.mesh, spec)
-        s = jax.ShapeDtypeStruct
-        state = tuple(
-            s((n,), dtype, sharding=rows) for dtype in (jnp.int32,) * 4 + (bool,) + (jnp.int32,) * 2
+        return self.programs.lower_decode(
+            abstract_params, self.abstract_cache(), self._static_sampling(sampling), span
         )
-        key = s((2,), jnp.uint32, sharding=self._replicated())
-        return self._call(
-            self._decode.lower,
-            abstract_params,
-            self.abstract_cache(),
-            state,
-            key,
-            sampling=self._static_sampling(sampling),
-            span=span,
-            active=n,
-        )
-
-    def _replicated(self):
-        return None if self.mesh is None else ax.replicated(self.mesh)
-
-    def abstract_cache(self, positions: int | None = None):
-        """ShapeDtypeStructs of the KV cache (of `positions`, default the capacity), with its
-        shardings on a mesh."""
-        abstract = jax.eval_shape(
-            lambda: init_cache(self.model_config, self.num_slots, positions or self.capacity)
-        )
-        shardings = self.cache_shardings(positions)
-        if shardings is None:
-            return abstract
-        return ax.attach_shardings(abstract, shardings)
-
-    def _init_cache(self):
-        return jax.jit(
-            lambda: constrain_cache(init_cache(self.model_config, self.num_slots, self.capacity))
-        )()
-
-    def _prefill_impl(self, params, cache, tokens_pt, valid_pt, dest_s, src_s):
-        """Runs right-padded prompts `[P, T]` through the model into a fresh `[P, T]` cache, then
-        copies row `src_s[i]`'s first T positions into slot `dest_s[i]` (out of range: skipped)."""
-        self.stats.num_traces += 1
-        model: Transformer = nnx.merge(self.graphdef, params)
-        batch, width = tokens_pt.shape
-        fresh = constrain_cache(init_cache(self.model_config, batch, width))
-        _, fresh = model.hidden_states(
-            tokens_pt, positions_from_mask(valid_pt), causal_mask(valid_pt), fresh, 0
-        )
-        axis = 1 if self.model_config.scan_layers else 0  # caches [L, B, C, K, D]: slots on 1
-        return constrain_cache(
-            jax.tree.map(lambda full, new: _copy_rows(full, new, dest_s, src_s, axis), cache, fresh)
-        )
-
-    def _move_impl(self, cache, dest_s, src_s, *, span: int):
-        """Copies the first `span` positions (all the moved rows have written) of slot
-        `src_s[i]`'s cache row to slot `dest_s[i]` (out of range: skipped)."""
-        self.stats.num_traces += 1
-        axis = 1 if self.model_config.scan_layers else 0
-
-        def move(c):  # the sources are read from a copy of the written span
-            written = jax.lax.slice_in_dim(c, 0, span, axis=axis + 1)
-            return _copy_rows(c, written, dest_s, src_s, axis)
-
-        return jax.tree.map(move, cache)
-
-    def _decode_impl(
-        self, params, cache, state, key_data, *, sampling: SamplingConfig, span: int, active: int
-    ):
-        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`.
-
-        state: (token_s next input, pos_s its position = cache write index, index_s completion
-        index of the next draw, budget_s max_new_tokens, live_s, req_s, sample_s).
-        Returns (cache, state, (tokens_ns, logprobs_ns, kept_ns)).
-        """
-        self.stats.num_traces += 1
-        key = jax.random.wrap_key_data(key_data)
-        param_leaves, params_def = jax.tree.flatten(params)
-        stacked = self.model_config.scan_layers
-        seq_axis = 2 if stacked else 1
-
-        def cut(c):
-            c = jax.lax.slice_in_dim(c, 0, active, axis=seq_axis - 1)
-            return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
-
-        prefix = jax.tree.map(cut, cache)
-        stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
-        n = self.steps_per_call
-        s_count = active
-
-        def draw(logits_sv, req_s, sample_s, index_s):
-            # One keyed uniform per row and an inverse-CDF draw (`inverse_cdf_tokens`), not a
-            # Gumbel draw of V keyed bits per row: threefry over [S, V] cost ~30x the rest of the
-            # sampling at V = 32000 (measured on CPU, S = 64).
-            logprobs_sv = processed_logprobs(logits_sv, sampling)
-            if sampling.greedy:
-                new_s = jnp.argmax(logits_sv, axis=-1).astype(jnp.int32)
-            else:
-
-                def uniform(r, g, t):
-                    k = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, r), g), t)
-                    return jax.random.uniform(k, (), jnp.float32)
-
-                u_s = jax.vmap(uniform)(req_s, sample_s, index_s)
-                new_s = inverse_cdf_tokens(logprobs_sv, u_s)
-            return new_s, jnp.take_along_axis(logprobs_sv, new_s[:, None], axis=-1)[:, 0]
-
-        def body(i, carry):
-            prefix, state, outs = carry
-            token_s, pos_s, index_s, budget_s, live_s, req_s, sample_s = state
-            write_s = jnp.minimum(pos_s, span - 1)  # idle slots may run past; keep them in range
-            mask_s1l = (jnp.arange(span)[None, :] <= write_s[:, None])[:, None, :]
-            model: Transformer = nnx.merge(
-                self.graphdef, jax.tree.unflatten(params_def, param_leaves)
-            )
-            hidden, prefix = model.hidden_states(
-                token_s[:, None], write_s[:, None], mask_s1l, prefix, write_s
-            )
-            logits_sv = model.logits(hidden)[:, 0]
-            new_s, logprob_s = draw(logits_sv, req_s, sample_s, index_s)
-            kept_s = live_s
-            outs = (
-                outs[0].at[i].set(jnp.where(kept_s, new_s, self.pad_id)),
-                outs[1].at[i].set(jnp.where(kept_s, logprob_s, 0.0)),
-                outs[2].at[i].set(kept_s),
-            )
-            index_s = index_s + kept_s
-            stopped_s = jnp.isin(new_s, stop_ids) | (index_s >= budget_s)
-            state = (
-                jnp.where(kept_s, new_s, token_s),
-                pos_s + kept_s,
-                index_s,
-                budget_s,
-                live_s & ~stopped_s,
-                req_s,
-                sample_s,
-            )
-            return prefix, state, outs
-
-        outs = (
-            jnp.full((n, s_count), self.pad_id, jnp.int32),
-            jnp.zeros((n, s_count), jnp.float32),
-            jnp.zeros((n, s_count), bool),
-        )
-        prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
-        cache = jax.tree.map(
-            lambda c, p: jax.lax.dynamic_update_slice(c, p, (0,) * c.ndim), cache, prefix
-        )
-        return constrain_cache(cache), state, outs

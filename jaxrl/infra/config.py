@@ -1,4 +1,4 @@
-"""Gin at the edge: launch flags, config dataclasses bound in gin, validation, the run's workdir.
+"""Gin at the edge: config dataclasses bound in gin, their type checks and validation, --help.
 
 The t5x pattern: library code takes frozen config dataclasses; gin binds those dataclasses and
 one launch function per job; the launcher resolves gin once and passes plain objects on. A job:
@@ -17,25 +17,22 @@ one launch function per job; the launcher resolves gin once and passes plain obj
         launch(train)   # --gin_file=configs/x.gin --gin_param='TrainConfig.learning_rate=3e-4'
                         # --workdir=/tmp/run [--overwrite]
 
-`launch` parses the flags and gin files, builds every config the launch function is bound to
-(types checked against the dataclass annotations, then each `validate()`), all before any JAX
-device is touched; then it writes the run's `config.gin` into the workdir (refusing a workdir
-that holds a run with another config unless --overwrite) and calls the launch function. Config
-errors end the launch with `SystemExit` and a message that names the binding or parameter.
+`launch` (`jaxrl.infra.launcher`) parses the flags and gin files, builds every config the launch
+function is bound to (types checked against the dataclass annotations, then each `validate()`),
+all before any JAX device is touched; then it writes the run's `config.gin` into the workdir
+(refusing a workdir that holds a run with another config unless --overwrite) and calls the
+launch function. Config errors end the launch with `SystemExit` and a message that names the
+binding or parameter. This module is the gin side: registering, parsing, type-checking and
+resolving configs (`register_config`, `parse_gin`, `resolve_bindings`), and --help.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
 import inspect
-import logging
-import os
 import re
-import shutil
-import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -43,14 +40,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import gin
-import jax
 
-from jaxrl.infra import preemption
-from jaxrl.infra.errors import DataError
+from jaxrl.infra.user_code import torch_hint
 
-logger = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.gin"
 T = TypeVar("T")
 
 # Config dataclasses registered through `register_config`, by "module.ClassName".
@@ -59,50 +51,6 @@ _CONFIGS: dict[str, type] = {}
 
 class ConfigError(ValueError):
     """A bad flag, gin binding or config value; the message names it and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchFlags:
-    """The command line of a launch: where the run lives and how it is configured."""
-
-    workdir: str
-    gin_files: tuple[str, ...] = ()
-    gin_params: tuple[str, ...] = ()
-    gin_search_paths: tuple[str, ...] = ()
-    overwrite: bool = False
-
-
-def parse_flags(
-    argv: Sequence[str] | None = None, description: str | None = None, epilog: str | None = None
-) -> LaunchFlags:
-    """Parses --gin_file (repeatable), --gin_param (repeatable), --workdir, --overwrite.
-    `epilog` ends --help (`launch` puts the configurable classes there, `config_help`)."""
-    parser = argparse.ArgumentParser(
-        description=description,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--workdir", required=True, help="Run directory: checkpoints, metrics.")
-    parser.add_argument("--gin_file", action="append", default=[], help="Gin file (repeatable).")
-    parser.add_argument(
-        "--gin_param", action="append", default=[], help="Gin binding, e.g. 'A.b = 1' (repeatable)."
-    )
-    parser.add_argument(
-        "--gin_search_path", action="append", default=[], help="Prefix for gin includes."
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="Replace a run with a different config in --workdir (deletes its files).",
-    )
-    args = parser.parse_args(argv)
-    return LaunchFlags(
-        workdir=args.workdir,
-        gin_files=tuple(args.gin_file),
-        gin_params=tuple(args.gin_param),
-        gin_search_paths=tuple(args.gin_search_path),
-        overwrite=args.overwrite,
-    )
 
 
 # Type checking ------------------------------------------------------------------------------
@@ -509,124 +457,14 @@ def example_configs(launch_name: str) -> list[str]:
     return []
 
 
-def _no_gin_file_hint(launch_fn: Callable) -> str:
+def no_gin_file_hint(launch_fn: Callable) -> str:
+    """What a launch without --gin_file that misses a required binding adds to its error."""
     examples = example_configs(_launch_name(launch_fn))
     shown = f" e.g. --gin_file={examples[0]} (all: {', '.join(examples)})" if examples else ""
     return (
         f"\n  No --gin_file was given: start from a config in configs/,{shown}; --help lists "
         "every configurable class with its fields and defaults."
     )
-
-
-# The run directory ---------------------------------------------------------------------------
-
-
-def _config_diff(old: str, new: str) -> str:
-    lines = difflib.unified_diff(
-        old.splitlines(), new.splitlines(), "existing config.gin", "this launch", lineterm="", n=0
-    )
-    return "\n".join(list(lines)[:40])
-
-
-def _has_checkpoints(path: Path) -> bool:
-    """Whether a run directory (or a stage inside it, e.g. WORKDIR/sft) saved any checkpoint."""
-    return any(any(p.iterdir()) for p in path.glob("**/checkpoints") if p.is_dir())
-
-
-def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> bool:
-    """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
-
-    Same config as the run already there: resume. A different one: ConfigError, unless
-    `overwrite`, which deletes the old run's files, or the old run never saved a checkpoint
-    (it failed early: its files are replaced without asking). A non-empty directory without a
-    config.gin is not a run directory: refused either way. Process 0 of a job calls it.
-    """
-    path = Path(workdir)
-    config_path = path / CONFIG_FILE
-    if config_path.exists():
-        old = config_path.read_text()
-        if old == config_text:
-            logger.info("resuming the run in %s (same config)", path)
-            return True
-        if not overwrite and not _has_checkpoints(path):
-            # The earlier launch failed before its first checkpoint (a config fixed since):
-            # nothing to resume or to lose, so the new config takes the workdir.
-            print(f"[jaxrl] {path} holds no checkpoint yet: starting it with the new config")
-        elif not overwrite:
-            raise ConfigError(
-                f"--workdir {path} holds a run with a different config:\n"
-                f"{_config_diff(old, config_text)}\n"
-                "Pass --overwrite to replace that run (deletes its checkpoints and metrics) or "
-                "use a new --workdir."
-            )
-        else:
-            logger.warning("--overwrite: deleting the previous run in %s", path)
-        shutil.rmtree(path)
-    elif path.exists() and any(path.iterdir()):
-        raise ConfigError(
-            f"--workdir {path} is not empty and has no {CONFIG_FILE}, so it is not a run "
-            "directory; use a new --workdir (--overwrite never deletes such a directory)."
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    tmp_path = path / f".{CONFIG_FILE}.tmp"
-    tmp_path.write_text(config_text)
-    tmp_path.replace(config_path)  # atomic: a reader never sees half a config
-    return False
-
-
-def keep_torch_out() -> None:
-    """Makes `import torch` fail in this process from now on (unless torch is imported already,
-    or the environment sets JAXRL_ALLOW_TORCH=1).
-
-    A launch never needs torch, but where it is installed `transformers` (its config modules, on
-    the first `ModelConfig.to_hf()` / `load_config`) and `tensorboardX` import it at module level
-    only to support torch tensors: seconds and ~1 GB of address space per process. Launchers call
-    this first in their `__main__`; never in a process that may want torch later (transformers
-    caches `is_torch_available()`, and a module imported meanwhile keeps no `torch` name). The
-    None marker (rather than a finder that raises) keeps `importlib.util.find_spec("torch")`
-    answering None, which is how transformers asks; a user module whose import then fails on
-    torch gets `torch_hint` in its error.
-    """
-    if "torch" not in sys.modules and os.environ.get("JAXRL_ALLOW_TORCH") != "1":
-        sys.modules["torch"] = None  # the import system's "not importable" marker
-        # transformers would then log "PyTorch was not found ..." on import, on every launch
-        logging.getLogger("transformers").addFilter(_drop_torch_notice)
-
-
-def _drop_torch_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("PyTorch was not found")
-
-
-def import_user_callable(name: str, what: str) -> Callable:
-    """The callable `"package.module:attribute"` names (a user's reward, task factory, ...),
-    with an error naming `what` it was for and the fix when it cannot be imported."""
-    import importlib
-
-    module_name, _, attribute = name.partition(":")
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as e:
-        raise KeyError(
-            f"{what} {name!r}: cannot import {attribute!r} from {module_name!r} ({e}"
-            f"{torch_hint(e)}); is the module's directory on PYTHONPATH?"
-        ) from None
-    if not callable(found):
-        raise TypeError(f"{what} {name!r} is not callable")
-    return found
-
-
-def torch_hint(error: BaseException) -> str:
-    """A note for an ImportError caused by `keep_torch_out` (empty for any other error)."""
-    if (
-        isinstance(error, ImportError)
-        and error.name == "torch"
-        and sys.modules.get("torch", 0) is None
-    ):
-        return (
-            "; jaxrl launches keep torch out of the process (transformers and tensorboardX "
-            "would import it for nothing): set JAXRL_ALLOW_TORCH=1 if your code needs torch"
-        )
-    return ""
 
 
 def without_gin_call_notes(error: BaseException) -> str:
@@ -637,46 +475,3 @@ def without_gin_call_notes(error: BaseException) -> str:
 
 
 _GIN_CALL_NOTE = re.compile(r"^\s+In call to configurable '[^']*' \(<.*>\)$")
-
-
-def launch(
-    launch_fn: Callable[..., T], argv: Sequence[str] | None = None, description: str | None = None
-) -> T:
-    """Flags -> gin -> built + validated configs -> workdir/config.gin -> `launch_fn(...)`.
-
-    `launch_fn` is a `gin.configurable` taking `workdir` and its gin-bound arguments. Config
-    errors raise SystemExit with the message (naming the binding) before any device is used.
-    """
-    flags = parse_flags(argv, description, epilog=config_help(launch_fn))
-    try:
-        parse_gin(flags.gin_files, flags.gin_params, flags.gin_search_paths)
-        try:
-            kwargs = resolve_bindings(launch_fn)
-        except ConfigError as err:
-            if not flags.gin_files and "is required but not bound" in str(err):
-                raise ConfigError(f"{err}{_no_gin_file_hint(launch_fn)}") from err
-            raise
-        # Only now touch JAX (process_index initialises the backend): configs are known good.
-        if jax.process_index() == 0:
-            prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite)
-        if jax.process_count() > 1:  # the others wait until process 0 has claimed the workdir
-            # (checking it themselves meanwhile, they could see it half-made)
-            from jaxrl.infra.distributed import barrier
-
-            barrier(f"workdir:{flags.workdir}")
-    except ConfigError as err:
-        raise SystemExit(f"config error: {without_gin_call_notes(err)}") from err
-    try:
-        return launch_fn(workdir=flags.workdir, **kwargs)
-    except DataError as err:
-        raise SystemExit(f"data error: {without_gin_call_notes(err)}") from None
-    except preemption.StopRequested as stop:
-        print(f"[jaxrl] {without_gin_call_notes(stop)}", flush=True)
-        raise SystemExit(0) from None
-    except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal, or twice
-        print(
-            "[jaxrl] interrupted (Ctrl-C) without saving; rerun the same command to resume from "
-            "the last checkpoint.",
-            flush=True,
-        )
-        raise SystemExit(130) from None

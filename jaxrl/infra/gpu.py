@@ -38,7 +38,7 @@ import shutil
 import sys
 import tempfile
 
-from jaxrl.infra.tpu import ChipSpec, TopologyError
+from jaxrl.infra.chips import ChipSpec, TopologyError
 
 GiB = 1024**3
 MiB = 1024**2

@@ -5,7 +5,7 @@ from that checkpoint.
 Training loops (`jaxrl.infra.run_io.RunIO`, which `msd_jax.train.run_training` uses too) call
 `install()` when they start (and `uninstall()` when they end: the previous handlers come back),
 force the save of a step when `requested()`, wait until that save is committed, and call
-`stop()`, which raises `StopRequested`; `jaxrl.infra.config.launch` turns it into a message and
+`stop()`, which raises `StopRequested`; `jaxrl.infra.launcher.launch` turns it into a message and
 exit status 0. A signal that lands after a step's save decision stops the run after the next
 step, so the checkpoint always holds a whole step. A second SIGTERM is not special (the first
 one is being honoured); a second Ctrl-C stops at once without saving (KeyboardInterrupt), for a

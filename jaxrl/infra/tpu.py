@@ -15,42 +15,16 @@ split evenly between them (`ChipSpec.per_device`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
 from typing import TYPE_CHECKING
 
+from jaxrl.infra.chips import ChipSpec, GiB, TopologyError
 from jaxrl.infra.xla_cpu import tpu_attached
 
-if TYPE_CHECKING:  # imported lazily: `jaxrl.infra.gpu` imports this module before JAX
+if TYPE_CHECKING:  # for annotations only: this module imports without JAX
     import jax
-
-GiB = 1024**3
-
-
-@dataclasses.dataclass(frozen=True)
-class ChipSpec:
-    """Published peaks of one accelerator chip.
-
-    hbm_bytes: HBM capacity; peak_flops: dense bf16 FLOP/s; hbm_bandwidth: bytes/s.
-    """
-
-    name: str
-    hbm_bytes: int
-    peak_flops: float
-    hbm_bandwidth: float
-
-    def per_device(self, devices_per_chip: int) -> ChipSpec:
-        """The share of one device when a chip shows as several (v4: one per TensorCore)."""
-        n = devices_per_chip
-        return dataclasses.replace(
-            self,
-            hbm_bytes=self.hbm_bytes // n,
-            peak_flops=self.peak_flops / n,
-            hbm_bandwidth=self.hbm_bandwidth / n,
-        )
-
 
 CHIPS: dict[str, ChipSpec] = {
     "v4": ChipSpec("v4", 32 * GiB, 275e12, 1228e9),
@@ -62,10 +36,6 @@ CHIPS: dict[str, ChipSpec] = {
 HOST_CHIPS = (2, 2, 1)
 
 _TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
-
-
-class TopologyError(ValueError):
-    """A topology name that is malformed, not whole hosts, or needs libtpu that is missing."""
 
 
 def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:

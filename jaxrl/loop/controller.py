@@ -39,7 +39,8 @@ from jaxrl.loop.reward import RewardExecutor
 from jaxrl.rl import collate_rollouts, select_groups
 from jaxrl.sync.store import GeneratorWeights
 from jaxrl.tasks.source import PromptSource, encode_prompts
-from jaxrl.trainer import Params, Trainer, TrainState
+from jaxrl.train_state import Params, TrainState
+from jaxrl.trainer import Trainer
 
 
 class Controller:

@@ -20,9 +20,9 @@ What crosses between the roles:
   chunk ends at a coordination-service barrier); it waits longer only when the generator still
   holds two versions, as `GeneratorWeights.publish` does in one process.
 - Scored rollouts, generator -> trainer: the coordination service's key-value store
-  (`RolloutChannel`; bytes values, zlib-compressed JSON of `ScoredBatch.to_json`, float32
-  log-probs exact). The trainer asks for batch k (key `room/k`) only when its `RolloutQueue` has
-  room, the generator sends it (key `batch/k`) once asked, and the trainer's fetcher thread puts
+  (`rollout_channel.RolloutChannel`; bytes values, zlib-compressed JSON of `ScoredBatch.to_json`,
+  float32 log-probs exact). The trainer asks for batch k (key `room/k`) only when its `RolloutQueue`
+  has room, the generator sends it (key `batch/k`) once asked, and the trainer's fetcher thread puts
   it into the queue, which checks staleness on admission and on consumption exactly as in one
   process. So at most `queue_size` batches wait on the trainer and one more, scored, on the
   generator. A key is deleted once the step that trained on it is done.
@@ -45,11 +45,9 @@ Trainer processes run the one trainer loop (`Controller.run`) over `trainer_feed
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -59,15 +57,13 @@ from jaxrl.infra import faults
 from jaxrl.infra.closable import QueueClosed, unwrap
 from jaxrl.loop.feeds.lagged import push_needed, sample_batch, version_for
 from jaxrl.loop.feeds.remote import RemoteFeed
-from jaxrl.loop.rollout_queue import ScoredBatch
+from jaxrl.loop.rollout_channel import RolloutChannel
 
 if TYPE_CHECKING:
     from jaxrl.loop.controller import Controller
 
 logger = logging.getLogger(__name__)
 ROLES = ("trainer", "generator")
-_PREFIX = "jaxrl_roles"
-_POLL_MS = 1000
 
 
 class RoleLayoutError(ValueError):
@@ -131,53 +127,6 @@ def check_roles(
                 f"processes {list(own)}"
             )
     return layout
-
-
-class RolloutChannel:
-    """Keys in the coordination service's key-value store (module docstring). Blocking reads
-    wait at most `timeout_s` and raise TimeoutError naming what they waited for."""
-
-    def __init__(self, timeout_s: float):
-        from jax._src import distributed as jax_distributed
-
-        self.client = jax_distributed.global_state.client
-        if self.client is None:
-            raise RuntimeError("RolloutChannel needs a jax.distributed job (initialize first)")
-        self.timeout_s = timeout_s
-
-    def put_json(self, name: str, value) -> None:
-        self.client.key_value_set_bytes(f"{_PREFIX}/{name}", json.dumps(value).encode())
-
-    def get_json(self, name: str, what: str, timeout_s: float | None = None):
-        return json.loads(self._get(name, what, timeout_s))
-
-    def has(self, name: str) -> bool:
-        return self.client.key_value_try_get_bytes(f"{_PREFIX}/{name}") is not None
-
-    def send(self, batch: ScoredBatch) -> None:
-        blob = zlib.compress(json.dumps(batch.to_json()).encode(), 1)
-        self.client.key_value_set_bytes(f"{_PREFIX}/batch/{batch.batch_index}", blob)
-
-    def receive(self, index: int) -> ScoredBatch:
-        blob = self._get(f"batch/{index}", f"the generator to send batch {index}")
-        return ScoredBatch.from_json(json.loads(zlib.decompress(blob)))
-
-    def forget(self, index: int) -> None:
-        self.client.key_value_delete(f"{_PREFIX}/batch/{index}")
-
-    def _get(self, name: str, what: str, timeout_s: float | None = None) -> bytes:
-        """Polls in one-second waits, so a stuck read is noticed against its own deadline."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        key = f"{_PREFIX}/{name}"
-        while True:
-            try:
-                return self.client.blocking_key_value_get_bytes(key, _POLL_MS)
-            except jax.errors.JaxRuntimeError as err:
-                if "DEADLINE_EXCEEDED" not in str(err):
-                    raise
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
 class PushOnly:

@@ -57,7 +57,7 @@ from jaxrl.tasks.chat import (
     require_chat_template,
     tokenizer_name,
 )
-from jaxrl.tasks.source import PromptItem
+from jaxrl.tasks.prompt import PromptItem
 
 TRAIN_BASE = 2**31  # seed offset of the train stream: past any held-out scan
 CHUNK = 2**20  # the rg datasets' size (gsm_symbolic pregenerates one choice per item)

@@ -108,7 +108,7 @@ def get_reward(name: str) -> RewardFunction:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
-        from jaxrl.infra.config import import_user_callable
+        from jaxrl.infra.user_code import import_user_callable
 
         return import_user_callable(name, "reward")
     raise KeyError(

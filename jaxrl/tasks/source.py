@@ -26,9 +26,8 @@ lengths), "math_jsonl" (`JsonlMathSource`) and "reasoning_gym" (any reasoning-gy
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
@@ -37,31 +36,7 @@ from jaxrl.tasks.arithmetic import ArithmeticTask, demonstration, encode_demonst
 from jaxrl.tasks.chain import ChainTask, chain_demonstration, encode_chain_demonstrations
 from jaxrl.tasks.chat import require_chat_template
 from jaxrl.tasks.math_jsonl import DEFAULT_INSTRUCTION, format_prompt, load_math_jsonl
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptItem:
-    text: str  # the prompt as the model sees it (before tokenisation)
-    reference: str | None  # gold answer for verifiable rewards
-
-
-@runtime_checkable
-class PromptSource(Protocol):
-    """What the controller reads prompts from.
-
-    `item(i)` must be a pure function of (the source's config, i): batch k of a run samples items
-    [k * n, (k + 1) * n), and a resumed run asks for the same indices again. `eval_items(limit)`
-    are held-out prompts (disjoint from the train stream), the same list on every call.
-
-    Optional attributes: `reward_name` (the reward used when `TaskSpec.reward` is empty) and
-    `demonstrations(start, count, tokenizer, seq_len, pool=0) -> (tokens_bs, loss_mask_bs)` (the
-    SFT warm start, `jaxrl.sft`). Prompts are encoded with `tokenizer.encode(text)`, which adds
-    the tokenizer's special tokens (e.g. `<bos>`).
-    """
-
-    def item(self, index: int) -> PromptItem: ...
-
-    def eval_items(self, limit: int) -> list[PromptItem]: ...
+from jaxrl.tasks.prompt import PromptItem, PromptSource  # documented here: `jaxrl.tasks.source`
 
 
 class SkipSource:
@@ -125,7 +100,7 @@ def get_task(name: str) -> TaskFactory:
     if name in _TASKS:
         return _TASKS[name]
     if ":" in name:
-        from jaxrl.infra.config import import_user_callable
+        from jaxrl.infra.user_code import import_user_callable
 
         return import_user_callable(name, "task")
     raise KeyError(

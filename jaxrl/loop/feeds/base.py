@@ -19,7 +19,8 @@ loop calls, in this order:
 other processes) gives the loop's clock the generator's idle time and overlap.
 
 A feed class also answers the launcher's questions about its schedule (`engine_slots`,
-`latest_only`), so that knowledge lives with the code that relies on it.
+`latest_only`), so that knowledge lives with the code that relies on it. A feed is built from the
+controller that drives it and sees it as a `ControllerView`.
 """
 
 from __future__ import annotations
@@ -27,12 +28,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxrl.infra.closable import QueueClosed, unwrap
 from jaxrl.loop.config import RLConfig
 from jaxrl.loop.report import BusyTimeline
 from jaxrl.rl import Rollout
+
+if TYPE_CHECKING:
+    from jaxrl.generation.executor import GeneratorExecutor
+    from jaxrl.loop.reward import RewardExecutor
+    from jaxrl.sync.store import GeneratorWeights
+    from jaxrl.tasks.prompt import PromptItem, PromptSource
 
 
 @dataclasses.dataclass
@@ -70,6 +77,26 @@ class RolloutFeed(Protocol):
     def snapshot(self, step: int) -> dict: ...
 
     def stop(self, failed: bool) -> None: ...
+
+
+class ControllerView(Protocol):
+    """What a feed uses of the controller that drives it (`jaxrl.loop.controller.Controller`): the
+    run's config, executors and weight store, and the prompt and scoring steps every schedule
+    shares."""
+
+    config: RLConfig
+    generator: GeneratorExecutor
+    rewarder: RewardExecutor
+    source: PromptSource
+    tokenizer: Any
+    weights: GeneratorWeights | None
+    chat_formatted: bool
+
+    def prompts(self, batch_index: int) -> tuple[list[PromptItem], list[list[int]]]: ...
+
+    def score(self, generated) -> tuple[list, dict]: ...
+
+    def prompt_bucket(self, prompt_ids) -> int: ...
 
 
 def default_engine_slots(config: RLConfig) -> int:
@@ -114,7 +141,7 @@ class GeneratorThread:
 
     thread_name = "jaxrl-generator"
 
-    def __init__(self, controller, queue, timeline: BusyTimeline | None = None):
+    def __init__(self, controller: ControllerView, queue, timeline: BusyTimeline | None = None):
         self.controller, self.queue = controller, queue
         self.version: int | None = None
         self.timeline = timeline or BusyTimeline()

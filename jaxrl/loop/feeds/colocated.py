@@ -8,13 +8,9 @@ train state and the step to continue bit for bit.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from jaxrl.loop.feeds.base import Taken, default_engine_slots
+from jaxrl.loop.feeds.base import ControllerView, Taken, default_engine_slots
 from jaxrl.loop.report import BusyTimeline
-
-if TYPE_CHECKING:
-    from jaxrl.loop.controller import Controller
 
 
 class ColocatedFeed:
@@ -23,7 +19,7 @@ class ColocatedFeed:
     latest_only = staticmethod(lambda config: False)  # no store: it samples the trainer's params
     engine_slots = staticmethod(default_engine_slots)
 
-    def __init__(self, controller: Controller):
+    def __init__(self, controller: ControllerView):
         self.controller = controller
         self.timeline = BusyTimeline()  # generation and scoring, on the trainer's thread
 

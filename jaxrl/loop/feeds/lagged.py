@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import jax
 
 from jaxrl.infra.closable import QueueClosed, unwrap, wait_until
 from jaxrl.loop.config import RLConfig
 from jaxrl.loop.feeds.base import (
+    ControllerView,
     GeneratorThread,
     Taken,
     check_resumable,
@@ -52,9 +52,6 @@ from jaxrl.loop.feeds.base import (
 )
 from jaxrl.loop.report import BusyTimeline, queue_metrics
 from jaxrl.loop.rollout_queue import QueueStats, RolloutQueue, ScoredBatch
-
-if TYPE_CHECKING:
-    from jaxrl.loop.controller import Controller
 
 
 def version_for(config: RLConfig, batch_index: int) -> int | None:
@@ -74,7 +71,7 @@ def push_needed(config: RLConfig, version: int, first_index: int) -> bool:
     return version < config.total_steps
 
 
-def sample_batch(ctl: Controller, batch_index: int, params) -> ScoredBatch:
+def sample_batch(ctl: ControllerView, batch_index: int, params) -> ScoredBatch:
     """Batch `batch_index` sampled with the `GeneratorParams` `params` and scored."""
     items, prompt_ids = ctl.prompts(batch_index)
     generated = ctl.generator.generate(
@@ -96,7 +93,7 @@ class LaggedFeed:
         """Free running samples with the newest version only: the store drops superseded ones."""
         return config.schedule == "free_running"
 
-    def __init__(self, controller: Controller):
+    def __init__(self, controller: ControllerView):
         self.controller, self.config = controller, controller.config
         self.in_turns = self.generator_here and jax.process_count() > 1
         # The generator's busy spans, when it runs here (else it reports its own idle time).
@@ -193,7 +190,7 @@ class BatchProducer(GeneratorThread):
 
     def __init__(
         self,
-        controller: Controller,
+        controller: ControllerView,
         queue: RolloutQueue,
         first_index: int,
         timeline: BusyTimeline | None = None,

@@ -1,27 +1,24 @@
 """The trainer's side of a role-split job (`jaxrl.loop.roles`): a fixed-lag feed whose generator
 runs in other processes.
 
-Batches arrive through the coordination service's key-value store (`roles.RolloutChannel`): a
-fetcher thread asks for batch k (key `room/k`) only when the `RolloutQueue` has room, receives
-it and puts it into the queue, which checks staleness on admission and on consumption exactly as
-in one process. Weights leave through the cross-process push (`roles.PushOnly`), which the
-generator processes issue alike. Everything else (the queue, the checkpoint's run state, the
-pushes each version needs) is `LaggedFeed`'s.
+Batches arrive through the coordination service's key-value store
+(`rollout_channel.RolloutChannel`): a fetcher thread asks for batch k (key `room/k`) only when the
+`RolloutQueue` has room, receives it and puts it into the queue, which checks staleness on admission
+and on consumption exactly as in one process. Weights leave through the cross-process push
+(`roles.PushOnly`), which the generator processes issue alike. Everything else (the queue, the
+checkpoint's run state, the pushes each version needs) is `LaggedFeed`'s.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from jaxrl.infra.closable import QueueClosed
 from jaxrl.loop.config import check_role_split
+from jaxrl.loop.feeds.base import ControllerView
 from jaxrl.loop.feeds.lagged import LaggedFeed, restore_queue
+from jaxrl.loop.rollout_channel import RolloutChannel
 from jaxrl.loop.rollout_queue import RolloutQueue
-
-if TYPE_CHECKING:
-    from jaxrl.loop.controller import Controller
-    from jaxrl.loop.roles import RolloutChannel
 
 
 class RemoteFeed(LaggedFeed):
@@ -30,7 +27,7 @@ class RemoteFeed(LaggedFeed):
 
     generator_here = False  # no program of this process samples: nothing takes turns
 
-    def __init__(self, controller: Controller, channel: RolloutChannel, lead: bool):
+    def __init__(self, controller: ControllerView, channel: RolloutChannel, lead: bool):
         check_role_split(controller.config)
         super().__init__(controller)
         self.channel, self.lead = channel, lead

@@ -58,7 +58,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -67,13 +66,10 @@ from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.generation.executor import GeneratedBatch, sampling_key
 from jaxrl.infra.closable import QueueClosed, unwrap
 from jaxrl.loop.config import RLConfig
-from jaxrl.loop.feeds.base import GeneratorThread, Taken, check_resumable, publish
+from jaxrl.loop.feeds.base import ControllerView, GeneratorThread, Taken, check_resumable, publish
 from jaxrl.loop.report import BusyTimeline, queue_metrics
 from jaxrl.loop.rollout_queue import GroupQueue, ScoredBatch
 from jaxrl.tasks.source import encode_prompts
-
-if TYPE_CHECKING:
-    from jaxrl.loop.controller import Controller
 
 
 @dataclasses.dataclass
@@ -87,7 +83,7 @@ class _GeneratorCounters:
     recompute_tokens: int = 0
 
 
-def streaming_engine(ctl: Controller):
+def streaming_engine(ctl: ControllerView):
     """The generator's `Engine`, checked for a streaming run."""
     sampler = ctl.generator.sampler
     if type(sampler) is not EngineSampler:
@@ -101,7 +97,7 @@ def streaming_engine(ctl: Controller):
     return sampler.engine
 
 
-def groups_in_flight(ctl: Controller) -> int:
+def groups_in_flight(ctl: ControllerView) -> int:
     """`GroupQueue.max_in_flight` of a streaming run: `RLConfig.stream_in_flight`, or (-1) the
     groups the engine's slots hold, so an empty queue gets every slot refilled at once."""
     engine_groups = streaming_engine(ctl).num_slots // ctl.config.samples_per_prompt
@@ -116,7 +112,7 @@ class StreamProducer(GeneratorThread):
     thread_name = "jaxrl-streamer"
 
     def __init__(
-        self, controller: Controller, queue: GroupQueue, timeline: BusyTimeline | None = None
+        self, controller: ControllerView, queue: GroupQueue, timeline: BusyTimeline | None = None
     ):
         super().__init__(controller, queue, timeline)
         self.engine = streaming_engine(controller)
@@ -254,7 +250,7 @@ class StreamingFeed:
         """One step's groups in flight, however many dynamic sampling leaves out."""
         return config.samples_per_prompt * config.num_prompts
 
-    def __init__(self, controller: Controller):
+    def __init__(self, controller: ControllerView):
         self.controller, self.config = controller, controller.config
         self.in_flight = groups_in_flight(controller)  # checks the engine first
         self.timeline: BusyTimeline | None = BusyTimeline()

@@ -1,0 +1,82 @@
+"""What goes into the continuous-batching engine (`jaxrl.generation.engine`) and what comes out:
+a `Request` (one prompt, G samples), the `GroupResult` of its G completions, and the engine's
+`EngineStats` counters. `jaxrl.generation.engine` re-exports all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxrl.generation.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to complete `num_samples` times.
+
+    max_new_tokens: this request's completion budget (default: `sampling.max_new_tokens`).
+    request_id: keys the sampling noise (with the sample index and token index); unique per run.
+    """
+
+    request_id: int
+    prompt: Sequence[int]
+    num_samples: int = 1
+    sampling: SamplingConfig = SamplingConfig()
+    max_new_tokens: int | None = None
+
+    @property
+    def budget(self) -> int:
+        return self.max_new_tokens or self.sampling.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """The G completions of one request (host arrays, N = the request's `max_new_tokens`).
+
+    tokens_gn: sampled ids, `pad_id` after a row's stop. logprobs_gn: float32 behaviour
+    log-probs (0 where masked). mask_gn: True on completion tokens (the stop token included).
+    versions_gn: int32 policy version that sampled each token (-1 where masked).
+    """
+
+    request_id: int
+    prompt: tuple[int, ...]
+    tokens_gn: np.ndarray
+    logprobs_gn: np.ndarray
+    mask_gn: np.ndarray
+    versions_gn: np.ndarray | None = None
+
+    @property
+    def lengths_g(self) -> np.ndarray:
+        return self.mask_gn.sum(axis=-1)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine was built.
+
+    prefill_tokens: prompt tokens run through prefill (each request's prompt once).
+    prefill_padded_tokens: prefill positions computed, padding included.
+    slot_steps: decode slot-steps executed (S per decode step, idle slots included).
+    kept_tokens: slot-steps that produced a completion token (utilisation = kept / slot_steps).
+    decode_calls, prefill_calls: device calls; num_traces: programs compiled.
+    swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
+    moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
+    """
+
+    prefill_tokens: int = 0
+    prefill_padded_tokens: int = 0
+    slot_steps: int = 0
+    kept_tokens: int = 0
+    decode_calls: int = 0
+    prefill_calls: int = 0
+    num_traces: int = 0
+    swaps: int = 0
+    recompute_tokens: int = 0
+    moved_rows: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        return self.kept_tokens / max(self.slot_steps, 1)

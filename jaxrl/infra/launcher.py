@@ -1,0 +1,176 @@
+"""Launching a job: flags -> gin -> built and validated configs -> the run's workdir ->
+the launch function (`launch`), and claiming the workdir (`prepare_workdir`: its `config.gin`).
+
+A launcher's `__main__` is `launch(main)` for a `gin.configurable` `main(workdir, ...)`; the gin
+side (registering, parsing, type-checking, --help) is `jaxrl.infra.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import gin
+import jax
+
+from jaxrl.infra import preemption
+from jaxrl.infra.config import (
+    ConfigError,
+    config_help,
+    no_gin_file_hint,
+    parse_gin,
+    resolve_bindings,
+    without_gin_call_notes,
+)
+from jaxrl.infra.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.gin"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFlags:
+    """The command line of a launch: where the run lives and how it is configured."""
+
+    workdir: str
+    gin_files: tuple[str, ...] = ()
+    gin_params: tuple[str, ...] = ()
+    gin_search_paths: tuple[str, ...] = ()
+    overwrite: bool = False
+
+
+def parse_flags(
+    argv: Sequence[str] | None = None, description: str | None = None, epilog: str | None = None
+) -> LaunchFlags:
+    """Parses --gin_file (repeatable), --gin_param (repeatable), --workdir, --overwrite.
+    `epilog` ends --help (`launch` puts the configurable classes there, `config_help`)."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workdir", required=True, help="Run directory: checkpoints, metrics.")
+    parser.add_argument("--gin_file", action="append", default=[], help="Gin file (repeatable).")
+    parser.add_argument(
+        "--gin_param", action="append", default=[], help="Gin binding, e.g. 'A.b = 1' (repeatable)."
+    )
+    parser.add_argument(
+        "--gin_search_path", action="append", default=[], help="Prefix for gin includes."
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a run with a different config in --workdir (deletes its files).",
+    )
+    args = parser.parse_args(argv)
+    return LaunchFlags(
+        workdir=args.workdir,
+        gin_files=tuple(args.gin_file),
+        gin_params=tuple(args.gin_param),
+        gin_search_paths=tuple(args.gin_search_path),
+        overwrite=args.overwrite,
+    )
+
+
+def _config_diff(old: str, new: str) -> str:
+    lines = difflib.unified_diff(
+        old.splitlines(), new.splitlines(), "existing config.gin", "this launch", lineterm="", n=0
+    )
+    return "\n".join(list(lines)[:40])
+
+
+def _has_checkpoints(path: Path) -> bool:
+    """Whether a run directory (or a stage inside it, e.g. WORKDIR/sft) saved any checkpoint."""
+    return any(any(p.iterdir()) for p in path.glob("**/checkpoints") if p.is_dir())
+
+
+def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> bool:
+    """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
+
+    Same config as the run already there: resume. A different one: ConfigError, unless
+    `overwrite`, which deletes the old run's files, or the old run never saved a checkpoint
+    (it failed early: its files are replaced without asking). A non-empty directory without a
+    config.gin is not a run directory: refused either way. Process 0 of a job calls it.
+    """
+    path = Path(workdir)
+    config_path = path / CONFIG_FILE
+    if config_path.exists():
+        old = config_path.read_text()
+        if old == config_text:
+            logger.info("resuming the run in %s (same config)", path)
+            return True
+        if not overwrite and not _has_checkpoints(path):
+            # The earlier launch failed before its first checkpoint (a config fixed since):
+            # nothing to resume or to lose, so the new config takes the workdir.
+            print(f"[jaxrl] {path} holds no checkpoint yet: starting it with the new config")
+        elif not overwrite:
+            raise ConfigError(
+                f"--workdir {path} holds a run with a different config:\n"
+                f"{_config_diff(old, config_text)}\n"
+                "Pass --overwrite to replace that run (deletes its checkpoints and metrics) or "
+                "use a new --workdir."
+            )
+        else:
+            logger.warning("--overwrite: deleting the previous run in %s", path)
+        shutil.rmtree(path)
+    elif path.exists() and any(path.iterdir()):
+        raise ConfigError(
+            f"--workdir {path} is not empty and has no {CONFIG_FILE}, so it is not a run "
+            "directory; use a new --workdir (--overwrite never deletes such a directory)."
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    tmp_path = path / f".{CONFIG_FILE}.tmp"
+    tmp_path.write_text(config_text)
+    tmp_path.replace(config_path)  # atomic: a reader never sees half a config
+    return False
+
+
+def launch(
+    launch_fn: Callable[..., T], argv: Sequence[str] | None = None, description: str | None = None
+) -> T:
+    """Flags -> gin -> built + validated configs -> workdir/config.gin -> `launch_fn(...)`.
+
+    `launch_fn` is a `gin.configurable` taking `workdir` and its gin-bound arguments. Config
+    errors raise SystemExit with the message (naming the binding) before any device is used.
+    """
+    flags = parse_flags(argv, description, epilog=config_help(launch_fn))
+    try:
+        parse_gin(flags.gin_files, flags.gin_params, flags.gin_search_paths)
+        try:
+            kwargs = resolve_bindings(launch_fn)
+        except ConfigError as err:
+            if not flags.gin_files and "is required but not bound" in str(err):
+                raise ConfigError(f"{err}{no_gin_file_hint(launch_fn)}") from err
+            raise
+        # Only now touch JAX (process_index initialises the backend): configs are known good.
+        if jax.process_index() == 0:
+            prepare_workdir(flags.workdir, gin.config_str(), flags.overwrite)
+        if jax.process_count() > 1:  # the others wait until process 0 has claimed the workdir
+            # (checking it themselves meanwhile, they could see it half-made)
+            from jaxrl.infra.distributed import barrier
+
+            barrier(f"workdir:{flags.workdir}")
+    except ConfigError as err:
+        raise SystemExit(f"config error: {without_gin_call_notes(err)}") from err
+    try:
+        return launch_fn(workdir=flags.workdir, **kwargs)
+    except DataError as err:
+        raise SystemExit(f"data error: {without_gin_call_notes(err)}") from None
+    except preemption.StopRequested as stop:
+        print(f"[jaxrl] {without_gin_call_notes(stop)}", flush=True)
+        raise SystemExit(0) from None
+    except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal, or twice
+        print(
+            "[jaxrl] interrupted (Ctrl-C) without saving; rerun the same command to resume from "
+            "the last checkpoint.",
+            flush=True,
+        )
+        raise SystemExit(130) from None
