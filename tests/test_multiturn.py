@@ -381,3 +381,84 @@ def test_over_budget_turns_and_total_tokens_truncate(engine4):
     assert any(t.status == "truncated" and t.step_statuses for t in trajectories)
     with pytest.raises(ValueError, match="no room"):
         _run(engine, params, _groups(), budget=EpisodeBudget(max_total_tokens=4))
+
+
+# --- sync-mode training through the one loop ----------------------------------------------------
+
+
+class _MemoryIO:
+    def __init__(self):
+        self.records = []
+
+    def start(self, step):
+        pass
+
+    def save_due(self, step, force=False):
+        return False
+
+    def log(self, step, metrics, headline):
+        self.records.append({"step": step} | metrics)
+
+    def save(self, state, extra, *, force=False):
+        pass
+
+    def after_step(self, step):
+        pass
+
+
+def test_calculator_episodes_train_through_the_controller_in_sync_mode():
+    from jaxrl.env.calculator import calculator_stop_ids
+    from jaxrl.generation.executor import GeneratorExecutor
+    from jaxrl.generation.placement import colocated_sampler
+    from jaxrl.loop.config import RLConfig, sampling_config
+    from jaxrl.loop.controller import Controller
+    from jaxrl.loop.feeds.episodes import EpisodeFeed
+    from jaxrl.loop.reward import RewardExecutor
+
+    tokenizer = build_arithmetic_tokenizer()
+    rl = RLConfig(
+        total_steps=2, num_prompts=2, samples_per_prompt=4, max_new_tokens=32, eval_size=0
+    )
+    trainer = Trainer(
+        CONFIG,
+        make_mesh(MeshConfig(("fsdp", "tp"), (2, 1))),
+        TRAINER_RULES,
+        optax.adam(1e-3),
+        loss=LossConfig(name="grpo"),
+    )
+    state = trainer.init(Transformer(CONFIG, rngs=nnx.Rngs(1), init_std=0.3))
+    sampler = colocated_sampler(trainer, tokenizer, num_slots=8, steps_per_call=4)
+    source = CalculatorSource(CalculatorTask(), tokenizer)
+    budget = EpisodeBudget(max_turns=3, max_turn_tokens=10, max_total_tokens=32)
+    taken = []
+
+    def feed(ctl):
+        episodes = EpisodeFeed(
+            ctl, make_env=source.make_env, budget=budget, stop_ids=calculator_stop_ids(tokenizer)
+        )
+        take = episodes.take
+        episodes.take = lambda step, params: taken.append(take(step, params)) or taken[-1]
+        return episodes
+
+    io = _MemoryIO()
+    controller = Controller(
+        rl,
+        trainer,
+        GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed),
+        RewardExecutor("arithmetic_exact", tokenizer),
+        source,
+        tokenizer,
+        io,
+        reward="arithmetic_exact",
+        feed=feed,
+    )
+    state = controller.run(state)
+    steps = [r for r in io.records if r["step"] > 0]  # step 0: the start report
+    assert int(state.step) == 2 and [r["step"] for r in steps] == [1, 2]
+    for record, batch in zip(steps, taken, strict=True):
+        assert len(batch.rollouts) == rl.batch_size
+        assert record["num_tokens"] == sum(r.loss_mask.sum() for r in batch.rollouts)
+        assert np.isfinite(record["loss"]) and "episode/turns_mean" in record
+        assert record["reward/mean"] == np.mean([r.reward for r in batch.rollouts])
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        EpisodeFeed(controller, make_env=source.make_env, budget=EpisodeBudget())
