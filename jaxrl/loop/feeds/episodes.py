@@ -10,7 +10,12 @@ reward is the episode's (the loss's advantage estimator normalises it across the
 a prompt). `RLConfig.max_new_tokens` is the padded length of everything after the prompt, so it
 must hold `EpisodeBudget.max_total_tokens`.
 
-Used through `Controller(..., feed=lambda ctl: EpisodeFeed(ctl, make_env=..., budget=...))`.
+Evaluation (`evaluate`, which the controller uses when its feed has one): each held-out item
+as one greedy episode; `eval/accuracy` is the mean episode reward, `eval/tool_call_rate` the
+share of episodes with at least one step that did not end them.
+
+Used through `Controller(..., feed=lambda ctl: EpisodeFeed(ctl, make_env=..., budget=...))`, or
+`episode_feed(source, budget)` for a task source with `make_env()` and `stop_ids`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
 
 from jaxrl.env.base import Environment
@@ -82,6 +88,8 @@ class EpisodeFeed:
         )
         self.controller, self.make_env = controller, make_env
         self.runner = EpisodeRunner(engine, sampling, budget, tool_workers=tool_workers)
+        greedy = dataclasses.replace(sampling, greedy=True)
+        self.eval_runner = EpisodeRunner(engine, greedy, budget, tool_workers=tool_workers)
         self.timeline = BusyTimeline()  # episodes and scoring, on the trainer's thread
 
     def start(self, step: int, params, extra: dict | None) -> None:
@@ -130,3 +138,49 @@ class EpisodeFeed:
 
     def stop(self, failed: bool) -> None:
         self.runner.close()
+        self.eval_runner.close()
+
+    def evaluate(self, params, items) -> dict[str, float]:
+        """Greedy episodes of the held-out `items`, one each (module docstring)."""
+        groups = [EpisodeGroup(j, item, [self.make_env()]) for j, item in enumerate(items)]
+        out = [ts[0] for ts in self.eval_runner.run(params, jax.random.key(0), groups)]
+        calls = [len(t.step_statuses) - (t.status == "done") for t in out]
+        return {
+            "eval/accuracy": float(np.mean([t.reward for t in out])),
+            "eval/tool_call_rate": float(np.mean([c > 0 for c in calls])),
+            "eval/turns_mean": float(np.mean([t.turns for t in out])),
+            "eval/done_fraction": float(np.mean([t.status == "done" for t in out])),
+        }
+
+
+def check_episode_job(config, budget: EpisodeBudget, source) -> None:
+    """Raises ValueError, naming the fix, when `config` cannot run `source`'s episodes (before
+    any work: the feed itself is built after the SFT stage)."""
+    if config.mode != "sync":
+        raise ValueError(
+            f"multi-turn episodes run in sync mode for now; RLConfig.mode={config.mode!r}"
+        )
+    if not callable(getattr(source, "make_env", None)):
+        raise ValueError(
+            f"task source {type(source).__name__} has no make_env(): multi-turn episodes need "
+            "an environment per episode (`jaxrl.env.base.Environment`)"
+        )
+    if budget.max_total_tokens > config.max_new_tokens:
+        raise ValueError(
+            f"EpisodeBudget.max_total_tokens={budget.max_total_tokens} > RLConfig.max_new_tokens="
+            f"{config.max_new_tokens}: a batch pads everything after the prompt to max_new_tokens"
+        )
+
+
+def episode_feed(
+    source, budget: EpisodeBudget, tool_workers: int = 8
+) -> Callable[[Controller], EpisodeFeed]:
+    """The `Controller` feed argument for `source`'s episodes: its `make_env()` per episode,
+    its `stop_ids` (if any) ending a tool call."""
+    return lambda ctl: EpisodeFeed(
+        ctl,
+        make_env=source.make_env,
+        budget=budget,
+        stop_ids=getattr(source, "stop_ids", ()),
+        tool_workers=tool_workers,
+    )
