@@ -7,6 +7,7 @@ parser and environment are checked on their own."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -386,79 +387,61 @@ def test_over_budget_turns_and_total_tokens_truncate(engine4):
 # --- sync-mode training through the one loop ----------------------------------------------------
 
 
-class _MemoryIO:
-    def __init__(self):
-        self.records = []
+def test_calc_tiny_config_runs_sft_then_multi_turn_rl(tmp_path):
+    """configs/rl/calc_tiny.gin through launch.rl (the one trainer loop with `EpisodeFeed`),
+    shrunk to a few steps: the SFT warm start on the calculator's demonstrations, then sync RL on
+    episodes, evaluated as greedy episodes."""
+    import gin
 
-    def start(self, step):
-        pass
+    from jaxrl.infra.config import launch
+    from jaxrl.infra.metrics import read_metrics
+    from launch.rl import rl_main
 
-    def save_due(self, step, force=False):
-        return False
+    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs/rl/calc_tiny.gin")
+    smoke = [
+        "SFTConfig.steps = 2",
+        "SFTConfig.batch_size = 8",
+        "SFTConfig.eval_every_steps = 100",
+        "SFTConfig.save_every_steps = 100",
+        "SFTConfig.eval_size = 4",
+        "SFTConfig.eval_samples = 0",
+        "RLConfig.total_steps = 2",
+        "RLConfig.num_prompts = 2",
+        "RLConfig.samples_per_prompt = 4",
+        "RLConfig.eval_every_steps = 2",
+        "RLConfig.eval_size = 4",
+        "RLConfig.save_every_steps = 100",
+    ]
+    flags = ["--gin_file", config, "--workdir", str(tmp_path / "run")]
+    for p in smoke:
+        flags += ["--gin_param", p]
+    try:
+        launch(rl_main, flags)
+    finally:
+        gin.clear_config()
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert np.isfinite(r["loss"]) and 0 < r["num_tokens"]
+        assert r["abs_log_ratio_max"] <= 1e-4  # sync fp32: observations attended as sampled
+        assert r["episode/turns_mean"] >= 1
+        # The loss counts the sampled tokens of the batch's episodes only (observations out).
+        assert r["num_tokens"] == round(r["episode/sampled_tokens_mean"] * 8)
+    for r in (records[0], steps[-1]):
+        assert 0 <= r["eval/accuracy"] <= 1 and 0 <= r["eval/tool_call_rate"] <= 1
 
-    def log(self, step, metrics, headline):
-        self.records.append({"step": step} | metrics)
 
-    def save(self, state, extra, *, force=False):
-        pass
+def test_episode_jobs_are_checked_before_any_work():
+    from jaxrl.loop.config import RLConfig
+    from jaxrl.loop.feeds.episodes import check_episode_job
 
-    def after_step(self, step):
-        pass
-
-
-def test_calculator_episodes_train_through_the_controller_in_sync_mode():
-    from jaxrl.env.calculator import calculator_stop_ids
-    from jaxrl.generation.executor import GeneratorExecutor
-    from jaxrl.generation.placement import colocated_sampler
-    from jaxrl.loop.config import RLConfig, sampling_config
-    from jaxrl.loop.controller import Controller
-    from jaxrl.loop.feeds.episodes import EpisodeFeed
-    from jaxrl.loop.reward import RewardExecutor
-
-    tokenizer = build_arithmetic_tokenizer()
-    rl = RLConfig(
-        total_steps=2, num_prompts=2, samples_per_prompt=4, max_new_tokens=32, eval_size=0
-    )
-    trainer = Trainer(
-        CONFIG,
-        make_mesh(MeshConfig(("fsdp", "tp"), (2, 1))),
-        TRAINER_RULES,
-        optax.adam(1e-3),
-        loss=LossConfig(name="grpo"),
-    )
-    state = trainer.init(Transformer(CONFIG, rngs=nnx.Rngs(1), init_std=0.3))
-    sampler = colocated_sampler(trainer, tokenizer, num_slots=8, steps_per_call=4)
-    source = CalculatorSource(CalculatorTask(), tokenizer)
-    budget = EpisodeBudget(max_turns=3, max_turn_tokens=10, max_total_tokens=32)
-    taken = []
-
-    def feed(ctl):
-        episodes = EpisodeFeed(
-            ctl, make_env=source.make_env, budget=budget, stop_ids=calculator_stop_ids(tokenizer)
-        )
-        take = episodes.take
-        episodes.take = lambda step, params: taken.append(take(step, params)) or taken[-1]
-        return episodes
-
-    io = _MemoryIO()
-    controller = Controller(
-        rl,
-        trainer,
-        GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed),
-        RewardExecutor("arithmetic_exact", tokenizer),
-        source,
-        tokenizer,
-        io,
-        reward="arithmetic_exact",
-        feed=feed,
-    )
-    state = controller.run(state)
-    steps = [r for r in io.records if r["step"] > 0]  # step 0: the start report
-    assert int(state.step) == 2 and [r["step"] for r in steps] == [1, 2]
-    for record, batch in zip(steps, taken, strict=True):
-        assert len(batch.rollouts) == rl.batch_size
-        assert record["num_tokens"] == sum(r.loss_mask.sum() for r in batch.rollouts)
-        assert np.isfinite(record["loss"]) and "episode/turns_mean" in record
-        assert record["reward/mean"] == np.mean([r.reward for r in batch.rollouts])
-    with pytest.raises(ValueError, match="max_total_tokens"):
-        EpisodeFeed(controller, make_env=source.make_env, budget=EpisodeBudget())
+    source = CalculatorSource(CalculatorTask(), build_arithmetic_tokenizer())
+    budget = EpisodeBudget(max_total_tokens=40)
+    check_episode_job(RLConfig(max_new_tokens=40), budget, source)
+    with pytest.raises(ValueError, match="sync mode"):
+        check_episode_job(RLConfig(mode="async", max_new_tokens=40), budget, source)
+    with pytest.raises(ValueError, match="make_env"):
+        check_episode_job(RLConfig(max_new_tokens=40), budget, object())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        check_episode_job(RLConfig(max_new_tokens=32), budget, source)

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxrl.env.base import Step
 from jaxrl.tasks.arithmetic import arithmetic_reward, hash_u64
-from jaxrl.tasks.source import PromptItem
+from jaxrl.tasks.source import PromptItem, register_task
 
 MAX_EXPRESSION_CHARS = 32
 ERROR_REPLY = "=error"
@@ -178,9 +178,11 @@ class CalculatorTask:
 class CalculatorSource:
     """The calculator task as a `PromptSource` (train items, held-out items, SFT
     demonstrations with `tool_share` of them using the tool); episodes of its items run in
-    `CalculatorEnv`s (`make_env`)."""
+    `CalculatorEnv`s (`make_env`, with `stop_ids` ending a call). Registered as the task
+    "calculator" (`TaskSpec.operators` "*": a*b, "*+": the chained a*b+c*d)."""
 
     chat_formatted = False
+    reward_name = "arithmetic_exact"  # single-turn scoring of a final answer
 
     def __init__(self, task: CalculatorTask, tokenizer=None):
         self.task, self.tokenizer = task, tokenizer
@@ -197,6 +199,10 @@ class CalculatorSource:
 
     def make_env(self, **kwargs) -> CalculatorEnv:
         return CalculatorEnv(self.tokenizer, **kwargs)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return calculator_stop_ids(self.tokenizer)
 
     def uses_tool(self, index: int) -> bool:
         """Whether train item `index`'s demonstration calls the tool (`tool_share` of them)."""
@@ -223,3 +229,22 @@ class CalculatorSource:
                 raise ValueError(f"a demonstration needs {len(ids)} tokens > seq_len={seq_len}")
             tokens[row, : len(ids)], loss_mask[row, : len(ids)] = ids, trained
         return tokens, loss_mask
+
+
+def _calculator(spec, tokenizer) -> CalculatorSource:
+    """The "calculator" task of a `TaskSpec`: its digits, seed, and `operators` ("*" or "*+")."""
+    if spec.operators not in ("*", "*+"):
+        raise ValueError(
+            f"task calculator: TaskSpec.operators={spec.operators!r}; use '*' (a*b) or '*+' "
+            "(the chained a*b+c*d)"
+        )
+    task = CalculatorTask(
+        min_digits=spec.min_digits,
+        max_digits=spec.max_digits,
+        chained=spec.operators == "*+",
+        seed=spec.seed,
+    )
+    return CalculatorSource(task, tokenizer)
+
+
+register_task("calculator", _calculator)
