@@ -15,8 +15,9 @@ An episode is a prompt, then model turns and environment observations in turn
   call (through `Engine.run`'s per-call `update` hook) and, when the engine has nothing left to
   decode, waits for the next one. An episode whose steps take longer than
   `EpisodeBudget.tool_timeout_s` in all ends with status "timeout" (its step is abandoned, its
-  thread left to finish); a step that raises ends its episode with status "tool_error". Either
-  way the other episodes and the run go on.
+  thread left to finish; a step still waiting for a free thread is not timed, and an inline
+  step is timed when it returns); a step that raises ends its episode with status
+  "tool_error". Either way the other episodes and the run go on.
 * **Noise.** Turn k of sample s of episode e is drawn with request id
   `request_id(e, k, s)` (turn 1: the group's request `request_id(e, 0, 0)`, sample s), so every
   token's noise is a function of (the run's key, episode, turn, sample, token index) only
