@@ -206,6 +206,7 @@ def abstract_rollout_batch(rows: int, prompt_len: int, completion_len: int) -> R
         prompt_mask_bp=s((b, p), bool),
         completion_ids_bt=s((b, t), jnp.int32),
         completion_mask_bt=s((b, t), bool),
+        completion_length_b=s((b,), jnp.int32),
         behaviour_logprobs_bt=s((b, t), jnp.float32),
         policy_version_b=s((b,), jnp.int32),
         reward_b=s((b,), jnp.float32),

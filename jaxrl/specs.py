@@ -9,6 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
+import jaxrl.env.calculator  # noqa: F401  (registers the "calculator" task)
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
 from jaxrl.models.config import DTYPES as MODEL_DTYPES
@@ -110,7 +111,8 @@ class TaskSpec:
     """The prompts and the reward.
 
     name: a registered task (`jaxrl.tasks.source.register_task`): "arithmetic" (synthetic,
-      offline), "math_jsonl" (GSM8K / MATH-style files) or one registered by a module the gin
+      offline), "math_jsonl" (GSM8K / MATH-style files), "calculator" (multi-turn tool use,
+      `jaxrl.env.calculator`; operators "*" or "*+"), or one registered by a module the gin
       file imports; or "package.module:factory". A task without `PolicySpec.init_from` uses the
       offline character tokenizer of the arithmetic task.
     reward: a registered reward name or "package.module:function"; empty = the source's own

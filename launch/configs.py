@@ -3,6 +3,7 @@
 Gin files and --gin_param refer to them by class name, e.g. `RLConfig.total_steps = 2000`.
 """
 
+from jaxrl.generation.episodes import EpisodeBudget
 from jaxrl.generation.placement import GeneratorConfig
 from jaxrl.infra.config import register_config
 from jaxrl.infra.mesh import MeshConfig
@@ -16,8 +17,10 @@ for _cls in (RLConfig, MeshConfig, SFTConfig, PolicySpec, TaskSpec, LossConfig, 
     register_config(_cls)
 register_config(LoraConfig)
 register_config(GeneratorConfig)
+register_config(EpisodeBudget)
 
 __all__ = [
+    "EpisodeBudget",
     "GeneratorConfig",
     "LoraConfig",
     "LossConfig",

@@ -22,6 +22,7 @@ import gin
 from flax import nnx
 
 from jaxrl import workdir as run_dir
+from jaxrl.generation.episodes import EpisodeBudget
 from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.placement import (
     GeneratorConfig,
@@ -41,6 +42,7 @@ from jaxrl.loop import roles as roles_lib
 from jaxrl.loop.config import check_rl_job, sampling_config
 from jaxrl.loop.controller import Controller
 from jaxrl.loop.feeds import feed_class
+from jaxrl.loop.feeds.episodes import check_episode_job, episode_feed
 from jaxrl.loop.reward import RewardExecutor
 from jaxrl.sft import rl_source_after_sft, run_sft
 from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
@@ -166,6 +168,7 @@ def rl_main(
     engine_max_len: int = 0,
     engine_precompile: bool = False,
     generator_config: GeneratorConfig | None = None,
+    episodes: EpisodeBudget | None = None,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -182,7 +185,10 @@ def rl_main(
     `roles` (async, fixed lag): one role per process of the job, "trainer" or "generator"
     (`jaxrl.loop.roles`; process 0 a trainer): each process runs only its role's programs on its
     role's devices. In a one-process job it is ignored (both roles in one process, as without
-    it), so the same config runs on one process for comparison."""
+    it), so the same config runs on one process for comparison.
+    `episodes` (`@EpisodeBudget()`, sync mode): multi-turn episodes, each in an environment of
+    the task's source (`make_env()`, e.g. the "calculator" task), within these budgets
+    (`jaxrl.loop.feeds.episodes`)."""
     gen = resolve_generator_config(
         generator_config,
         generator=generator,
@@ -198,6 +204,7 @@ def rl_main(
         task, tokenizer, max_prompt_tokens=model_config.max_position_embeddings - rl.max_new_tokens
     )
     reward = reward_name(task, source)
+    env_source = source  # the environments of multi-turn episodes (before any SFT wrapper)
     if sft is not None and not policy.init_from:
         # After the SFT warm start, RL reads the stream after the items SFT trained on, without
         # the pool's prompts: its first batches were memorised demonstrations (reward ~1).
@@ -214,6 +221,8 @@ def rl_main(
             lora=lora is not None,
             processes=jax.process_count(),
         )
+        if episodes is not None:
+            check_episode_job(rl, episodes, env_source)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
@@ -305,7 +314,13 @@ def rl_main(
             weights=weights,
             eval_sampler=eval_sampler,
             learning_rate=optimizer.schedule_fn(rl.total_steps),
-            feed=(lambda ctl: roles_lib.trainer_feed(ctl, layout)) if role == "trainer" else None,
+            feed=(
+                (lambda ctl: roles_lib.trainer_feed(ctl, layout))
+                if role == "trainer"
+                else episode_feed(env_source, episodes)
+                if episodes is not None
+                else None
+            ),
         )
         try:
             if role == "generator":

@@ -60,7 +60,7 @@ def test_batch_is_a_pytree_usable_under_jit():
     batch = collate_rollouts(
         make_rollouts(), prompt_len=4, completion_len=5, pad_id=PAD, batch_size=4
     )
-    assert len(jax.tree.leaves(batch)) == 9
+    assert len(jax.tree.leaves(batch)) == 10
 
     @jax.jit
     def advantages(b: RolloutBatch):

@@ -109,6 +109,8 @@ class Controller:
         c = self.config
         if not self.eval_items:
             return {}
+        if hasattr(self.feed, "evaluate"):  # multi-turn episodes: evaluated as episodes
+            return self.feed.evaluate(params, self.eval_items)
         return evaluate(
             self.eval_sampler,
             params,

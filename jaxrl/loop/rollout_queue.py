@@ -81,6 +81,7 @@ class ScoredBatch:
                     if r.token_versions is None
                     else {"token_versions": np.asarray(r.token_versions).tolist()}
                 )
+                | ({} if r.loss_mask is None else {"loss_mask": np.asarray(r.loss_mask).tolist()})
                 for r in self.rollouts
             ],
         }
@@ -99,6 +100,7 @@ class ScoredBatch:
                 token_versions=(
                     np.asarray(r["token_versions"], np.int32) if "token_versions" in r else None
                 ),
+                loss_mask=np.asarray(r["loss_mask"], bool) if "loss_mask" in r else None,
             )
             for r in blob["rollouts"]
         ]

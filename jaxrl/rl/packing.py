@@ -253,14 +253,14 @@ def pack_rollout_batch(
     """
     prompt_ids, prompt_mask = np.asarray(batch.prompt_ids_bp), np.asarray(batch.prompt_mask_bp)
     completion_ids = np.asarray(batch.completion_ids_bt)
-    completion_mask = np.asarray(batch.completion_mask_bt)
     valid = np.asarray(batch.valid_b)
     b, t = completion_ids.shape
     _check_groups(b, groups)
     per = b // groups
     empty = prompt_ids[0, :0]
     prompts = [prompt_ids[i][prompt_mask[i]] if valid[i] else empty for i in range(b)]
-    lengths = completion_mask.sum(axis=1)
+    # Every present token (a multi-turn episode's observations too); the loss mask is a subset.
+    lengths = np.asarray(batch.completion_length_b)
     completions = [completion_ids[i, : lengths[i]] if valid[i] else empty for i in range(b)]
     where: dict[int, tuple[int, int, int]] = {}  # rollout -> (group, unit, completion's part)
     if share_prompts:

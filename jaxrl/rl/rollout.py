@@ -8,7 +8,11 @@ compiles once per bucket:
     prompt_ids_bp           int32 [B, P]  left-padded with pad_id (prompts end at column P-1)
     prompt_mask_bp          bool  [B, P]
     completion_ids_bt       int32 [B, T]  right-padded with pad_id
-    completion_mask_bt      bool  [B, T]  True on sampled tokens (EOS included when sampled)
+    completion_mask_bt      bool  [B, T]  the loss mask: True on the sampled tokens that are trained
+                                          (EOS included when sampled); False on padding and on a
+                                          multi-turn episode's observation tokens
+    completion_length_b     int32 [B]     tokens after the prompt that are in the sequence: the
+                                          sampled ones and the observations between them
     behaviour_logprobs_bt   f32   [B, T]  log mu(y_t), from the sampler; 0 on padding
     policy_version_b        int32 [B]     generator policy version that sampled the row
     reward_b                f32   [B]
@@ -18,6 +22,12 @@ compiles once per bucket:
 Left-padded prompts followed by right-padded completions make one [B, P + T] teacher-forcing
 sequence in which every prompt ends at column P-1, so the hidden states predicting the completion
 are the static slice `[P-1, P+T-1)` (see `RolloutBatch.completion_hidden`).
+
+Multi-turn episodes (`jaxrl.generation.episodes`): the completion is every token after the prompt,
+the model's turns and the environment's observations in the order the engine saw them. The
+observation tokens are attended to (they are among the first `completion_length_b` columns) but
+not trained on (`completion_mask_bt` False there): every loss, KL and normaliser reads them only
+through the mask, so their placeholder log-probs (0) and versions (-1) change nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +55,10 @@ class Rollout:
       group_id: id shared by the n samples of one prompt.
       token_versions: int [T_i], the policy version that sampled each token (streaming RL, where
         a trajectory may span weight updates; `policy_version` is then the oldest of them), or
-        None when one version sampled the whole completion.
+        None when one version sampled the whole completion. -1 on observation tokens.
+      loss_mask: bool [T_i], True on the tokens the model sampled (trained), False on tokens a
+        multi-turn environment appended (observations: attended, never trained); None when every
+        completion token was sampled.
     """
 
     prompt_ids: np.ndarray
@@ -55,6 +68,7 @@ class Rollout:
     reward: float
     group_id: int
     token_versions: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.behaviour_logprobs):
@@ -67,6 +81,11 @@ class Rollout:
                 f"completion has {len(self.completion_ids)} tokens but "
                 f"{len(self.token_versions)} token versions"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"completion has {len(self.completion_ids)} tokens but a loss mask of "
+                f"{len(self.loss_mask)}"
+            )
 
 
 @struct.dataclass
@@ -77,6 +96,7 @@ class RolloutBatch:
     prompt_mask_bp: jax.Array
     completion_ids_bt: jax.Array
     completion_mask_bt: jax.Array
+    completion_length_b: jax.Array
     behaviour_logprobs_bt: jax.Array
     policy_version_b: jax.Array
     reward_b: jax.Array
@@ -102,7 +122,9 @@ class RolloutBatch:
         that starts each prompt at position 0.
         """
         tokens_bs = jnp.concatenate([self.prompt_ids_bp, self.completion_ids_bt], axis=1)
-        mask_bs = jnp.concatenate([self.prompt_mask_bp, self.completion_mask_bt], axis=1)
+        # Attended: every present token, observations included (the loss mask is a subset).
+        present_bt = jnp.arange(self.completion_len)[None, :] < self.completion_length_b[:, None]
+        mask_bs = jnp.concatenate([self.prompt_mask_bp, present_bt], axis=1)
         # Padding inside the completion (after EOS) keeps counting; those positions are masked.
         prompt_positions_bp = jnp.cumsum(self.prompt_mask_bp, axis=1) - 1
         prompt_lengths_b1 = jnp.sum(self.prompt_mask_bp, axis=1, keepdims=True)
@@ -199,7 +221,9 @@ def collate_rollouts(
     shardings)` straight into the trainer layout. Raises instead of truncating: a prompt or
     completion longer than its bucket means the bucket sizes are wrong, and silently cutting
     tokens would bias the loss. Extra rows (when `batch_size > len(rollouts)`) are invalid:
-    all-False masks, group id -1, reward 0.
+    all-False masks, group id -1, reward 0. A rollout's `loss_mask` (multi-turn) becomes its
+    row of `completion_mask_bt`; its observation tokens' behaviour log-probs are written as 0
+    whatever the rollout holds, so the batch does not depend on placeholders.
     """
     n = len(rollouts)
     batch_size = n if batch_size is None else batch_size
@@ -209,6 +233,7 @@ def collate_rollouts(
     prompt_mask = np.zeros((batch_size, prompt_len), bool)
     completion_ids = np.full((batch_size, completion_len), pad_id, np.int32)
     completion_mask = np.zeros((batch_size, completion_len), bool)
+    completion_length = np.zeros((batch_size,), np.int32)
     behaviour = np.zeros((batch_size, completion_len), np.float32)
     version = np.zeros((batch_size,), np.int32)
     reward = np.zeros((batch_size,), np.float32)
@@ -225,14 +250,17 @@ def collate_rollouts(
         prompt_ids[i, prompt_len - p :] = r.prompt_ids
         prompt_mask[i, prompt_len - p :] = True
         completion_ids[i, :t] = r.completion_ids
-        completion_mask[i, :t] = True
-        behaviour[i, :t] = r.behaviour_logprobs
+        trained = np.ones(t, bool) if r.loss_mask is None else np.asarray(r.loss_mask, bool)
+        completion_mask[i, :t] = trained
+        completion_length[i] = t
+        behaviour[i, :t] = np.where(trained, r.behaviour_logprobs, 0.0)
         version[i], reward[i], group[i], valid[i] = r.policy_version, r.reward, r.group_id, True
     return RolloutBatch(
         prompt_ids_bp=prompt_ids,
         prompt_mask_bp=prompt_mask,
         completion_ids_bt=completion_ids,
         completion_mask_bt=completion_mask,
+        completion_length_b=completion_length,
         behaviour_logprobs_bt=behaviour,
         policy_version_b=version,
         reward_b=reward,
