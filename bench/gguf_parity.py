@@ -16,6 +16,10 @@ with `jaxrl.models.hf`, and loads the same file with `transformers`
   imported tokenizer and by transformers' GGUF tokenizer; the number identical (bound: all).
 
 Writes bench/results/gguf_parity.{json,md}.
+
+XLA:CPU runs here with `jaxrl.infra.xla_cpu.CPU_EXACT_DOT_FLAG` (f32 dots by XLA's own emitter,
+not YNNPACK, whose GEMM rounds more: against a float64 forward the library's logits err by
+4.8e-4 with YNNPACK dots, 1.3e-4 without, torch fp32 1.3e-4); --ynn_dots keeps the default.
 """
 
 from __future__ import annotations
@@ -27,10 +31,15 @@ import sys
 import tempfile
 import time
 
-import jax
-import numpy as np
+from jaxrl.infra.xla_cpu import CPU_EXACT_DOT_FLAG, add_xla_flag
 
-from bench.common import command, machine, write_results
+if "--ynn_dots" not in sys.argv:  # before JAX starts its backend
+    add_xla_flag(CPU_EXACT_DOT_FLAG)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import command, machine, write_results  # noqa: E402
 
 LOGIT_PROMPTS = [
     "The capital of France is",
@@ -127,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--new_tokens", type=int, default=32)
     p.add_argument("--num_strings", type=int, default=200)
     p.add_argument("--name", default="gguf_parity", help="results file name")
+    p.add_argument("--ynn_dots", action="store_true", help="XLA:CPU's default YNNPACK f32 dots")
     args = p.parse_args(argv)
     import torch
     import transformers
@@ -253,7 +263,9 @@ def main(argv=None) -> int:
             "ok": same == len(strings),
         },
     ]
-    note = f"`{command()}` on {machine()}; {os.path.basename(gguf_path)}; " + ", ".join(
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    note = f"`{command()}` on {machine()}; XLA_FLAGS `{xla_flags}`; "
+    note += f"{os.path.basename(gguf_path)}; " + ", ".join(
         f"{k} {v:.1f}" for k, v in timings.items()
     )
     table = write_results(

@@ -19,6 +19,12 @@ from collections.abc import MutableMapping
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CPU_SCHEDULER_FLAG = "--xla_backend_extra_options=-pre-RA-sched=fast"
+# XLA:CPU (jaxlib 0.10) hands every f32 dot to YNNPACK (`__ynn_fusion`, with reductions). Its
+# GEMM rounds more than XLA's own dot: SmolLM2-135M's fp32 logits are 4.8e-4 from a float64
+# forward against 1.3e-4 for XLA's dot and torch (bench/gguf_parity.py). This keeps YNNPACK for
+# reductions only. Not set by default (its speed is unmeasured on a quiet machine); the GGUF
+# parity benchmark sets it.
+CPU_EXACT_DOT_FLAG = "--xla_cpu_experimental_ynn_fusion_type=reduce"
 
 
 def cpu_xla_flags(flags: str, devices: int | None = None) -> str:
@@ -53,6 +59,14 @@ def tpu_attached() -> bool:
         except OSError:
             continue
     return False
+
+
+def add_xla_flag(flag: str, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Adds `flag` ("--name=value") to environ's XLA_FLAGS unless a value for its name is set
+    there already. Call it before JAX starts a backend."""
+    flags = environ.get("XLA_FLAGS", "").split()
+    if not any(f.split("=")[0] == flag.split("=")[0] for f in flags):
+        environ["XLA_FLAGS"] = " ".join([*flags, flag])
 
 
 def set_cpu_xla_flags(environ: MutableMapping[str, str] = os.environ) -> None:
