@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -31,12 +30,9 @@ import numpy as np
 from jaxrl.env.base import Environment
 from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner, episode_metrics
 from jaxrl.generation.executor import sampling_key
-from jaxrl.loop.feeds.base import Taken, default_engine_slots
+from jaxrl.loop.feeds.base import ControllerView, Taken, default_engine_slots
 from jaxrl.loop.report import BusyTimeline
 from jaxrl.rl import select_groups
-
-if TYPE_CHECKING:
-    from jaxrl.loop.controller import Controller
 
 
 class EpisodeFeed:
@@ -57,7 +53,7 @@ class EpisodeFeed:
 
     def __init__(
         self,
-        controller: Controller,
+        controller: ControllerView,
         *,
         make_env: Callable[[], Environment],
         budget: EpisodeBudget,
@@ -174,7 +170,7 @@ def check_episode_job(config, budget: EpisodeBudget, source) -> None:
 
 def episode_feed(
     source, budget: EpisodeBudget, tool_workers: int = 8
-) -> Callable[[Controller], EpisodeFeed]:
+) -> Callable[[ControllerView], EpisodeFeed]:
     """The `Controller` feed argument for `source`'s episodes: its `make_env()` per episode,
     its `stop_ids` (if any) ending a tool call."""
     return lambda ctl: EpisodeFeed(
