@@ -393,7 +393,7 @@ def test_calc_tiny_config_runs_sft_then_multi_turn_rl(tmp_path):
     episodes, evaluated as greedy episodes."""
     import gin
 
-    from jaxrl.infra.config import launch
+    from jaxrl.infra.launcher import launch
     from jaxrl.infra.metrics import read_metrics
     from launch.rl import rl_main
 
