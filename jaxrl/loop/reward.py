@@ -42,8 +42,7 @@ class RewardExecutor:
             ) from e
         raw_mean = float(rewards.mean())
         if self.shuffle_seed is not None:
-            rng = np.random.default_rng([self.shuffle_seed, batch.batch_index])
-            rewards = rewards[rng.permutation(len(rewards))]
+            rewards = shuffled_rewards(rewards, self.shuffle_seed, batch.batch_index)
         rollouts = [
             Rollout(
                 prompt_ids=np.asarray(batch.prompt_ids[i], np.int32),
@@ -63,3 +62,9 @@ class RewardExecutor:
             "time/reward_s": time.perf_counter() - start,
         }
         return rollouts, metrics
+
+
+def shuffled_rewards(rewards: np.ndarray, seed: int, batch_index: int) -> np.ndarray:
+    """The shuffled-reward control: `rewards` permuted within their batch by a generator of
+    (seed, batch index), the same reward statistics without their link to the samples."""
+    return rewards[np.random.default_rng([seed, batch_index]).permutation(len(rewards))]

@@ -32,6 +32,7 @@ from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner
 from jaxrl.generation.executor import sampling_key
 from jaxrl.loop.feeds.base import ControllerView, Taken, default_engine_slots
 from jaxrl.loop.report import BusyTimeline
+from jaxrl.loop.reward import shuffled_rewards
 from jaxrl.rl import select_groups
 
 
@@ -108,7 +109,7 @@ class EpisodeFeed:
         rewards = np.array([r.reward for r in rollouts], np.float32)
         metrics = {"reward/mean": float(rewards.mean())}
         if c.shuffle_rewards:  # the control: rewards unlinked from their episodes
-            rewards = rewards[np.random.default_rng([c.seed, step]).permutation(len(rewards))]
+            rewards = shuffled_rewards(rewards, c.seed, step)
             rollouts = [
                 dataclasses.replace(r, reward=float(x))
                 for r, x in zip(rollouts, rewards, strict=True)
