@@ -104,6 +104,26 @@ def launch_run(workdir: str, params: list[str], seconds: float) -> None:
         )
 
 
+def claim_workdir(workdir: str, params: list[str], sft_dir: str) -> None:
+    """Starts `workdir` as `launch.rl` would with `params` (its config.gin, written as the
+    launcher writes it) and puts a copy of the finished SFT stage `sft_dir` in it: the launch
+    then resumes this run, finds its SFT stage done and goes straight to RL."""
+    import gin
+
+    import launch.rl
+    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from jaxrl.infra.launcher import prepare_workdir
+
+    parse_gin([CONFIG], params)
+    try:
+        resolve_bindings(launch.rl.rl_main)
+        prepare_workdir(workdir, gin.config_str(), overwrite=False)
+    finally:
+        gin.clear_config()
+    if not os.path.exists(os.path.join(workdir, "sft")):
+        shutil.copytree(sft_dir, os.path.join(workdir, "sft"))
+
+
 def probe(workdir: str, eval_size: int, digits: tuple[int, int], max_new_tokens: int = 16) -> dict:
     """The "writes the tool output itself" probe (module docstring) on `workdir`'s newest
     checkpoint (a run's, or an SFT stage's); `digits`: the task's (min, max) operand digits."""
@@ -268,8 +288,8 @@ def main(argv=None) -> None:
     params.append(f"RLConfig.eval_size = {args.eval_size}")
     names = [n for n in args.runs.split(",") if n]
     unknown = sorted(set(names) - set(RUNS))
-    if unknown or "rl" not in names:
-        raise SystemExit(f"--runs {args.runs!r}: choose from {list(RUNS)}, 'rl' included")
+    if unknown or names[:1] != ["rl"]:
+        raise SystemExit(f"--runs {args.runs!r}: choose from {list(RUNS)}, 'rl' first")
     workdir = args.workdir or tempfile.mkdtemp(prefix="calc_learning_")
     os.makedirs(workdir, exist_ok=True)
     dirs = {n: os.path.join(workdir, n) for n in names}
@@ -282,11 +302,10 @@ def main(argv=None) -> None:
     if not args.no_launch:
         with open(launches, "a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {command()}\n")
-        for n in names:
-            if n != "rl" and not os.path.exists(os.path.join(dirs[n], "sft")):
-                if not os.path.exists(os.path.join(dirs["rl"], "metrics.jsonl")):
-                    launch_run(dirs["rl"], params + RUNS["rl"][1], args.minutes * 60)
-                shutil.copytree(sft_dir, os.path.join(dirs[n], "sft"))  # the same warm start
+        if not os.path.exists(os.path.join(dirs["rl"], "metrics.jsonl")):
+            launch_run(dirs["rl"], params + RUNS["rl"][1], args.minutes * 60)
+        for n in names[1:]:
+            claim_workdir(dirs[n], params + RUNS[n][1], sft_dir)  # the same warm start
             launch_run(dirs[n], params + RUNS[n][1], args.minutes * 60)
     load_after = _load()
 
