@@ -23,7 +23,11 @@ training) give eval/accuracy and eval/tool_call_rate every `--eval_every` steps.
 checkpoint and on the warm start by a probe: greedy decoding of the held-out prompts with `)`
 *not* a stop id (so the environment never answers); the rate is the share of completions that
 go on after their first `)` with `=` and a digit, i.e. the policy writes the observation
-`=<value>` itself; `probe_correct` is the share whose written value is the right product.
+`=<value>` itself; `probe_correct` is the share whose written value is the right product. A
+second pass gives each prompt its own right call `a*b=(a*b)` and samples the continuation at
+temperature 1 (as in RL episodes): `probe_forced_t1_writes_output` / `_correct`. A third gives
+the right call and value `a*b=(a*b)=<value>` and counts greedy answers equal to the value, by
+the value's digit count (`copy_3_digits`, `copy_4_digits`: right / all).
 
 Writes bench/results/NAME.{json,md,png} (NAME calc_learning, or calc_learning_smoke): one row
 per run (steps, s/step, RL wall, tool-call rate and accuracy at the start and the end, the
@@ -151,25 +155,47 @@ def probe(workdir: str, eval_size: int, digits: tuple[int, int], max_new_tokens:
     source = build_source(task, tokenizer)
     items = source.eval_items(eval_size)
     prompt_ids = encode_prompts(tokenizer, items, chat_formatted=False)
-    sampling = SamplingConfig(max_new_tokens, greedy=True)  # EOS only: `)` does not stop
-    written = correct = calls = 0
-    for start in range(0, len(items), 256):
-        rows = prompt_ids[start : start + 256]
-        out = sampler.generate(params, rows, sampling, jax.random.key(0))
+    operands = [source.task.operands(i, "heldout") for i in range(len(items))]
+
+    def rates(prompts, sampling, prefix: str) -> tuple[float, float]:
+        """Shares of completions (after `prefix`, their own text) going on after their first
+        `)` with `=` and a value, and with the right value."""
+        written = correct = 0
+        for start in range(0, len(prompts), 256):
+            rows = prompts[start : start + 256]
+            out = sampler.generate(params, rows, sampling, jax.random.key(start))
+            for i in range(len(rows)):
+                ids = out.tokens_bn[i, : out.lengths_b[i]]
+                a, b = operands[start + i]
+                text = prefix.format(a=a, b=b) + tokenizer.decode(ids, skip_special_tokens=True)
+                m = WRITES_OUTPUT.search(text)
+                if m and m.start() == text.find(")"):
+                    written += 1
+                    correct += int(m.group(1)) == a * b
+        return round(written / len(prompts), 4), round(correct / len(prompts), 4)
+
+    greedy = SamplingConfig(max_new_tokens, greedy=True)  # EOS only: `)` does not stop
+    calls = rates(prompt_ids, greedy, "")
+    # Its own call forced, sampled at temperature 1 (the RL episodes' sampling).
+    forced = [list(tokenizer.encode(f"{a}*{b}=({a}*{b})")) for a, b in operands]
+    forced_rates = rates(forced, SamplingConfig(max_new_tokens), "({a}*{b})")
+    # The right call and value given: is the answer copied right, by the value's length?
+    given = [list(tokenizer.encode(f"{a}*{b}=({a}*{b})={a * b}")) for a, b in operands]
+    copied: dict[int, list[bool]] = {}
+    for start in range(0, len(given), 256):
+        rows = given[start : start + 256]
+        out = sampler.generate(params, rows, greedy, jax.random.key(0))
         for i in range(len(rows)):
+            a, b = operands[start + i]
             text = tokenizer.decode(out.tokens_bn[i, : out.lengths_b[i]], skip_special_tokens=True)
-            calls += ")" in text
-            m = WRITES_OUTPUT.search(text)
-            if m and m.start() == text.index(")"):
-                written += 1
-                a, b = source.task.operands(start + i, "heldout")
-                correct += int(m.group(1)) == a * b
-    n = len(items)
-    return {
+            copied.setdefault(len(str(a * b)), []).append(text == str(a * b))
+    copy_rates = {f"copy_{d}_digits": f"{sum(v)}/{len(v)}" for d, v in sorted(copied.items())}
+    return copy_rates | {
         "probe_step": step,
-        "probe_calls": round(calls / n, 4),
-        "probe_writes_output": round(written / n, 4),
-        "probe_correct": round(correct / n, 4),
+        "probe_writes_output": calls[0],
+        "probe_correct": calls[1],
+        "probe_forced_t1_writes_output": forced_rates[0],
+        "probe_forced_t1_correct": forced_rates[1],
     }
 
 
@@ -300,15 +326,19 @@ def main(argv=None) -> None:
     load_before = _load()
     launches = os.path.join(workdir, "launched_by.txt")
     if not args.no_launch:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         with open(launches, "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {command()}\n")
+            f.write(f"{stamp}: {command()} (load average {load_before} at its start")
         if not os.path.exists(os.path.join(dirs["rl"], "metrics.jsonl")):
             launch_run(dirs["rl"], params + RUNS["rl"][1], args.minutes * 60)
         for n in names[1:]:
             claim_workdir(dirs[n], params + RUNS[n][1], sft_dir)  # the same warm start
             launch_run(dirs[n], params + RUNS[n][1], args.minutes * 60)
+        with open(launches, "a") as f:
+            f.write(f", {_load()} at its end)\n")
     load_after = _load()
 
+    import launch.rl  # noqa: F401  (registers rl_main, which the config binds)
     from bench.common import gin_values
 
     bound = gin_values(CONFIG, params, "TaskSpec.min_digits", "TaskSpec.max_digits")
@@ -335,12 +365,16 @@ def main(argv=None) -> None:
         ("tool_start", "tool rate start"), ("tool_end", "tool rate end"),
         ("acc_start", "accuracy start"), ("acc_end", "accuracy end"), ("gain_pts", "gain (pts)"),
         ("target_s", "s to tool >= 90% and +40 pts"),
-        ("probe_writes_output", "probe: writes `)=value` itself"),
-        ("probe_correct", "probe: value right"),
+        ("probe_writes_output", "probe (greedy): writes `)=value` itself"),
+        ("probe_correct", "probe (greedy): value right"),
+        ("probe_forced_t1_writes_output", "probe (call given, T=1): writes `=value`"),
+        ("probe_forced_t1_correct", "probe (call given, T=1): value right"),
+        ("copy_3_digits", "answer right, call + 3-digit value given"),
+        ("copy_4_digits", "answer right, call + 4-digit value given"),
     ]  # fmt: skip
     note = (
         f"`{command()}`, each run a launch.rl child on 1 CPU device ({os.cpu_count()} cpus, "
-        f"shared; load average 1/5/15 min {load_before} before, {load_after} after); "
+        f"shared; load average 1/5/15 min {load_before} before this summary, {load_after} after); "
         f"held-out problems: {args.eval_size}; verdict {verdict}"
     )
     if os.path.exists(launches):
