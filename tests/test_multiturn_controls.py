@@ -106,3 +106,23 @@ def test_episode_feed_passes_the_mask_switch_to_its_rollouts():
         trained[mask] = {tuple(r.loss_mask.tolist()) for r in taken.rollouts}
     assert trained[True] == {(True, True, True, False, False, True)}
     assert trained[False] == {(True,) * 6}
+
+
+def test_learning_bench_summary_finds_when_the_targets_are_first_met(tmp_path):
+    """bench/calc_learning.py's row of a run: the first evaluation with tool-call rate >= 90%
+    and accuracy >= start + 40 points, and the probe's pattern of a self-written value."""
+    import json
+
+    from bench.calc_learning import WRITES_OUTPUT, summarise
+
+    evals = [(0, 100.0, 0.0, 0.05), (25, 130.0, 0.95, 0.40), (50, 160.0, 0.92, 0.50)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, wall, tool, accuracy in evals:
+            record = {"step": step, "wall_time_s": wall, "eval/accuracy": accuracy}
+            record |= {"eval/tool_call_rate": tool} | ({"reward/mean": 0.5} if step else {})
+            f.write(json.dumps(record) + "\n")
+    row = summarise("rl", "RL", str(tmp_path))
+    assert (row["target_step"], row["target_s"], row["gain_pts"]) == (50, 60.0, 45.0)
+    assert (row["steps"], row["tool_start"], row["acc_end"]) == (50, 0.0, 0.5)
+    assert WRITES_OUTPUT.search("(37*48)=1776").group(1) == "1776"
+    assert WRITES_OUTPUT.search("(37*48)*7))2") is None
