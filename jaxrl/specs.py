@@ -128,6 +128,8 @@ class TaskSpec:
     answer_format (reasoning_gym): where the reply's final answer is read
       (`jaxrl.tasks.chat.ANSWER_FORMATS`: "boxed", "answer_tag", "last_number", "text").
     heldout_size (reasoning_gym): distinct held-out questions set aside (>= the eval size).
+    tool_disabled (calculator): the environment answers every tool call with `=?` instead of
+      its value (a control: tool use then gains nothing); SFT demonstrations are unchanged.
     """
 
     name: str = "arithmetic"
@@ -146,6 +148,7 @@ class TaskSpec:
     system_prompt: str | None = None
     answer_format: str = "boxed"
     heldout_size: int = 1024
+    tool_disabled: bool = False
 
     def validate(self) -> None:
         try:

@@ -169,6 +169,7 @@ def rl_main(
     engine_precompile: bool = False,
     generator_config: GeneratorConfig | None = None,
     episodes: EpisodeBudget | None = None,
+    mask_observations: bool = True,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -188,7 +189,8 @@ def rl_main(
     it), so the same config runs on one process for comparison.
     `episodes` (`@EpisodeBudget()`, sync mode): multi-turn episodes, each in an environment of
     the task's source (`make_env()`, e.g. the "calculator" task), within these budgets
-    (`jaxrl.loop.feeds.episodes`)."""
+    (`jaxrl.loop.feeds.episodes`). `mask_observations=False`: the control experiment of
+    training on the environment's observation tokens too (never for real training)."""
     gen = resolve_generator_config(
         generator_config,
         generator=generator,
@@ -317,7 +319,7 @@ def rl_main(
             feed=(
                 (lambda ctl: roles_lib.trainer_feed(ctl, layout))
                 if role == "trainer"
-                else episode_feed(env_source, episodes)
+                else episode_feed(env_source, episodes, mask_observations=mask_observations)
                 if episodes is not None
                 else None
             ),

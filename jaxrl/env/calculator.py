@@ -15,7 +15,8 @@ The tool is `calculate`, a bounded parser (digits and `* + -` only, `MAX_EXPRESS
 characters, `*` before `+ -`), never `eval`. A call it cannot parse gets the observation
 `=error` and the step status "malformed" (the episode goes on); any other exception of the tool
 propagates, and the driver ends that episode with status "tool_error". `disabled=True` answers
-every call with `=?` (the control experiment of a tool that gives nothing away).
+every call with `=?` (the control experiment of a tool that gives nothing away;
+`TaskSpec.tool_disabled` in a config).
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ class CalculatorSource:
     chat_formatted = False
     reward_name = "arithmetic_exact"  # single-turn scoring of a final answer
 
-    def __init__(self, task: CalculatorTask, tokenizer=None):
-        self.task, self.tokenizer = task, tokenizer
+    def __init__(self, task: CalculatorTask, tokenizer=None, *, tool_disabled: bool = False):
+        self.task, self.tokenizer, self.tool_disabled = task, tokenizer, tool_disabled
 
     def _item(self, index: int, split: str) -> PromptItem:
         values = self.task.operands(index, split)
@@ -198,7 +199,8 @@ class CalculatorSource:
         return [self._item(i, "heldout") for i in range(limit)]
 
     def make_env(self, **kwargs) -> CalculatorEnv:
-        return CalculatorEnv(self.tokenizer, **kwargs)
+        """A fresh environment; `tool_disabled` (the source's) unless `disabled` is given."""
+        return CalculatorEnv(self.tokenizer, **{"disabled": self.tool_disabled, **kwargs})
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -232,7 +234,8 @@ class CalculatorSource:
 
 
 def _calculator(spec, tokenizer) -> CalculatorSource:
-    """The "calculator" task of a `TaskSpec`: its digits, seed, and `operators` ("*" or "*+")."""
+    """The "calculator" task of a `TaskSpec`: its digits, seed, `operators` ("*" or "*+") and
+    `tool_disabled` (every call answered `=?`: the control of a tool that gives nothing away)."""
     if spec.operators not in ("*", "*+"):
         raise ValueError(
             f"task calculator: TaskSpec.operators={spec.operators!r}; use '*' (a*b) or '*+' "
@@ -244,7 +247,7 @@ def _calculator(spec, tokenizer) -> CalculatorSource:
         chained=spec.operators == "*+",
         seed=spec.seed,
     )
-    return CalculatorSource(task, tokenizer)
+    return CalculatorSource(task, tokenizer, tool_disabled=spec.tool_disabled)
 
 
 register_task("calculator", _calculator)

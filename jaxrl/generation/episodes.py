@@ -129,11 +129,18 @@ class Trajectory:
     def history(self) -> list[int]:
         return [*self.prompt_ids, *self.tokens]
 
-    def to_rollout(self) -> Rollout:
+    def to_rollout(self, mask_observations: bool = True) -> Rollout:
         """The trainer's view: the completion is every token after the prompt, the loss mask
-        its sampled tokens; `policy_version` the oldest version that sampled one of them."""
+        its sampled tokens; `policy_version` the oldest version that sampled one of them.
+
+        `mask_observations=False` (a control experiment, never for real training) puts the
+        observation tokens in the loss as well, with their placeholder behaviour log-prob 0 and
+        version -1: the tool's replies are then trained on as if the policy had written them.
+        """
         versions = np.asarray(self.token_versions, np.int32)
-        sampled = versions[np.asarray(self.loss_mask, bool)]
+        sampled_mask = np.asarray(self.loss_mask, bool)
+        sampled = versions[sampled_mask]
+        loss_mask = sampled_mask if mask_observations else np.ones_like(sampled_mask)
         return Rollout(
             prompt_ids=np.asarray(self.prompt_ids, np.int32),
             completion_ids=np.asarray(self.tokens, np.int32),
@@ -142,7 +149,7 @@ class Trajectory:
             reward=float(self.reward),
             group_id=int(self.group_id),
             token_versions=versions,
-            loss_mask=np.asarray(self.loss_mask, bool),
+            loss_mask=loss_mask,
         )
 
 

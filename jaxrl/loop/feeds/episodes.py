@@ -47,6 +47,8 @@ class EpisodeFeed:
       stop_ids: ids that end a turn for a tool call (added to the sampling config's).
       tool_workers: threads for environment steps (0: inline, so that the device calls, and
         with them the behaviour log-probs' last bits, are the same on every run).
+      mask_observations: observation tokens out of the loss (False: the control experiment of
+        training on the tool's replies too, `Trajectory.to_rollout`).
     """
 
     latest_only = staticmethod(lambda config: False)
@@ -60,6 +62,7 @@ class EpisodeFeed:
         budget: EpisodeBudget,
         stop_ids: Sequence[int] = (),
         tool_workers: int = 8,
+        mask_observations: bool = True,
     ):
         c = controller.config
         if c.mode != "sync":
@@ -84,6 +87,7 @@ class EpisodeFeed:
             sampling, stop_ids=tuple(sorted({*sampling.stop_ids, *map(int, stop_ids)}))
         )
         self.controller, self.make_env = controller, make_env
+        self.mask_observations = mask_observations
         self.runner = EpisodeRunner(engine, sampling, budget, tool_workers=tool_workers)
         greedy = dataclasses.replace(sampling, greedy=True)
         self.eval_runner = EpisodeRunner(engine, greedy, budget, tool_workers=tool_workers)
@@ -105,7 +109,7 @@ class EpisodeFeed:
         out = self.runner.run(params, sampling_key(c.seed, step, step), groups, version=step)
         seconds = time.perf_counter() - start
         trajectories = [t for ts in out for t in ts]
-        rollouts = [t.to_rollout() for t in trajectories]
+        rollouts = [t.to_rollout(self.mask_observations) for t in trajectories]
         rewards = np.array([r.reward for r in rollouts], np.float32)
         metrics = {"reward/mean": float(rewards.mean())}
         if c.shuffle_rewards:  # the control: rewards unlinked from their episodes
@@ -170,14 +174,15 @@ def check_episode_job(config, budget: EpisodeBudget, source) -> None:
 
 
 def episode_feed(
-    source, budget: EpisodeBudget, tool_workers: int = 8
+    source, budget: EpisodeBudget, tool_workers: int = 8, mask_observations: bool = True
 ) -> Callable[[ControllerView], EpisodeFeed]:
     """The `Controller` feed argument for `source`'s episodes: its `make_env()` per episode,
-    its `stop_ids` (if any) ending a tool call."""
+    its `stop_ids` (if any) ending a tool call; `mask_observations` as for `EpisodeFeed`."""
     return lambda ctl: EpisodeFeed(
         ctl,
         make_env=source.make_env,
         budget=budget,
         stop_ids=getattr(source, "stop_ids", ()),
         tool_workers=tool_workers,
+        mask_observations=mask_observations,
     )
