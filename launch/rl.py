@@ -169,6 +169,7 @@ def rl_main(
     engine_precompile: bool = False,
     generator_config: GeneratorConfig | None = None,
     episodes: EpisodeBudget | None = None,
+    episode_tool_workers: int = 8,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -186,9 +187,11 @@ def rl_main(
     (`jaxrl.loop.roles`; process 0 a trainer): each process runs only its role's programs on its
     role's devices. In a one-process job it is ignored (both roles in one process, as without
     it), so the same config runs on one process for comparison.
-    `episodes` (`@EpisodeBudget()`, sync mode): multi-turn episodes, each in an environment of
-    the task's source (`make_env()`, e.g. the "calculator" task), within these budgets
-    (`jaxrl.loop.feeds.episodes`)."""
+    `episodes` (`@EpisodeBudget()`): multi-turn episodes, each in an environment of the task's
+    source (`make_env()`, e.g. the "calculator" task), within these budgets, in sync mode or
+    async (fixed lag, free running, streaming; not role-split) (`jaxrl.loop.feeds.episodes`).
+    `episode_tool_workers`: threads for the environments' steps (0: inline, which keeps sync
+    and fixed-lag runs reproducible bit for bit)."""
     gen = resolve_generator_config(
         generator_config,
         generator=generator,
@@ -222,7 +225,7 @@ def rl_main(
             processes=jax.process_count(),
         )
         if episodes is not None:
-            check_episode_job(rl, episodes, env_source)
+            check_episode_job(rl, episodes, env_source, roles if jax.process_count() > 1 else None)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
@@ -317,7 +320,7 @@ def rl_main(
             feed=(
                 (lambda ctl: roles_lib.trainer_feed(ctl, layout))
                 if role == "trainer"
-                else episode_feed(env_source, episodes)
+                else episode_feed(env_source, episodes, episode_tool_workers)
                 if episodes is not None
                 else None
             ),
