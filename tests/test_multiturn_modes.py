@@ -16,10 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+import test_multiturn as episodes_tests  # its tiny model, engine and scripted environments
+from flax import nnx
 
 from jaxrl import workdir as run_dir
+from jaxrl.generation.episodes import EpisodeRunner
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.loop.feeds.streaming import token_staleness_metrics
 from jaxrl.loop.rollout_queue import prompt_ledger
@@ -70,7 +74,7 @@ def xla_cache(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "multiturn_modes_xla_cache")
 
 
-def _run(workdir, cache, schedule, fault=None) -> subprocess.CompletedProcess:
+def _launch(workdir, cache, schedule, fault=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
     env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
     env["JAX_COMPILATION_CACHE_DIR"] = cache
@@ -112,17 +116,19 @@ def test_fixed_lag_episodes_are_reproducible_and_resume_bitwise_after_sigkill(tm
     step 3 (step 2 saved, with the episodes batch 2 sampled ahead by version 1) then rerun. Step 2
     and the queued episodes are bitwise the reference's; the rerun resumes from step 2 and ends
     with the reference's parameters and per-step figures bit for bit."""
-    reference = _run(tmp_path / "reference", xla_cache, FIXED_LAG)
+    reference = _launch(tmp_path / "reference", xla_cache, FIXED_LAG)
     assert reference.returncode == 0, reference.stderr[-3000:]
     run = tmp_path / "run"
-    killed = _run(run, xla_cache, FIXED_LAG, fault="kill_at_step=3")
+    killed = _launch(run, xla_cache, FIXED_LAG, fault="kill_at_step=3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
     ref_2, run_2 = _params(tmp_path / "reference", 2), _params(run, 2)
     assert all(ref_2[k].tobytes() == run_2[k].tobytes() for k in ref_2)
-    saved = [_extra(w, 2) for w in (tmp_path / "reference", run)]
-    assert saved[0]["pending_rollouts"] == saved[1]["pending_rollouts"]
-    pending = saved[1]["pending_rollouts"]
+    saved = [_extra(w, 2)["pending_rollouts"] for w in (tmp_path / "reference", run)]
+    for batch in (b for pending in saved for b in pending):
+        batch["metrics"] = {k: v for k, v in batch["metrics"].items() if not k.startswith("time/")}
+    assert saved[0] == saved[1]  # the episodes sampled ahead, bit for bit
+    pending = saved[1]
     assert [(b["batch_index"], b["policy_version"]) for b in pending] == [(2, 1)]
     rollouts = pending[0]["rollouts"]
     assert len(rollouts) == PROMPTS * G
@@ -133,7 +139,7 @@ def test_fixed_lag_episodes_are_reproducible_and_resume_bitwise_after_sigkill(tm
         assert set(versions[mask]) == {1} and set(versions[~mask]) <= {-1}
     assert any(not all(r["loss_mask"]) for r in rollouts)  # some episode called the tool
 
-    resumed = _run(run, xla_cache, FIXED_LAG)
+    resumed = _launch(run, xla_cache, FIXED_LAG)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "from step 2" in resumed.stdout
     ref, params = _params(tmp_path / "reference"), _params(run)
@@ -159,7 +165,7 @@ def test_streaming_episodes_resume_after_sigkill_without_training_a_group_twice(
     group is trained twice; the checkpoints' ledgers name every issued prompt's fate exactly
     once. Per-token versions stay with the queued episodes, -1 on their observations."""
     run = tmp_path / "run"
-    killed = _run(run, xla_cache, STREAMING, fault="kill_at_step=3")
+    killed = _launch(run, xla_cache, STREAMING, fault="kill_at_step=3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     saved = _extra(run, 2)
     assert (saved["schedule"], saved["prompts_trained"]) == ("streaming", 2 * PROMPTS)
@@ -170,7 +176,7 @@ def test_streaming_episodes_resume_after_sigkill_without_training_a_group_twice(
             assert set(versions[~mask]) <= {-1}
     queued = [g["batch_index"] for g in saved["pending_groups"]]
 
-    resumed = _run(run, xla_cache, STREAMING)
+    resumed = _launch(run, xla_cache, STREAMING)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "from step 2" in resumed.stdout
     records = _records(run)
@@ -194,35 +200,77 @@ def test_streaming_episodes_resume_after_sigkill_without_training_a_group_twice(
         assert records[s]["episode/turns_mean"] >= 1
 
 
-def test_staleness_figures_count_sampled_tokens_only():
-    """Observation tokens (version -1, loss mask False) are in no staleness figure; rows
-    without a mask count every token."""
-    episode = Rollout(
+def _rollout(versions, mask=None) -> Rollout:
+    n = len(versions)
+    return Rollout(
         prompt_ids=np.array([1]),
-        completion_ids=np.arange(7),
-        behaviour_logprobs=np.zeros(7, np.float32),
-        policy_version=3,
+        completion_ids=np.arange(n),
+        behaviour_logprobs=np.zeros(n, np.float32),
+        policy_version=0,
         reward=0.0,
         group_id=0,
-        token_versions=np.array([3, 3, -1, -1, 4, 4, 4], np.int32),
-        loss_mask=np.array([1, 1, 0, 0, 1, 1, 1], bool),
+        token_versions=np.array(versions, np.int32),
+        loss_mask=None if mask is None else np.array(mask, bool),
     )
-    single = Rollout(
-        prompt_ids=np.array([1]),
-        completion_ids=np.arange(2),
-        behaviour_logprobs=np.zeros(2, np.float32),
-        policy_version=5,
-        reward=0.0,
-        group_id=1,
-        token_versions=np.array([5, 5], np.int32),
-    )
-    metrics, staleness = token_staleness_metrics([episode, single], 5)
+
+
+def test_staleness_figures_count_sampled_tokens_only():
+    """Observation tokens (version -1, loss mask False) are in no staleness figure; rows
+    without a mask (single-turn) count every token."""
+    episode = _rollout([3, 3, -1, -1, 4, 4, 4], [1, 1, 0, 0, 1, 1, 1])
+    metrics, staleness = token_staleness_metrics([episode, _rollout([5, 5])], 5)
     assert sorted(staleness.tolist()) == [0, 0, 1, 1, 1, 2, 2]
     assert metrics["stream/token_staleness_max"] == 2.0
     assert metrics["stream/token_staleness_mean"] == pytest.approx(7 / 7)
     assert metrics["stream/mixed_version_rows"] == 0.5
     assert "stream/tokens_at_staleness/6" not in metrics  # 5 - (-1): an observation
     assert metrics["stream/tokens_at_staleness/2"] == 2.0
-    # An episode whose observations alone are stale: no sampled token is.
-    calm = Rollout(**{**episode.__dict__, "token_versions": np.array([5, 5, -1, -1, 5, 5, 5])})
-    assert token_staleness_metrics([calm], 5)[0]["stream/token_staleness_max"] == 0.0
+    # An episode whose only old-looking tokens are observations: no sampled token is stale.
+    calm = _rollout([5, 5, -1, -1, 5], [1, 1, 0, 0, 1])
+    metrics, _ = token_staleness_metrics([calm], 5)
+    assert metrics["stream/token_staleness_max"] == 0.0
+    assert metrics["stream/mixed_version_rows"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def engine4():
+    model = episodes_tests.Transformer(episodes_tests.CONFIG, rngs=nnx.Rngs(0), init_std=0.3)
+    return episodes_tests._engine(model, 4)
+
+
+def test_streamed_episodes_join_the_running_batch_and_span_versions(engine4):
+    """`EpisodeRunner.stream` (the streaming generator's driver): groups started between its
+    yields join the running engine and get the tokens and turns they get in one `run` call (the
+    noise is a function of episode, turn, sample and token only); with a new version before
+    every device call, episodes span versions and each sampled token records its own
+    (observations -1)."""
+    engine, params = engine4
+    t = episodes_tests
+    runner = EpisodeRunner(engine, t.SAMPLING, t.BUDGET, tool_workers=0)
+    whole = t._run(engine, params, t._groups(), tool_workers=0)
+
+    def bump(version):
+        return version + 1, params
+
+    groups = t._groups()
+    for group in groups[:2]:
+        runner.start(group)
+    streamed, waiting = [], list(groups[2:])
+    for trajectories in runner.stream(params, jax.random.key(0), update=bump):
+        streamed.append(trajectories)
+        if waiting:  # one more group joins after each finished one
+            runner.start(waiting.pop(0))
+    assert sorted(ts[0].episode for ts in streamed) == list(range(t.NUM_GROUPS))
+    by_episode = {ts[0].episode: ts for ts in streamed}
+    spanning = 0
+    for ts in whole:
+        for w in ts:
+            s = by_episode[w.episode][w.sample]
+            assert (s.tokens, s.loss_mask, s.turns, s.status) == (
+                w.tokens, w.loss_mask, w.turns, w.status,
+            )  # fmt: skip
+            versions, mask = np.asarray(s.token_versions), np.asarray(s.loss_mask)
+            assert np.all(versions[~mask] == -1) and np.all(versions[mask] >= 0)
+            assert np.all(np.diff(versions[mask]) >= 0)  # in sampling order
+            spanning += len(set(versions[mask])) > 1
+    assert spanning > 0
