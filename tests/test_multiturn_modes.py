@@ -66,6 +66,8 @@ STREAMING = [
     "RLConfig.queue_size = 1",
     f"rl_main.engine_slots = {PROMPTS * G}",
     "rl_main.engine_steps_per_call = 4",
+    "RLConfig.eval_size = 2",  # greedy episodes on the trainer's engine, at steps 0 and 4
+    f"RLConfig.eval_every_steps = {STEPS}",
 ]
 
 
@@ -198,6 +200,8 @@ def test_streaming_episodes_resume_after_sigkill_without_training_a_group_twice(
     for s in range(1, STEPS + 1):
         assert records[s]["stream/token_staleness_max"] >= 0  # observations (-1) left out
         assert records[s]["episode/turns_mean"] >= 1
+    for s in (0, STEPS):  # evaluated as episodes while the generator streams
+        assert 0 <= records[s]["eval/tool_call_rate"] <= 1 and records[s]["eval/turns_mean"] >= 1
 
 
 def _rollout(versions, mask=None) -> Rollout:
