@@ -28,9 +28,9 @@ waits for a batch's longest completion, and a weight push waits for the batch in
   (`data/filtered_groups`), within the budget of `oversample - 1` groups per group queued.
 * **Staleness per token; the bound on the oldest.** A token's staleness is the trainer's
   version minus the version that sampled it (sampled tokens only: a multi-turn episode's
-  observation tokens, version -1, are in no staleness figure). A group whose oldest token is more than
-  `max_staleness` versions old is dropped and counted (on admission to the queue, or on
-  consumption), never truncated: a truncated completion would be scored as if it had ended
+  observation tokens, version -1, are in no staleness figure). A group whose oldest token is
+  more than `max_staleness` versions old is dropped and counted (on admission to the queue, or
+  on consumption), never truncated: a truncated completion would be scored as if it had ended
   there.
 
 Multi-turn episodes (`jaxrl.loop.feeds.episodes.EpisodeGroups` in place of `PromptGroups`):
