@@ -169,6 +169,7 @@ def rl_main(
     engine_precompile: bool = False,
     generator_config: GeneratorConfig | None = None,
     episodes: EpisodeBudget | None = None,
+    episode_tool_workers: int = 8,
     mask_observations: bool = True,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
@@ -187,10 +188,13 @@ def rl_main(
     (`jaxrl.loop.roles`; process 0 a trainer): each process runs only its role's programs on its
     role's devices. In a one-process job it is ignored (both roles in one process, as without
     it), so the same config runs on one process for comparison.
-    `episodes` (`@EpisodeBudget()`, sync mode): multi-turn episodes, each in an environment of
-    the task's source (`make_env()`, e.g. the "calculator" task), within these budgets
-    (`jaxrl.loop.feeds.episodes`). `mask_observations=False`: the control experiment of
-    training on the environment's observation tokens too (never for real training)."""
+    `episodes` (`@EpisodeBudget()`): multi-turn episodes, each in an environment of the task's
+    source (`make_env()`, e.g. the "calculator" task), within these budgets, in sync mode or
+    async (fixed lag, free running, streaming; not role-split) (`jaxrl.loop.feeds.episodes`).
+    `episode_tool_workers`: threads for the environments' steps (0: inline, which keeps sync
+    and fixed-lag runs reproducible bit for bit). `mask_observations=False`: the control
+    experiment of training on the environment's observation tokens too (never for real
+    training)."""
     gen = resolve_generator_config(
         generator_config,
         generator=generator,
@@ -224,7 +228,7 @@ def rl_main(
             processes=jax.process_count(),
         )
         if episodes is not None:
-            check_episode_job(rl, episodes, env_source)
+            check_episode_job(rl, episodes, env_source, roles if jax.process_count() > 1 else None)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
@@ -319,7 +323,9 @@ def rl_main(
             feed=(
                 (lambda ctl: roles_lib.trainer_feed(ctl, layout))
                 if role == "trainer"
-                else episode_feed(env_source, episodes, mask_observations=mask_observations)
+                else episode_feed(
+                    env_source, episodes, episode_tool_workers, mask_observations=mask_observations
+                )
                 if episodes is not None
                 else None
             ),

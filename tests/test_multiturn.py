@@ -439,8 +439,14 @@ def test_episode_jobs_are_checked_before_any_work():
     source = CalculatorSource(CalculatorTask(), build_arithmetic_tokenizer())
     budget = EpisodeBudget(max_total_tokens=40)
     check_episode_job(RLConfig(max_new_tokens=40), budget, source)
-    with pytest.raises(ValueError, match="sync mode"):
-        check_episode_job(RLConfig(mode="async", max_new_tokens=40), budget, source)
+    for schedule in ("fixed_lag", "free_running", "streaming"):  # tests/test_multiturn_modes.py
+        check_episode_job(
+            RLConfig(mode="async", schedule=schedule, max_new_tokens=40), budget, source
+        )
+    with pytest.raises(ValueError, match="role-split"):
+        check_episode_job(
+            RLConfig(mode="async", max_new_tokens=40), budget, source, ("trainer", "generator")
+        )
     with pytest.raises(ValueError, match="make_env"):
         check_episode_job(RLConfig(max_new_tokens=40), budget, object())
     with pytest.raises(ValueError, match="max_new_tokens"):

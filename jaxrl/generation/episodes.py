@@ -43,7 +43,7 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -228,6 +228,7 @@ class EpisodeRunner:
         self._waiting: dict[int, list[tuple[Trajectory, Environment]]] = {}
         self._envs: dict[tuple[int, int], Environment] = {}  # (episode, sample) -> its env
         self._calls: list[_Call] = []
+        self._groups: dict[int, list[Trajectory]] = {}  # episode -> its running group
 
     def close(self) -> None:
         """Stops the tool threads (steps still running are abandoned)."""
@@ -252,7 +253,39 @@ class EpisodeRunner:
         episodes = [g.episode for g in groups]
         if len(set(episodes)) != len(episodes):
             raise ValueError(f"episode numbers must be unique within a call; got {episodes}")
-        out: list[list[Trajectory]] = []
+        try:
+            out = [self.start(group) for group in groups]
+        except BaseException:
+            self._reset()
+            raise
+        for _ in self.stream(
+            params, key, version=version, update=update, kv_on_update=kv_on_update
+        ):
+            pass
+        return out
+
+    def start(self, group: EpisodeGroup) -> list[Trajectory]:
+        """Starts `group`'s episodes (turn 1 queued on the engine) and returns their
+        trajectories (filled in as they run). Between `stream`'s yields too: they join the
+        running batch."""
+        if group.episode in self._groups:
+            raise ValueError(f"episode {group.episode} is already running")
+        trajectories = self._start(group)
+        self._groups[group.episode] = trajectories
+        return trajectories
+
+    def stream(
+        self,
+        params: Any,
+        key: jax.Array,
+        *,
+        version: int = 0,
+        update: Callable[[int], tuple[int, Any] | None] | None = None,
+        kv_on_update: str = "keep",
+    ) -> Iterator[list[Trajectory]]:
+        """Runs the started episodes, yielding each group's trajectories (samples in order) as
+        its last episode ends; groups started meanwhile join. Ends when none is left.
+        `version`, `update`, `kv_on_update`: as for `run`."""
         self._current = (version, params)
 
         def hook(current_version: int):
@@ -263,25 +296,38 @@ class EpisodeRunner:
             return swapped
 
         try:
-            for group in groups:
-                out.append(self._start(group))
-            while any(t.status is None for ts in out for t in ts):
+            while self._groups:
                 v, p = self._current
                 for result in self.engine.run(
                     p, key, version=v, update=hook, kv_on_update=kv_on_update
                 ):
                     self._finish_turn(result)
+                    yield from self._ended()
+                yield from self._ended()
                 if not self._calls:
-                    if any(t.status is None for ts in out for t in ts):
+                    if self._groups and not self._waiting:
                         raise RuntimeError("episodes left with no request and no step running")
-                    break
+                    continue
                 self._wait()
+                yield from self._ended()
         finally:
-            self.engine.reset()
-            for call in self._calls:
-                call.future.cancel()
-            self._calls, self._waiting, self._envs = [], {}, {}
-        return out
+            self._reset()
+
+    def _ended(self) -> Iterator[list[Trajectory]]:
+        """The groups whose episodes have all ended, in the order they were started."""
+        for episode, trajectories in list(self._groups.items()):
+            if all(t.status is not None for t in trajectories):
+                del self._groups[episode]
+                for s in range(len(trajectories)):
+                    self._envs.pop((episode, s), None)
+                yield trajectories
+
+    def _reset(self) -> None:
+        """Leaves the engine and the driver empty (steps still running are abandoned)."""
+        self.engine.reset()
+        for call in self._calls:
+            call.future.cancel()
+        self._calls, self._waiting, self._envs, self._groups = [], {}, {}, {}
 
     def _start(self, group: EpisodeGroup) -> list[Trajectory]:
         b = self.budget

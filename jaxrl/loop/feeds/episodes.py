@@ -1,18 +1,35 @@
-"""Sync mode's feed for multi-turn episodes: batch k's prompts each run as G episodes in fresh
-environments (`jaxrl.generation.episodes.EpisodeRunner`) on the colocated engine, with the
-trainer's current params (policy version k), on the loop's own thread; then trained on.
+"""Multi-turn episodes through the one trainer loop: the schedule's own feed (`colocated`,
+`lagged` or `streaming`) with its generator step replaced by episodes
+(`jaxrl.generation.episodes.EpisodeRunner`) on the generator's engine. The queue, the weight
+pushes, the checkpoint and the resume are the feed's.
+
+* **Sync** (`colocated`): batch k's episodes run on the trainer's engine with its current
+  params (policy version k), on the loop's thread (`EpisodeBatches`).
+* **Fixed lag / free running** (`lagged`): the generator thread runs batch k's episodes with
+  the weights of version max(k - lag, 0) (fixed lag) on the generator's engine, under the
+  same key as a single-turn batch, f(seed, version, k) (`EpisodeBatches`). Fixed lag is a pure
+  function of the config, bit for bit, with `tool_workers=0` (the environment steps inline, so
+  every device call's shape is fixed), and resumes bit for bit after a kill (the batches
+  sampled ahead, episodes and all, are in the checkpoint).
+* **Streaming** (`streaming`): prompt i runs as G episodes that join the running engine
+  (`EpisodeGroups`); each later turn joins as its tool reply arrives, weights are swapped in
+  between decode steps, so an episode may span versions (each sampled token records its own).
+  A group is queued when its last episode ends. A resume re-runs the episode groups that were
+  in flight from their start and trains none twice (the `GroupQueue` ledger).
 
 A batch is `num_prompts x oversample` prompts of the task's stream, as in the single-turn
-colocated feed; group g of batch k is episode g of the call (its noise: the sampling key of
-(seed, k, k), episode g, turn, sample) with group id `k * n + g`. The rollouts hold every token
-after the prompt with the observations masked out of the loss (`Trajectory.to_rollout`); their
-reward is the episode's (the loss's advantage estimator normalises it across the G episodes of
-a prompt). `RLConfig.max_new_tokens` is the padded length of everything after the prompt, so it
-must hold `EpisodeBudget.max_total_tokens`.
+feeds; group g of batch k is episode g of the call (its noise: the call's key, episode g,
+turn, sample) with group id `k * n + g` (streaming: prompt i is episode i, group id i, under
+the key of (seed, 0, 0)). The rollouts hold every token after the prompt with the
+observations masked out of the loss (`Trajectory.to_rollout`); their reward is the episode's
+(the loss's advantage estimator normalises it across the G episodes of a prompt).
+`RLConfig.max_new_tokens` is the padded length of everything after the prompt, so it must hold
+`EpisodeBudget.max_total_tokens`. Role-split jobs (`rl_main.roles`) do not run episodes.
 
 Evaluation (`evaluate`, which the controller uses when its feed has one): each held-out item
-as one greedy episode; `eval/accuracy` is the mean episode reward, `eval/tool_call_rate` the
-share of episodes with at least one step that did not end them.
+as one greedy episode on the trainer's engine (`Controller.eval_sampler`); `eval/accuracy` is
+the mean episode reward, `eval/tool_call_rate` the share of episodes with at least one step
+that did not end them.
 
 Used through `Controller(..., feed=lambda ctl: EpisodeFeed(ctl, make_env=..., budget=...))`, or
 `episode_feed(source, budget)` for a task source with `make_env()` and `stop_ids`.
@@ -22,37 +39,148 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from jaxrl.env.base import Environment
-from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner, episode_metrics
+from jaxrl.generation.episodes import (
+    EpisodeBudget,
+    EpisodeGroup,
+    EpisodeRunner,
+    Trajectory,
+    episode_metrics,
+)
 from jaxrl.generation.executor import sampling_key
-from jaxrl.loop.feeds.base import ControllerView, Taken, default_engine_slots
-from jaxrl.loop.report import BusyTimeline
+from jaxrl.loop.config import RLConfig
+from jaxrl.loop.feeds import feed_class
+from jaxrl.loop.feeds.base import ControllerView, Taken
+from jaxrl.loop.feeds.streaming import StreamingFeed
 from jaxrl.loop.reward import shuffled_rewards
+from jaxrl.loop.rollout_queue import ScoredBatch
 from jaxrl.rl import select_groups
 
 
+def _scored(
+    config: RLConfig,
+    index: int,
+    version: int,
+    trajectories: list[Trajectory],
+    select: bool,
+    mask_observations: bool = True,
+) -> ScoredBatch:
+    """The trajectories of batch (or prompt) `index` as a `ScoredBatch`: rollouts (rewards
+    shuffled for the control; with `select`, the `num_prompts` groups dynamic sampling keeps;
+    `mask_observations` as for `Trajectory.to_rollout`) and metrics."""
+    c = config
+    rollouts = [t.to_rollout(mask_observations) for t in trajectories]
+    rewards = np.array([r.reward for r in rollouts], np.float32)
+    metrics = {"reward/mean": float(rewards.mean())}
+    if c.shuffle_rewards:  # the control: rewards unlinked from their episodes
+        rewards = shuffled_rewards(rewards, c.seed, index)
+        rollouts = [
+            dataclasses.replace(r, reward=float(x)) for r, x in zip(rollouts, rewards, strict=True)
+        ]
+    if select and c.oversample > 1:  # (streaming: `GroupQueue.filter`, group by group)
+        rollouts, selected = select_groups(rollouts, c.num_prompts)
+        metrics |= selected
+    metrics |= episode_metrics(trajectories) | {
+        "reward/trained_mean": float(np.mean([r.reward for r in rollouts])),
+        "completion/mean_tokens": float(np.mean([len(r.completion_ids) for r in rollouts])),
+    }
+    return ScoredBatch(index, version, rollouts, metrics)
+
+
+class EpisodeBatches:
+    """The generator step of the sync and lagged feeds (a `lagged.SampleBatch`): batch k's
+    prompts, G episodes each, run with the `GeneratorParams` given (module docstring)."""
+
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        make_env: Callable[[], Environment],
+        mask_observations: bool = True,
+    ):
+        self.runner, self.make_env = runner, make_env
+        self.mask_observations = mask_observations
+
+    def __call__(self, ctl: ControllerView, batch_index: int, params) -> ScoredBatch:
+        c, k = ctl.config, batch_index
+        items, _ = ctl.prompts(k)
+        n, g = len(items), c.samples_per_prompt
+        groups = [
+            EpisodeGroup(j, item, [self.make_env() for _ in range(g)], group_id=k * n + j)
+            for j, item in enumerate(items)
+        ]
+        start = time.perf_counter()
+        key = sampling_key(c.seed, params.version, k)
+        out = self.runner.run(params.params, key, groups, version=params.version)
+        trajectories = [t for ts in out for t in ts]
+        batch = _scored(
+            c,
+            k,
+            params.version,
+            trajectories,
+            select=True,
+            mask_observations=self.mask_observations,
+        )
+        batch.metrics["time/generate_s"] = time.perf_counter() - start
+        return batch
+
+
+class EpisodeGroups:
+    """What the streaming generator runs per prompt (`streaming.PromptGroups`' interface):
+    prompt i as G episodes, episode i, group id i, joining the running engine."""
+
+    def __init__(
+        self, ctl: ControllerView, runner: EpisodeRunner, make_env, mask_observations: bool = True
+    ):
+        self.controller, self.runner, self.make_env = ctl, runner, make_env
+        self.mask_observations = mask_observations
+
+    def submit(self, index: int) -> None:
+        g = self.controller.config.samples_per_prompt
+        item = self.controller.source.item(index)
+        self.runner.start(EpisodeGroup(index, item, [self.make_env() for _ in range(g)]))
+
+    def run(self, params, key, **engine_run) -> Iterator[ScoredBatch]:
+        c = self.controller.config
+        for trajectories in self.runner.stream(params, key, **engine_run):
+            # Queued by the oldest version that sampled one of its tokens.
+            oldest = min(t.to_rollout().policy_version for t in trajectories)
+            yield _scored(
+                c,
+                trajectories[0].episode,
+                oldest,
+                trajectories,
+                select=False,
+                mask_observations=self.mask_observations,
+            )
+
+
 class EpisodeFeed:
-    """Runs each batch's episodes when the loop asks for it (module docstring).
+    """The schedule's feed with episodes as its generator step (module docstring).
 
     Args:
-      controller: its generator's sampler must be the engine (`EngineSampler`) on the trainer's
-        mesh (sync mode).
+      controller: its generator's sampler must be the engine (`EngineSampler`).
       make_env: a fresh `Environment` per episode.
       budget: the episodes' `EpisodeBudget`.
       stop_ids: ids that end a turn for a tool call (added to the sampling config's).
       tool_workers: threads for environment steps (0: inline, so that the device calls, and
-        with them the behaviour log-probs' last bits, are the same on every run).
+        with them the behaviour log-probs' last bits, are the same on every run: what makes
+        sync and fixed-lag runs reproducible bit for bit).
       mask_observations: observation tokens out of the loss (False: the control experiment of
         training on the tool's replies too, `Trajectory.to_rollout`).
     """
 
-    latest_only = staticmethod(lambda config: False)
-    engine_slots = staticmethod(default_engine_slots)
+    @staticmethod
+    def latest_only(config: RLConfig) -> bool:
+        return feed_class(config).latest_only(config)
+
+    @staticmethod
+    def engine_slots(config: RLConfig) -> int:
+        return feed_class(config).engine_slots(config)
 
     def __init__(
         self,
@@ -65,11 +193,6 @@ class EpisodeFeed:
         mask_observations: bool = True,
     ):
         c = controller.config
-        if c.mode != "sync":
-            raise ValueError(
-                f"EpisodeFeed runs multi-turn episodes in sync mode (colocated); RLConfig.mode="
-                f"{c.mode!r}"
-            )
         engine = getattr(controller.generator.sampler, "engine", None)
         if engine is None:
             raise ValueError(
@@ -87,59 +210,41 @@ class EpisodeFeed:
             sampling, stop_ids=tuple(sorted({*sampling.stop_ids, *map(int, stop_ids)}))
         )
         self.controller, self.make_env = controller, make_env
-        self.mask_observations = mask_observations
         self.runner = EpisodeRunner(engine, sampling, budget, tool_workers=tool_workers)
+        if c.mode == "async" and c.schedule == "streaming":
+            self.feed = StreamingFeed(
+                controller,
+                groups=EpisodeGroups(controller, self.runner, make_env, mask_observations),
+            )
+        else:  # sync (colocated), fixed lag, free running (lagged)
+            self.feed = feed_class(c)(
+                controller, sample=EpisodeBatches(self.runner, make_env, mask_observations)
+            )
+        self.timeline = self.feed.timeline
+        # Evaluations: greedy episodes on the trainer's engine (in sync mode the same one).
+        eval_sampler = getattr(controller, "eval_sampler", None) or controller.generator.sampler
         greedy = dataclasses.replace(sampling, greedy=True)
-        self.eval_runner = EpisodeRunner(engine, greedy, budget, tool_workers=tool_workers)
-        self.timeline = BusyTimeline()  # episodes and scoring, on the trainer's thread
+        eval_engine = getattr(eval_sampler, "engine", engine)
+        self.eval_runner = EpisodeRunner(eval_engine, greedy, budget, tool_workers=tool_workers)
 
     def start(self, step: int, params, extra: dict | None) -> None:
-        pass
+        self.feed.start(step, params, extra)
 
     def take(self, step: int, params) -> Taken:
-        ctl, c = self.controller, self.controller.config
-        self.timeline.begin(time.perf_counter())
-        items, _ = ctl.prompts(step)
-        n, g = len(items), c.samples_per_prompt
-        groups = [
-            EpisodeGroup(j, item, [self.make_env() for _ in range(g)], group_id=step * n + j)
-            for j, item in enumerate(items)
-        ]
-        start = time.perf_counter()
-        out = self.runner.run(params, sampling_key(c.seed, step, step), groups, version=step)
-        seconds = time.perf_counter() - start
-        trajectories = [t for ts in out for t in ts]
-        rollouts = [t.to_rollout(self.mask_observations) for t in trajectories]
-        rewards = np.array([r.reward for r in rollouts], np.float32)
-        metrics = {"reward/mean": float(rewards.mean())}
-        if c.shuffle_rewards:  # the control: rewards unlinked from their episodes
-            rewards = shuffled_rewards(rewards, c.seed, step)
-            rollouts = [
-                dataclasses.replace(r, reward=float(x))
-                for r, x in zip(rollouts, rewards, strict=True)
-            ]
-        if c.oversample > 1:
-            rollouts, selected = select_groups(rollouts, c.num_prompts)
-            metrics |= selected
-        metrics |= episode_metrics(trajectories) | {
-            "reward/trained_mean": float(np.mean([r.reward for r in rollouts])),
-            "completion/mean_tokens": float(np.mean([len(r.completion_ids) for r in rollouts])),
-            "time/generate_s": seconds,
-        }
-        self.timeline.end(time.perf_counter())
-        prompt_len = ctl.prompt_bucket([t.prompt_ids for t in trajectories])
-        return Taken(rollouts, metrics, prompt_len=prompt_len)
+        return self.feed.take(step, params)
 
     def trained(self, step: int, params) -> dict[str, float]:
-        c = self.controller.config
-        return {"data/prompts_sampled": float(step * c.num_prompts * c.oversample)}
+        return self.feed.trained(step, params)
 
     def snapshot(self, step: int) -> dict:
-        return {}
+        return self.feed.snapshot(step)
 
     def stop(self, failed: bool) -> None:
-        self.runner.close()
-        self.eval_runner.close()
+        try:
+            self.feed.stop(failed)
+        finally:
+            self.runner.close()
+            self.eval_runner.close()
 
     def evaluate(self, params, items) -> dict[str, float]:
         """Greedy episodes of the held-out `items`, one each (module docstring)."""
@@ -154,12 +259,15 @@ class EpisodeFeed:
         }
 
 
-def check_episode_job(config, budget: EpisodeBudget, source) -> None:
+def check_episode_job(config: RLConfig, budget: EpisodeBudget, source, roles=None) -> None:
     """Raises ValueError, naming the fix, when `config` cannot run `source`'s episodes (before
-    any work: the feed itself is built after the SFT stage)."""
-    if config.mode != "sync":
+    any work: the feed itself is built after the SFT stage). `roles`: `rl_main.roles` of a
+    job of several processes (role-split episodes are not supported)."""
+    if roles is not None:
         raise ValueError(
-            f"multi-turn episodes run in sync mode for now; RLConfig.mode={config.mode!r}"
+            "multi-turn episodes run in sync, fixed-lag, free-running and streaming jobs whose "
+            f"processes each run both roles; rl_main.roles={roles!r} (a role-split job) is not "
+            "supported: unset rl_main.roles"
         )
     if not callable(getattr(source, "make_env", None)):
         raise ValueError(

@@ -29,6 +29,12 @@ the data position (next batch index to generate), the generator's version and th
 cumulative counts. Under fixed lag a save first waits until every batch that needs a version
 older than the trainer's is generated, so the resumed run continues exactly.
 
+What the generator thread does for one batch is pluggable (`LaggedFeed(sample=...)`, a
+`SampleBatch`): `sample_batch` (one generate call, then the reward) by default; multi-turn
+episodes plug in `jaxrl.loop.feeds.episodes.EpisodeBatches` (the batch's prompts as episodes on
+the generator's engine, with the batch's version and key). The queue, the schedule, the pushes
+and the checkpoint are the same.
+
 The role-split trainer (`remote.RemoteFeed`) is this feed with its generator in other processes;
 the generator processes (`jaxrl.loop.roles.run_generator`) sample with `sample_batch` too.
 """
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -71,6 +78,10 @@ def push_needed(config: RLConfig, version: int, first_index: int) -> bool:
     return version < config.total_steps
 
 
+# What the generator does for batch k: (controller, k, `GeneratorParams`) -> the scored batch.
+SampleBatch = Callable[[ControllerView, int, object], ScoredBatch]
+
+
 def sample_batch(ctl: ControllerView, batch_index: int, params) -> ScoredBatch:
     """Batch `batch_index` sampled with the `GeneratorParams` `params` and scored."""
     items, prompt_ids = ctl.prompts(batch_index)
@@ -83,7 +94,8 @@ def sample_batch(ctl: ControllerView, batch_index: int, params) -> ScoredBatch:
 
 
 class LaggedFeed:
-    """Fixed lag and free running (module docstring): batches from a `BatchProducer` thread."""
+    """Fixed lag and free running (module docstring): batches from a `BatchProducer` thread,
+    each made by `sample` (default `sample_batch`)."""
 
     engine_slots = staticmethod(default_engine_slots)
     generator_here = True  # the generator thread runs in this process (`in_turns`)
@@ -93,8 +105,8 @@ class LaggedFeed:
         """Free running samples with the newest version only: the store drops superseded ones."""
         return config.schedule == "free_running"
 
-    def __init__(self, controller: ControllerView):
-        self.controller, self.config = controller, controller.config
+    def __init__(self, controller: ControllerView, sample: SampleBatch = sample_batch):
+        self.controller, self.config, self.sample = controller, controller.config, sample
         self.in_turns = self.generator_here and jax.process_count() > 1
         # The generator's busy spans, when it runs here (else it reports its own idle time).
         self.timeline = BusyTimeline() if self.generator_here else None
@@ -107,7 +119,7 @@ class LaggedFeed:
         self.queue = restore_queue(self.config, step, extra)
         self.first_index = self.queue.next_index
         self.push(step, params)  # the first version; the generator side starts with it
-        self.source = BatchProducer(ctl, self.queue, self.first_index, self.timeline)
+        self.source = BatchProducer(ctl, self.queue, self.first_index, self.timeline, self.sample)
         self.source.start()
 
     def take(self, step: int, params) -> Taken:
@@ -186,7 +198,7 @@ def restore_queue(config: RLConfig, step: int, extra: dict | None) -> RolloutQue
 
 class BatchProducer(GeneratorThread):
     """The generator thread (`GeneratorThread`'s life cycle): acquire the batch's weights ->
-    sample -> score -> queue, in batch index order."""
+    sample and score (`sample`) -> queue, in batch index order."""
 
     def __init__(
         self,
@@ -194,9 +206,10 @@ class BatchProducer(GeneratorThread):
         queue: RolloutQueue,
         first_index: int,
         timeline: BusyTimeline | None = None,
+        sample: SampleBatch = sample_batch,
     ):
         super().__init__(controller, queue, timeline)
-        self.index = first_index
+        self.index, self.sample = first_index, sample
         self._sampled = threading.Condition()  # notified as `index` grows, or on failure
         self._error: QueueClosed | None = None
 
@@ -220,7 +233,7 @@ class BatchProducer(GeneratorThread):
         params = ctl.weights.acquire(version_for(ctl.config, k))
         self.version = params.version
         self.timeline.begin(time.perf_counter())
-        batch = sample_batch(ctl, k, params)
+        batch = self.sample(ctl, k, params)
         self.timeline.end(time.perf_counter())
         with self._sampled:
             self.index += 1

@@ -27,10 +27,18 @@ waits for a batch's longest completion, and a weight push waits for the batch in
   (no advantage, no gradient) is left out as it finishes and counted
   (`data/filtered_groups`), within the budget of `oversample - 1` groups per group queued.
 * **Staleness per token; the bound on the oldest.** A token's staleness is the trainer's
-  version minus the version that sampled it. A group whose oldest token is more than
-  `max_staleness` versions old is dropped and counted (on admission to the queue, or on
-  consumption), never truncated: a truncated completion would be scored as if it had ended
+  version minus the version that sampled it (sampled tokens only: a multi-turn episode's
+  observation tokens, version -1, are in no staleness figure). A group whose oldest token is
+  more than `max_staleness` versions old is dropped and counted (on admission to the queue, or
+  on consumption), never truncated: a truncated completion would be scored as if it had ended
   there.
+
+Multi-turn episodes (`jaxrl.loop.feeds.episodes.EpisodeGroups` in place of `PromptGroups`):
+prompt `i` runs as G episodes whose later turns join the running engine as their tool replies
+arrive; an episode may span weight versions (each sampled token records its own), and its group
+is queued when its last episode ends. The checkpoint and its ledger are the same: an episode
+group in flight at a save is dropped and its prompt re-run from the start on resume (fresh
+environments), so no episode is trained twice.
 
 Checkpoint (an exact continuation of the state, not of the timing): besides the train state, the
 scored groups still queued (in full: sampled by versions the saved weights cannot reproduce),
@@ -58,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -105,17 +114,76 @@ def groups_in_flight(ctl: ControllerView) -> int:
     return engine_groups if lead < 0 else lead
 
 
+class PromptGroups:
+    """What the streaming generator runs for each prompt index (the default): one engine
+    request of G samples, each group scored by the reward executor as its last sample stops.
+    The interface a `StreamProducer` drives (multi-turn episodes plug in
+    `jaxrl.loop.feeds.episodes.EpisodeGroups`):
+
+        submit(index)                         queue prompt `index` on the engine
+        run(params, key, version=, update=, kv_on_update=)
+                                              run the engine until it drains, yielding each
+                                              prompt's `ScoredBatch` (batch_index = the prompt
+                                              index) as it finishes; `submit` may be called
+                                              between yields
+    """
+
+    def __init__(self, controller: ControllerView, engine):
+        self.controller, self.engine = controller, engine
+
+    def submit(self, index: int) -> None:
+        ctl = self.controller
+        ids = encode_prompts(ctl.tokenizer, [ctl.source.item(index)], ctl.chat_formatted)[0]
+        self.engine.submit(
+            Request(index, tuple(ids), ctl.config.samples_per_prompt, ctl.generator.sampling)
+        )
+
+    def run(self, params, key, **engine_run) -> Iterator[ScoredBatch]:
+        for group in self.engine.run(params, key, **engine_run):
+            yield self._score(group)
+
+    def _score(self, group) -> ScoredBatch:
+        ctl = self.controller
+        item = ctl.source.item(group.request_id)
+        g = len(group.tokens_gn)
+        lengths = group.lengths_g
+        versions = [group.versions_gn[i, : lengths[i]] for i in range(g)]
+        oldest = int(min(v.min() for v in versions))
+        generated = GeneratedBatch(
+            items=[item] * g,
+            prompt_ids=[list(group.prompt)] * g,
+            completion_ids=[group.tokens_gn[i, : lengths[i]] for i in range(g)],
+            behaviour_logprobs=[group.logprobs_gn[i, : lengths[i]] for i in range(g)],
+            group_ids=np.full(g, group.request_id),
+            policy_version=oldest,
+            batch_index=group.request_id,
+            seconds=0.0,
+        )
+        rollouts, metrics = ctl.rewarder.score(generated)  # one group: filtered in `produce`
+        rollouts = [
+            dataclasses.replace(r, token_versions=v.astype(np.int32))
+            for r, v in zip(rollouts, versions, strict=True)
+        ]
+        return ScoredBatch(group.request_id, oldest, rollouts, metrics)
+
+
 class StreamProducer(GeneratorThread):
     """The generator thread (`GeneratorThread`'s life cycle): keeps the engine full, swaps
-    weights in between device calls, scores each group as it finishes and queues it."""
+    weights in between device calls, scores each group as it finishes and queues it. `groups`:
+    what runs per prompt (default `PromptGroups`)."""
 
     thread_name = "jaxrl-streamer"
 
     def __init__(
-        self, controller: ControllerView, queue: GroupQueue, timeline: BusyTimeline | None = None
+        self,
+        controller: ControllerView,
+        queue: GroupQueue,
+        timeline: BusyTimeline | None = None,
+        groups=None,
     ):
         super().__init__(controller, queue, timeline)
         self.engine = streaming_engine(controller)
+        self.groups = groups or PromptGroups(controller, self.engine)
         self._counters = _GeneratorCounters()
         self._lock = threading.Lock()
 
@@ -141,41 +209,12 @@ class StreamProducer(GeneratorThread):
 
     def _submit(self, outstanding: set[int], block: bool = False) -> None:
         """Submits prompts while the queue gives room; with `block`, waits for the first."""
-        ctl = self.controller
         while True:
             index = self.queue.issue(block=block and not outstanding)
             if index is None:
                 return
-            item = ctl.source.item(index)
-            ids = encode_prompts(ctl.tokenizer, [item], ctl.chat_formatted)[0]
-            self.engine.submit(
-                Request(index, tuple(ids), ctl.config.samples_per_prompt, ctl.generator.sampling)
-            )
+            self.groups.submit(index)
             outstanding.add(index)
-
-    def _score(self, group) -> ScoredBatch:
-        ctl = self.controller
-        item = ctl.source.item(group.request_id)
-        g = len(group.tokens_gn)
-        lengths = group.lengths_g
-        versions = [group.versions_gn[i, : lengths[i]] for i in range(g)]
-        oldest = int(min(v.min() for v in versions))
-        generated = GeneratedBatch(
-            items=[item] * g,
-            prompt_ids=[list(group.prompt)] * g,
-            completion_ids=[group.tokens_gn[i, : lengths[i]] for i in range(g)],
-            behaviour_logprobs=[group.logprobs_gn[i, : lengths[i]] for i in range(g)],
-            group_ids=np.full(g, group.request_id),
-            policy_version=oldest,
-            batch_index=group.request_id,
-            seconds=0.0,
-        )
-        rollouts, metrics = ctl.rewarder.score(generated)  # one group: filtered in `_run`
-        rollouts = [
-            dataclasses.replace(r, token_versions=v.astype(np.int32))
-            for r, v in zip(rollouts, versions, strict=True)
-        ]
-        return ScoredBatch(group.request_id, oldest, rollouts, metrics)
 
     def produce(self) -> None:
         ctl, engine = self.controller, self.engine
@@ -196,15 +235,14 @@ class StreamProducer(GeneratorThread):
                 ctl.config.samples_per_prompt,
                 recompute=ctl.config.kv_on_update == "recompute",
             )
-            for group in engine.run(
+            for scored in self.groups.run(
                 current.params,
                 key,
                 version=current.version,
                 update=self._update,
                 kv_on_update=ctl.config.kv_on_update,
             ):
-                outstanding.discard(group.request_id)
-                scored = self._score(group)
+                outstanding.discard(scored.batch_index)
                 now = (stats.slot_steps, stats.kept_tokens, stats.recompute_tokens)
                 with self._lock:
                     self._counters.slot_steps += now[0] - last[0]
@@ -223,16 +261,25 @@ class StreamProducer(GeneratorThread):
         self.engine.reset()
 
 
+def sampled_versions(rollout) -> np.ndarray:
+    """The versions of the tokens the policy sampled (trained): a multi-turn episode's
+    observation tokens (version -1, `loss_mask` False) are left out."""
+    versions = np.asarray(rollout.token_versions)
+    if rollout.loss_mask is None:
+        return versions
+    return versions[np.asarray(rollout.loss_mask, bool)]
+
+
 def token_staleness_metrics(rollouts, trainer_version: int) -> tuple[dict[str, float], np.ndarray]:
-    """Per-token staleness of a train batch: counts by staleness, mean, max, and the fraction of
-    rows that more than one version sampled. Returns (metrics, staleness of every token)."""
-    staleness = np.concatenate([trainer_version - r.token_versions for r in rollouts])
+    """Per-token staleness of a train batch, over sampled tokens only (`sampled_versions`):
+    counts by staleness, mean, max, and the fraction of rows that more than one version
+    sampled. Returns (metrics, staleness of every sampled token)."""
+    versions = [sampled_versions(r) for r in rollouts]
+    staleness = np.concatenate([trainer_version - v for v in versions])
     metrics = {
         "stream/token_staleness_mean": float(staleness.mean()),
         "stream/token_staleness_max": float(staleness.max()),
-        "stream/mixed_version_rows": float(
-            np.mean([len(np.unique(r.token_versions)) > 1 for r in rollouts])
-        ),
+        "stream/mixed_version_rows": float(np.mean([len(np.unique(v)) > 1 for v in versions])),
     }
     for k, n in zip(*np.unique(staleness, return_counts=True), strict=True):
         metrics[f"stream/tokens_at_staleness/{int(k)}"] = float(n)
@@ -250,8 +297,10 @@ class StreamingFeed:
         """One step's groups in flight, however many dynamic sampling leaves out."""
         return config.samples_per_prompt * config.num_prompts
 
-    def __init__(self, controller: ControllerView):
-        self.controller, self.config = controller, controller.config
+    def __init__(self, controller: ControllerView, groups=None):
+        """`groups`: what the generator runs per prompt (None: `PromptGroups`, one request of
+        G samples; multi-turn episodes: `jaxrl.loop.feeds.episodes.EpisodeGroups`)."""
+        self.controller, self.config, self.groups = controller, controller.config, groups
         self.in_flight = groups_in_flight(controller)  # checks the engine first
         self.timeline: BusyTimeline | None = BusyTimeline()
         self.queue: GroupQueue | None = None
@@ -266,7 +315,7 @@ class StreamingFeed:
             check_resumable(step, extra, {"mode": "async", "schedule": "streaming"})
             self.queue = GroupQueue.restore(capacity, c.max_staleness, step, extra, self.in_flight)
         self.push(step, params)
-        self.source = StreamProducer(self.controller, self.queue, self.timeline)
+        self.source = StreamProducer(self.controller, self.queue, self.timeline, self.groups)
         self.source.start()
 
     def take(self, step: int, params) -> Taken:
@@ -324,7 +373,10 @@ def _group_metrics(groups: list[ScoredBatch]) -> dict[str, float]:
     rewards = [r.reward for g in groups for r in g.rollouts]
     lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
     spread = [len({r.reward for r in g.rollouts}) > 1 for g in groups]
+    episodes = {k for g in groups for k in g.metrics if k.startswith("episode/")}  # multi-turn
     return {
+        k: float(np.mean([g.metrics[k] for g in groups if k in g.metrics])) for k in episodes
+    } | {
         "reward/mean": float(np.mean(rewards)),
         "data/informative_trained": float(np.mean(spread)),
         "completion/mean_tokens": float(np.mean(lengths)),
