@@ -5,7 +5,7 @@ status fractions, the tool-call rate and one decoded episode.
 
     python -m bench.calc_smollm2_smoke --init_from ~/.cache/jaxrl/smollm2-135m-instruct
 
-writes bench/results/calc_smollm2_smoke.{json,md}. The run is `python -m launch.rl` on the config
+writes bench/results/calc_smollm2_tool_use.{json,md}. The run is `python -m launch.rl` on the config
 with `TaskSpec.name = "bench.calc_smollm2_smoke:recorded_task"`: the "calculator_chat" task
 whose environments also append each step (turn and reply, decoded with their special tokens) to
 WORKDIR/episodes.jsonl; the run itself is in WORKDIR/run, its log WORKDIR/run.log. A turn that
@@ -23,10 +23,12 @@ import shlex
 import subprocess
 import sys
 import time
+import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/rl/calc_smollm2.gin"
 RECORD_ENV = "JAXRL_CALC_SMOKE_RECORD"  # the jsonl the environments append to
+EXAMPLES_ENV = "JAXRL_CALC_SMOKE_EXAMPLES"  # worked exchanges before each question: "12*34,..."
 
 
 class RecordingEnv:
@@ -37,6 +39,7 @@ class RecordingEnv:
 
     def reset(self, item):
         self.prompt = list(self.env.reset(item))
+        self.key = uuid.uuid4().hex
         self.turn = 0
         return self.prompt
 
@@ -44,7 +47,7 @@ class RecordingEnv:
         step = self.env.step(turn_ids)
         self.turn += 1
         line = {
-            "episode": id(self),
+            "episode": self.key,
             "turn": self.turn,
             "prompt": self.tokenizer.decode(self.prompt) if self.turn == 1 else None,
             "model": self.tokenizer.decode(list(turn_ids)),
@@ -63,6 +66,9 @@ def recorded_task(spec, tokenizer):
     from jaxrl.tasks.source import get_task
 
     source = get_task("calculator_chat")(spec, tokenizer)
+    source.examples = tuple(
+        tuple(map(int, pair.split("*"))) for pair in os.environ[EXAMPLES_ENV].split(",") if pair
+    )
     make_env, path = source.make_env, os.environ[RECORD_ENV]
     source.make_env = lambda **kw: RecordingEnv(make_env(**kw), tokenizer, path)
     return source
@@ -77,7 +83,7 @@ def summarise(workdir: str, run_dir: str) -> dict:
     with open(os.path.join(workdir, "episodes.jsonl")) as f:
         record = [json.loads(line) for line in f if line.strip()]
     calls = [r for r in record if not r["done"]]  # every step that did not end its episode
-    by_episode: dict[int, list[dict]] = {}
+    by_episode: dict[str, list[dict]] = {}
     for r in record:
         by_episode.setdefault(r["episode"], []).append(r)
     episodes = list(by_episode.values())
@@ -147,7 +153,8 @@ def main() -> None:
     p.add_argument("--init_from", required=True, help="a save_pretrained dir of the model")
     p.add_argument("--workdir", default="/tmp/calc_smollm2_smoke")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--out", default=os.path.join(REPO, "bench/results/calc_smollm2_smoke"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench/results/calc_smollm2_tool_use"))
+    p.add_argument("--examples", default="", help="few-shot exchanges, e.g. 12*34,56*78")
     p.add_argument("--gin_param", action="append", default=[], help="more bindings (repeatable)")
     args = p.parse_args()
     if os.path.exists(args.workdir):
@@ -165,6 +172,7 @@ def main() -> None:
         command += ["--gin_param", param]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env[RECORD_ENV] = os.path.join(args.workdir, "episodes.jsonl")
+    env[EXAMPLES_ENV] = args.examples
     load, start = os.getloadavg()[0], time.perf_counter()
     with open(os.path.join(args.workdir, "run.log"), "w") as log:
         code = subprocess.call(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -108,6 +108,29 @@ def test_an_episode_is_the_templates_rendering_of_the_whole_conversation():
     assert item.reference == str(a * b + c * d)
 
 
+def test_worked_examples_are_turns_of_the_conversation_and_replies_stay_in_delta_form():
+    src = ChatCalculatorSource(CalculatorTask(seed=5), TOK, examples=[(12, 34)])
+    a, b = src.task.operands(0, "train")
+    example = [
+        {"role": "user", "content": "What is 12*34?"},
+        {"role": "assistant", "content": call("12*34")},
+        {"role": "tool", "content": '{"result": 408}'},
+        {"role": "assistant", "content": "408"},
+    ]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *example]
+    messages.append({"role": "user", "content": f"What is {a}*{b}?"})
+    env = src.make_env()
+    history = list(env.reset(src.item(0)))
+    assert history == render(messages, True)
+    turn = encode(call(f"{a}*{b}")) + [END]
+    history += turn + list(env.step(turn).observation)
+    messages += [
+        {"role": "assistant", "content": call(f"{a}*{b}")},
+        {"role": "tool", "content": json.dumps({"result": a * b})},
+    ]
+    assert history == render(messages, True)
+
+
 def test_a_turn_stopped_without_the_end_of_turn_token_gets_it_in_the_reply():
     env = source().make_env()
     env.reset(source().item(0))

@@ -208,7 +208,9 @@ class ChatCalculatorSource:
     in a user turn after `system_prompt`, rendered with the tokenizer's chat template;
     episodes run in `ChatCalculatorEnv`s (`make_env`). Registered as the task
     "calculator_chat" (`TaskSpec.operators` "*" or "*+", `TaskSpec.system_prompt` None: the
-    default `SYSTEM_PROMPT`). No SFT demonstrations: it starts from an instruct model."""
+    default `SYSTEM_PROMPT`). `examples`: (a, b) pairs whose worked exchanges (question, tool
+    call, result, answer) come before the question, as turns of the conversation (few-shot).
+    No SFT demonstrations: it starts from an instruct model."""
 
     chat_formatted = True  # the chat template writes the special tokens itself
     reward_name = "math_answer"  # single-turn scoring of a final answer
@@ -220,20 +222,28 @@ class ChatCalculatorSource:
         *,
         system_prompt: str = SYSTEM_PROMPT,
         tool_role: str = "tool",
+        examples: Sequence[tuple[int, int]] = (),
     ):
         require_chat_template(tokenizer, "calculator_chat")
         check_delta_form(tokenizer, system_prompt, tool_role)
         self.task, self.tokenizer = task, tokenizer
         self.system_prompt, self.tool_role = system_prompt, tool_role
+        self.examples = tuple(examples)
 
     def question(self, values: Sequence[int]) -> str:
         return f"What is {self.task.text(values)[:-1]}?"
 
     def prompt(self, values: Sequence[int]) -> str:
-        messages = [
-            {"role": "system", "content": self.system_prompt},
-            {"role": "user", "content": self.question(values)},
-        ]
+        messages = [{"role": "system", "content": self.system_prompt}]
+        for a, b in self.examples:  # worked exchanges: question, call, result, answer
+            call = {"name": TOOL_NAME, "arguments": {"expression": f"{a}*{b}"}}
+            messages += [
+                {"role": "user", "content": f"What is {a}*{b}?"},
+                {"role": "assistant", "content": CALL_OPEN + json.dumps(call) + CALL_CLOSE},
+                {"role": self.tool_role, "content": json.dumps({"result": a * b})},
+                {"role": "assistant", "content": str(a * b)},
+            ]
+        messages.append({"role": "user", "content": self.question(values)})
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
