@@ -91,8 +91,10 @@ def summarise(workdir: str, run_dir: str) -> dict:
     example = max(
         episodes, key=lambda e: (any(r["status"] == "ok" and not r["done"] for r in e), len(e))
     )
+    evals = [{k: v for k, v in r.items() if k == "step" or k.startswith("eval/")} for r in rows]
     return {
         "steps": steps,
+        "evaluations": [e for e in evals if len(e) > 1],
         "episodes_recorded": len(episodes),
         "environment_steps": len(record),
         "well_formed_calls": sum(r["status"] == "ok" for r in calls),
@@ -108,7 +110,7 @@ def write_markdown(path: str, result: dict) -> None:
     s = result["summary"]
     lines = [
         f"<!-- {result['command']} -->",
-        f"<!-- {result['date']}; machine load (1-min average) at start {result['load']} -->",
+        f"<!-- started {result['date']}; machine load (1-min average) then {result['load']} -->",
         "# Multi-turn tool use on SmolLM2-135M-Instruct (smoke)",
         "",
         f"`{result['command']}` ({result['wall_s']:.0f} s wall, CPU).",
@@ -123,8 +125,14 @@ def write_markdown(path: str, result: dict) -> None:
             "episode/timeout_fraction", "episode/bad_step_fraction",
         )]  # fmt: skip
         lines.append(f"| {r['step']} | " + " | ".join(f"{c:.3g}" for c in cells) + " |")
+    for e in s.get("evaluations", []):
+        lines.append(
+            f"\nGreedy evaluation at step {e['step']} (held-out problems, RLConfig.eval_size): "
+            + ", ".join(f"{k[5:]} {v:.3g}" for k, v in e.items() if k != "step")
+        )
     lines += [
         "",
+        "The record holds the evaluations' episodes and the training episodes. "
         f"Recorded: {s['environment_steps']} environment steps of {s['episodes_recorded']} "
         f"episodes (turns that ran out of tokens reach no environment): "
         f"{s['well_formed_calls']} well-formed tool calls, {s['malformed_calls']} malformed, "
@@ -173,6 +181,7 @@ def main() -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env[RECORD_ENV] = os.path.join(args.workdir, "episodes.jsonl")
     env[EXAMPLES_ENV] = args.examples
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load, start = os.getloadavg()[0], time.perf_counter()
     with open(os.path.join(args.workdir, "run.log"), "w") as log:
         code = subprocess.call(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -180,7 +189,7 @@ def main() -> None:
         raise SystemExit(f"launch.rl failed (exit {code}); see {args.workdir}/run.log")
     result = {
         "command": shlex.join(["python", "-m", "bench.calc_smollm2_smoke", *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": date,  # the start
         "load": round(load, 2),
         "wall_s": time.perf_counter() - start,
         "summary": summarise(args.workdir, run_dir),
