@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import jaxrl.env.calculator  # noqa: F401  (registers the "calculator" task)
+import jaxrl.env.chat_calculator  # noqa: F401  (registers the "calculator_chat" task)
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
 from jaxrl.models.config import DTYPES as MODEL_DTYPES
