@@ -113,7 +113,8 @@ class TaskSpec:
 
     name: a registered task (`jaxrl.tasks.source.register_task`): "arithmetic" (synthetic,
       offline), "math_jsonl" (GSM8K / MATH-style files), "calculator" (multi-turn tool use,
-      `jaxrl.env.calculator`; operators "*" or "*+"), or one registered by a module the gin
+      `jaxrl.env.calculator`; operators "*" or "*+"), "calculator_chat" (the same in a chat
+      template's tool-call form, `jaxrl.env.chat_calculator`), or one registered by a module the gin
       file imports; or "package.module:factory". A task without `PolicySpec.init_from` uses the
       offline character tokenizer of the arithmetic task.
     reward: a registered reward name or "package.module:function"; empty = the source's own
