@@ -233,20 +233,26 @@ class CalculatorSource:
         return tokens, loss_mask
 
 
-def _calculator(spec, tokenizer) -> CalculatorSource:
-    """The "calculator" task of a `TaskSpec`: its digits, seed, `operators` ("*" or "*+") and
-    `tool_disabled` (every call answered `=?`: the control of a tool that gives nothing away)."""
+def calculator_task(spec, name: str = "calculator") -> CalculatorTask:
+    """The problems of a `TaskSpec` for task `name`: its digits, seed and `operators` ("*": a*b,
+    "*+": the chained a*b+c*d)."""
     if spec.operators not in ("*", "*+"):
         raise ValueError(
-            f"task calculator: TaskSpec.operators={spec.operators!r}; use '*' (a*b) or '*+' "
+            f"task {name}: TaskSpec.operators={spec.operators!r}; use '*' (a*b) or '*+' "
             "(the chained a*b+c*d)"
         )
-    task = CalculatorTask(
+    return CalculatorTask(
         min_digits=spec.min_digits,
         max_digits=spec.max_digits,
         chained=spec.operators == "*+",
         seed=spec.seed,
     )
+
+
+def _calculator(spec, tokenizer) -> CalculatorSource:
+    """The "calculator" task of a `TaskSpec` (`calculator_task`), with `tool_disabled` (every
+    call answered `=?`: the control of a tool that gives nothing away)."""
+    task = calculator_task(spec)
     return CalculatorSource(task, tokenizer, tool_disabled=spec.tool_disabled)
 
 

@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from jaxrl.env.base import Step
-from jaxrl.env.calculator import CalculatorError, CalculatorTask, calculate
+from jaxrl.env.calculator import CalculatorError, CalculatorTask, calculate, calculator_task
 from jaxrl.tasks.answers import answers_match, extract_answer
 from jaxrl.tasks.chat import ChatTemplateError, end_of_turn_id, require_chat_template
 from jaxrl.tasks.source import PromptItem, register_task
@@ -272,17 +272,7 @@ class ChatCalculatorSource:
 def _calculator_chat(spec, tokenizer) -> ChatCalculatorSource:
     """The "calculator_chat" task of a `TaskSpec`: digits, seed, `operators` ("*" or "*+") and
     `system_prompt` (None: `SYSTEM_PROMPT`)."""
-    if spec.operators not in ("*", "*+"):
-        raise ValueError(
-            f"task calculator_chat: TaskSpec.operators={spec.operators!r}; use '*' (a*b) or "
-            "'*+' (the chained a*b+c*d)"
-        )
-    task = CalculatorTask(
-        min_digits=spec.min_digits,
-        max_digits=spec.max_digits,
-        chained=spec.operators == "*+",
-        seed=spec.seed,
-    )
+    task = calculator_task(spec, "calculator_chat")
     system_prompt = SYSTEM_PROMPT if spec.system_prompt is None else spec.system_prompt
     return ChatCalculatorSource(task, tokenizer, system_prompt=system_prompt)
 
