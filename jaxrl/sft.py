@@ -36,7 +36,8 @@ __all__ = ["SFTConfig", "rl_source_after_sft", "run_sft", "sft_items_used"]
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """The supervised warm start: `steps` AdamW steps on batches of `batch_size` demonstrations
-    (padded to `seq_len` tokens), evaluated greedily on `eval_size` held-out problems.
+    (padded to `seq_len` tokens), evaluated greedily on `eval_size` held-out problems (0: no
+    evaluation).
     `num_demonstrations` > 0 limits the demonstrations to a pool of that many worked problems,
     cycled (a scarce-data warm start); 0 draws fresh ones from the task's unlimited stream.
     Without a terminal, a progress line every `log_every_steps` steps. `pack_length` > 0 packs
@@ -146,6 +147,8 @@ def run_sft(
         eval_ids = encode_prompts(tokenizer, eval_items, getattr(source, "chat_formatted", False))
 
         def run_eval(params) -> dict:
+            if not eval_items:  # eval_size = 0: no evaluation
+                return {}
             return evaluate(
                 sampler,
                 params,
