@@ -65,16 +65,19 @@ from jaxrl.rl import select_groups
 def _scored(
     config: RLConfig,
     index: int,
-    version: int,
+    version: int | None,
     trajectories: list[Trajectory],
     select: bool,
     mask_observations: bool = True,
 ) -> ScoredBatch:
     """The trajectories of batch (or prompt) `index` as a `ScoredBatch`: rollouts (rewards
     shuffled for the control; with `select`, the `num_prompts` groups dynamic sampling keeps;
-    `mask_observations` as for `Trajectory.to_rollout`) and metrics."""
+    `mask_observations` as for `Trajectory.to_rollout`) and metrics. `version` None: the
+    oldest version that sampled one of their tokens."""
     c = config
     rollouts = [t.to_rollout(mask_observations) for t in trajectories]
+    if version is None:
+        version = min(r.policy_version for r in rollouts)
     rewards = np.array([r.reward for r in rollouts], np.float32)
     metrics = {"reward/mean": float(rewards.mean())}
     if c.shuffle_rewards:  # the control: rewards unlinked from their episodes
@@ -147,12 +150,10 @@ class EpisodeGroups:
     def run(self, params, key, **engine_run) -> Iterator[ScoredBatch]:
         c = self.controller.config
         for trajectories in self.runner.stream(params, key, **engine_run):
-            # Queued by the oldest version that sampled one of its tokens.
-            oldest = min(t.to_rollout().policy_version for t in trajectories)
             yield _scored(
                 c,
                 trajectories[0].episode,
-                oldest,
+                None,  # queued by the oldest version that sampled one of its tokens
                 trajectories,
                 select=False,
                 mask_observations=self.mask_observations,
