@@ -117,12 +117,18 @@ class EnginePrograms:
             self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
         )
         self.move = jax.jit(self._move_impl, static_argnames=("span",), donate_argnums=(0,))
-        self.jitted = {"prefill": self.prefill, "decode": self.decode, "move": self.move}
+        self.extend = jax.jit(self._extend_impl, static_argnames=("span",), donate_argnums=(1,))
+        self.jitted = {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "move": self.move,
+            "extend": self.extend,
+        }
         self.compiled: dict[tuple, Any] = {}
 
     @staticmethod
     def _program_key(name: str, args, static: dict) -> tuple:
-        shapes = tuple(np.shape(a) for a in args[2:4]) if name == "prefill" else ()
+        shapes = tuple(np.shape(a) for a in args[2:4]) if name in ("prefill", "extend") else ()
         return (name, shapes, tuple(sorted(static.items())))
 
     def run(self, name: str, *args, **static):
@@ -145,6 +151,7 @@ class EnginePrograms:
         samples_per_request: int,
         max_prompt_len: int | None,
         recompute: bool,
+        extend_widths: Sequence[int] | None,
         progress: Callable[[str], None] | None,
     ) -> int:
         """Compiles each program `Engine.precompile` names (its docstring) for `params`, `cache`
@@ -179,6 +186,12 @@ class EnginePrograms:
                 static = {"sampling": config, "span": span, "active": active}
                 jobs.append(("decode", (params, cache, state, key_data), static))
             jobs.append(("move", (cache, index, index), {"span": span}))
+            for rows in active_buckets if extend_widths else ():
+                for width in (w for w in extend_widths if w < span):
+                    tokens = np.zeros((rows, width), np.int32)
+                    row_index = np.zeros(rows, np.int32)
+                    args = (params, cache, tokens, row_index, row_index)
+                    jobs.append(("extend", args, {"span": span}))
         start, done = time.perf_counter(), 0
         for name, args, static in jobs:
             key = self._program_key(name, args, static)
@@ -190,7 +203,8 @@ class EnginePrograms:
         if progress is not None:
             progress(
                 f"[engine] precompiled {done} programs ({len(prefills)} prefill, "
-                f"{len(spans) * len(active_buckets)} decode, {len(spans)} move) in "
+                f"{len(spans) * len(active_buckets)} decode, {len(spans)} move, "
+                f"{sum(name == 'extend' for name, _, _ in jobs)} extend) in "
                 f"{time.perf_counter() - start:.1f}s"
             )
         return done
@@ -303,6 +317,29 @@ class EnginePrograms:
         axis = 1 if self.model_config.scan_layers else 0  # caches [L, B, C, K, D]: slots on 1
         return constrain_cache(
             jax.tree.map(lambda full, new: _copy_rows(full, new, dest_s, src_s, axis), cache, fresh)
+        )
+
+    def _extend_impl(self, params, cache, tokens_rw, start_r, slot_r, *, span: int):
+        """Runs `tokens_rw[r]` through the model at positions `start_r[r]...` of slot
+        `slot_r[r]`, attending over the slot's cache prefix `[:span]` (which must hold
+        `start_r[r] + W`) and the row's own earlier tokens, and writes their keys / values there
+        (rows with `slot_r` out of range, which come last, are skipped). Padding past a row's
+        tokens writes positions no live row has reached: decode overwrites them first."""
+        self.stats.num_traces += 1
+        model: Transformer = nnx.merge(self.graphdef, params)
+        axis = 1 if self.model_config.scan_layers else 0
+        rows = jnp.minimum(slot_r, self.num_slots - 1)
+
+        def view(c):
+            return jax.lax.slice_in_dim(jnp.take(c, rows, axis=axis), 0, span, axis=axis + 1)
+
+        views = jax.tree.map(view, cache)
+        positions_rw = start_r[:, None] + jnp.arange(tokens_rw.shape[1])[None, :]
+        mask_rwl = jnp.arange(span)[None, None, :] <= positions_rw[:, :, None]
+        _, views = model.hidden_states(tokens_rw, positions_rw, mask_rwl, views, start_r)
+        order = jnp.arange(slot_r.shape[0], dtype=jnp.int32)
+        return constrain_cache(
+            jax.tree.map(lambda full, new: _copy_rows(full, new, slot_r, order, axis), cache, views)
         )
 
     def _move_impl(self, cache, dest_s, src_s, *, span: int):

@@ -19,6 +19,13 @@ class Request:
 
     max_new_tokens: this request's completion budget (default: `sampling.max_new_tokens`).
     request_id: keys the sampling noise (with the sample index and token index); unique per run.
+    keep_cache: when a sample's row stops, its slot and KV cache are kept (a `KeptRow`, keyed
+      by (request_id, sample)) for a later request that `continues` it, until
+      `Engine.release(request_id, sample)` or `Engine.reset`.
+    continues: (request id, sample) of a kept row whose sequence (prompt and completion) begins
+      this prompt: the request (one sample) takes over that row's slot and only the rest of
+      its prompt runs through the model (an extend call), not the whole. With no such row kept,
+      or a prompt that does not begin with its sequence, the prompt is prefilled as usual.
     """
 
     request_id: int
@@ -26,6 +33,8 @@ class Request:
     num_samples: int = 1
     sampling: SamplingConfig = SamplingConfig()
     max_new_tokens: int | None = None
+    keep_cache: bool = False
+    continues: tuple[int, int] | None = None
 
     @property
     def budget(self) -> int:
@@ -54,6 +63,15 @@ class GroupResult:
 
 
 @dataclasses.dataclass
+class KeptRow:
+    """A stopped row kept in its slot (`Request.keep_cache`): `ids` is its whole sequence,
+    prompt and completion; the cache holds the keys / values of all but the last."""
+
+    slot: int
+    ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
 class EngineStats:
     """Counters since the engine was built.
 
@@ -64,6 +82,8 @@ class EngineStats:
     decode_calls, prefill_calls: device calls; num_traces: programs compiled.
     swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
     moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
+    extend_calls, extend_tokens: device calls that continued kept rows (`Request.continues`)
+      and the tokens they ran through the model (the new part of each prompt).
     """
 
     prefill_tokens: int = 0
@@ -76,6 +96,8 @@ class EngineStats:
     swaps: int = 0
     recompute_tokens: int = 0
     moved_rows: int = 0
+    extend_calls: int = 0
+    extend_tokens: int = 0
 
     @property
     def utilisation(self) -> float:
