@@ -390,9 +390,9 @@ class Engine(EngineDevice):
             if admitted:
                 self._admit(params, admitted)
             for request, slots in [*admitted, *((r, [s]) for r, s, _ in continued)]:
-                empty = [[] for _ in slots]
+                tokens_g, logprobs_g, versions_g = ([[] for _ in slots] for _ in range(3))
                 running[request.request_id] = _Live(
-                    request, slots, empty, [[] for _ in slots], len(slots), [[] for _ in slots]
+                    request, slots, tokens_g, logprobs_g, len(slots), versions_g
                 )
                 for g, s in enumerate(slots):
                     owner[s], live[s] = request.request_id, True
