@@ -291,6 +291,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sft_cache", default=None, help="directory for the SFT'd params")
     parser.add_argument("--chained", action="store_true", help="a*b+c*d: four turns")
     parser.add_argument("--models", default="arith_tiny,rlbench_tiny")
+    parser.add_argument("--name", default=None, help="results file name (default multiturn)")
     parser.add_argument("--paths", default="slot,request", help="multi-turn paths to run")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -322,7 +323,7 @@ def main(argv=None) -> None:
         ("tool_wait_s", "tool wait s"),
         ("utilisation", "slot utilisation"),
     ]
-    name = "multiturn_smoke" if args.smoke else "multiturn"
+    name = args.name or ("multiturn_smoke" if args.smoke else "multiturn")
     load = "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     note = f"`{command()}` on {machine()}, {load}"
     print(write_results(name, rows, columns, note))

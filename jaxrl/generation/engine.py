@@ -51,12 +51,12 @@ Design
 with `keep_cache` keeps each sample's slot and KV cache when its row stops (a `KeptRow`), until
 `release` or `reset`; a later one-sample request that `continues` it, whose prompt begins with the
 row's sequence (its prompt and completion, then e.g. a tool's observation), takes over the slot:
-an **extend** call runs only the new tokens through the model at the row's own positions,
-attending over its cache, instead of prefilling the whole prompt again (`stats.extend_tokens`).
-Continuations join whatever their place in the queue (they need no free slot); a queue whose head
-waits for slots that kept rows hold ends `run` early, to be called again once their
-continuations are submitted or the rows released. Sampling noise stays keyed by the new request's
-id, so the tokens are those a fresh request would draw.
+only the new tokens run through the model at the row's own positions, attending over its cache,
+at the start of the next decode call (no call of their own), instead of a prefill of the whole
+prompt (`stats.extend_tokens`).
+Continuations join whatever their place in the queue (they need no free slot); a request short
+of free slots takes kept rows' slots, oldest first (their continuations are then prefilled in
+full). Noise stays keyed by the new request's id: the tokens are those a fresh request draws.
 
 In-flight weight updates (streaming RL, `jaxrl.loop.feeds.streaming`). `run(..., update=fn)` asks
 `fn(version)` before every device call (so every `steps_per_call` decode steps) for newer weights;
@@ -78,10 +78,10 @@ waits until the running ones drain (FIFO order is kept).
 
 Compiled programs (`stats.num_traces`): one prefill per (prompt-batch bucket, prompt-length
 bucket) pair, one decode per (span bucket, active-slot bucket) pair per sampling config, one
-slot-move program per span bucket and one extend per (rows, width, span) bucket triple: bounded
-by the bucket lists, never by the number of requests. Each is compiled the first time its shape
-comes up, which stalls `run` mid-stream (0.7-1.9 s per program on a CPU core for a
-0.4M-parameter model); `precompile` compiles them all up front.
+slot-move program per span bucket, and decodes that extend continued rows first, one per
+extend width bucket too: bounded by the bucket lists, never by the number of requests. Each is
+compiled the first time its shape comes up, which stalls `run` mid-stream (0.7-1.9 s per program
+on a CPU core for a 0.4M-parameter model); `precompile` compiles them all up front.
 
 This module is the host scheduler (queue, admission, slots, swaps); the jitted programs are in
 `jaxrl.generation.engine_programs`, `Request` / `GroupResult` / `EngineStats` in
@@ -277,8 +277,7 @@ class Engine(EngineDevice):
         return dict(self._kept)
 
     def release(self, request_id: int, sample: int) -> None:
-        """Frees the slot of a kept row (`Request.keep_cache`) that no request will continue.
-        Unknown rows are ignored."""
+        """Frees a kept row's slot (`Request.keep_cache`); unknown rows are ignored."""
         self._kept.pop((request_id, sample), None)
 
     def reset(self) -> None:
@@ -378,15 +377,23 @@ class Engine(EngineDevice):
                 head_config = self._static_sampling(head.sampling)
                 if config is not None and head_config != config:
                     break
-                if head.num_samples > len(free) or head.continues in self._kept:
+                if head.continues in self._kept:
                     break
+                short = head.num_samples - len(free)
+                if short > len(self._kept):
+                    break
+                for key in list(self._kept)[: max(short, 0)]:  # evicted: prefilled in full later
+                    free.append(self._kept.pop(key).slot)
+                    owner[free[-1]] = None
+                free.sort()
                 self.reserve(len(head.prompt) + head.budget)  # a request submitted mid-run
                 config = head_config
                 self._queue.popleft()
                 slots, free = free[: head.num_samples], free[head.num_samples :]
                 admitted.append((head, slots))
-            if continued:
-                self._extend(params, continued)
+            # The new part of each continued prompt, from its row's last token to the prompt's
+            # second-to-last (the last is the first decode input): run in this call's decode.
+            extending = [(r.request_id, start, r.prompt[start:-1]) for r, _, start in continued]
             if admitted:
                 self._admit(params, admitted)
             for request, slots in [*admitted, *((r, [s]) for r, s, _ in continued)]:
@@ -400,8 +407,6 @@ class Engine(EngineDevice):
                     index[s], budget[s] = 0, request.budget
                     req_of[s], sample_of[s] = request.request_id, g
             if not running:
-                if self._queue:  # all blocked by kept rows: their continuations come later
-                    return
                 continue
 
             # Pack live rows into the smallest slot bucket that holds them (a device copy of
@@ -430,13 +435,16 @@ class Engine(EngineDevice):
             last = pos[live] + np.minimum(n_steps, budget[live] - index[live])
             # Kept rows among the decoded ones rewrite their last position: keep it in the span.
             kept = [int(pos[s]) + 1 for s in range(active) if owner[s] is _KEPT]
-            span = bucket(max([int(last.max()), *kept]), self.span_buckets, self.capacity)
+            rows = [(running[rid].slots[0], start, ids) for rid, start, ids in extending]
+            extend, reach = self._extension(params, rows, active)
+            span = bucket(max([int(last.max()), *kept, reach]), self.span_buckets, self.capacity)
             self._cache, new_state, out = self.programs.run(
                 "decode",
                 params,
                 self._cache,
                 tuple(self.programs.place_rows(x[:active]) for x in state),
                 key_data,
+                *([] if extend is None else [extend]),
                 sampling=config,
                 span=span,
                 active=active,
@@ -544,34 +552,30 @@ class Engine(EngineDevice):
         self._queue = rest
         return taken, config
 
-    def _extend(self, params, continued: list[tuple[Request, int, int]]) -> None:
-        """Writes the new part of each continued prompt (from its row's last token to its
-        second-to-last token; the last is the first decode input) into the row's cache, after
-        the positions it holds: one call for the rows whose widths fit together."""
-        rows = [(slot, start, request.prompt[start:-1]) for request, slot, start in continued]
+    def _extension(self, params, rows: list[tuple[int, int, Sequence[int]]], active: int):
+        """The decode call's `extend` arrays for continued rows (slot, first position, new ids)
+        and the positions they reach; rows too near the capacity for a padded width are written
+        by extend calls of their own first (then None, 0)."""
         rows = [row for row in rows if len(row[2])]
-        widths = self.extend_widths()
-        width = bucket(max((len(ids) for _, _, ids in rows), default=0), widths, self.capacity)
-        if rows and max(start for _, start, _ in rows) + width > self.capacity:
-            batches = [[row] for row in rows]  # near the capacity: one row per call
-        else:
-            batches = [rows] if rows else []
-        for batch_rows in batches:
-            longest = max(len(ids) for _, _, ids in batch_rows)
-            top = max(start for _, start, _ in batch_rows)
-            width = min(bucket(longest, widths, self.capacity), self.capacity - top)
-            span = bucket(top + width, self.span_buckets, self.capacity)
-            count = bucket(len(batch_rows), self.active_buckets, self.num_slots)
-            tokens = np.full((count, width), self.pad_id, np.int32)
-            start_r = np.zeros(count, np.int32)
-            slot_r = np.full(count, self.num_slots, np.int32)  # out of range: not written back
-            for r, (slot, start, ids) in enumerate(batch_rows):
-                tokens[r, : len(ids)], start_r[r], slot_r[r] = ids, start, slot
-            self.stats.extend_calls += 1
-            self.stats.extend_tokens += sum(len(ids) for _, _, ids in batch_rows)
-            self._cache = self.programs.run(
-                "extend", params, self._cache, tokens, start_r, slot_r, span=span
-            )
+        if not rows:
+            return None, 0
+        longest = max(len(ids) for _, _, ids in rows)
+        width = bucket(longest, self.extend_widths(), self.capacity)
+        reach = max(start for _, start, _ in rows) + width
+        tokens = np.full((active, width), self.pad_id, np.int32)
+        start_r = np.zeros(active, np.int32)
+        slot_r = np.full(active, active, np.int32)  # out of range: not written back
+        for r, (slot, start, ids) in enumerate(rows):
+            tokens[r, : len(ids)], start_r[r], slot_r[r] = ids, start, slot
+        self.stats.extend_calls += 1
+        self.stats.extend_tokens += sum(len(ids) for _, _, ids in rows)
+        if reach <= self.capacity:
+            return (tokens, start_r, slot_r), reach
+        for r, (slot, start, ids) in enumerate(rows):  # one row per call, its exact width
+            one = (tokens[r : r + 1, : len(ids)], start_r[r : r + 1], np.array([slot], np.int32))
+            span = bucket(start + len(ids), self.span_buckets, self.capacity)
+            self._cache = self.programs.run("extend", params, self._cache, *one, span=span)
+        return None, 0
 
     def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
         """Prefills the admitted prompts (each once) and copies each into its G slots."""

@@ -128,7 +128,10 @@ class EnginePrograms:
 
     @staticmethod
     def _program_key(name: str, args, static: dict) -> tuple:
-        shapes = tuple(np.shape(a) for a in args[2:4]) if name in ("prefill", "extend") else ()
+        if name in ("prefill", "extend"):
+            shapes = tuple(np.shape(a) for a in args[2:4])
+        else:  # a decode with continuations: their shape
+            shapes = tuple(np.shape(a) for a in jax.tree.leaves(args[4:5]))
         return (name, shapes, tuple(sorted(static.items())))
 
     def run(self, name: str, *args, **static):
@@ -185,13 +188,11 @@ class EnginePrograms:
                 )
                 static = {"sampling": config, "span": span, "active": active}
                 jobs.append(("decode", (params, cache, state, key_data), static))
+                for width in (w for w in extend_widths or () if w < span):
+                    rows = np.zeros(active, np.int32)
+                    extend = (np.zeros((active, width), np.int32), rows, rows)
+                    jobs.append(("decode", (params, cache, state, key_data, extend), static))
             jobs.append(("move", (cache, index, index), {"span": span}))
-            for rows in active_buckets if extend_widths else ():
-                for width in (w for w in extend_widths if w < span):
-                    tokens = np.zeros((rows, width), np.int32)
-                    row_index = np.zeros(rows, np.int32)
-                    args = (params, cache, tokens, row_index, row_index)
-                    jobs.append(("extend", args, {"span": span}))
         start, done = time.perf_counter(), 0
         for name, args, static in jobs:
             key = self._program_key(name, args, static)
@@ -203,8 +204,7 @@ class EnginePrograms:
         if progress is not None:
             progress(
                 f"[engine] precompiled {done} programs ({len(prefills)} prefill, "
-                f"{len(spans) * len(active_buckets)} decode, {len(spans)} move, "
-                f"{sum(name == 'extend' for name, _, _ in jobs)} extend) in "
+                f"{sum(name == 'decode' for name, _, _ in jobs)} decode, {len(spans)} move) in "
                 f"{time.perf_counter() - start:.1f}s"
             )
         return done
@@ -326,9 +326,12 @@ class EnginePrograms:
         (rows with `slot_r` out of range, which come last, are skipped). Padding past a row's
         tokens writes positions no live row has reached: decode overwrites them first."""
         self.stats.num_traces += 1
+        return self._extend_rows(params, cache, tokens_rw, start_r, slot_r, span)
+
+    def _extend_rows(self, params, cache, tokens_rw, start_r, slot_r, span: int):
         model: Transformer = nnx.merge(self.graphdef, params)
         axis = 1 if self.model_config.scan_layers else 0
-        rows = jnp.minimum(slot_r, self.num_slots - 1)
+        rows = jnp.minimum(slot_r, jax.tree.leaves(cache)[0].shape[axis] - 1)
 
         def view(c):
             return jax.lax.slice_in_dim(jnp.take(c, rows, axis=axis), 0, span, axis=axis + 1)
@@ -355,9 +358,20 @@ class EnginePrograms:
         return jax.tree.map(move, cache)
 
     def _decode_impl(
-        self, params, cache, state, key_data, *, sampling: SamplingConfig, span: int, active: int
+        self,
+        params,
+        cache,
+        state,
+        key_data,
+        extend=None,
+        *,
+        sampling: SamplingConfig,
+        span: int,
+        active: int,
     ):
-        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`.
+        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`,
+        after `extend` (tokens_rw, start_r, slot_r: as for the extend program, slots below
+        `active`, `start_r + W <= span`) when given: continuations join in the same call.
 
         state: (token_s next input, pos_s its position = cache write index, index_s completion
         index of the next draw, budget_s max_new_tokens, live_s, req_s, sample_s).
@@ -374,6 +388,8 @@ class EnginePrograms:
             return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
 
         prefix = jax.tree.map(cut, cache)
+        if extend is not None:
+            prefix = self._extend_rows(params, prefix, *extend, span)
         stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
         n = self.steps_per_call
         s_count = active

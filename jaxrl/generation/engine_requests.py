@@ -82,8 +82,8 @@ class EngineStats:
     decode_calls, prefill_calls: device calls; num_traces: programs compiled.
     swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
     moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
-    extend_calls, extend_tokens: device calls that continued kept rows (`Request.continues`)
-      and the tokens they ran through the model (the new part of each prompt).
+    extend_calls, extend_tokens: decode calls that also ran continued rows' new tokens
+      (`Request.continues`; the new part of each prompt) through the model, and those tokens.
     """
 
     prefill_tokens: int = 0
