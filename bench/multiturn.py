@@ -229,7 +229,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "decode_s": round(timed.seconds.get("decode", 0.0), 3),
             "move_s": round(timed.seconds.get("move", 0.0), 3),
             "prefill_calls": timed.calls.get("prefill", 0),
-            "extend_calls": timed.calls.get("extend", 0),
+            "extend_calls": stats["extend_calls"],
             "decode_calls": timed.calls.get("decode", 0),
             "prefill_tokens": stats["prefill_tokens"],
             "extend_tokens": stats.get("extend_tokens", 0),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.generation.engine import Engine, Request
+from jaxrl.generation.engine import KEEP_CALLS, Engine, Request
 from jaxrl.generation.episodes import EpisodeRunner
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.models.config import ModelConfig
@@ -57,17 +57,21 @@ def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model)
         np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-4)
 
     # A prompt that does not begin with the kept row's sequence is prefilled as usual; a group
-    # short of free slots takes a kept row's; a released row frees its slot.
+    # short of free slots takes the slot of a row kept for KEEP_CALLS decode calls, and waits
+    # (run returns) for a younger one, until it is released.
     engine.generate(params, [Request(30, [1, 2, 3], 2, plain, keep_cache=True)], key)
     mismatch = Request(31, [1, 2, 4, 4], 1, plain, continues=(30, 0))
     prefill_before = engine.stats.prefill_tokens
     engine.generate(params, [mismatch], key)
     assert engine.stats.prefill_tokens == prefill_before + 4 and set(engine.kept_rows) == {(30, 1)}
+    assert engine.stats.decode_calls - engine.kept_rows[30, 1].since >= KEEP_CALLS
     engine.submit(Request(32, [1, 2], 4, plain))
     assert [r.request_id for r in engine.run(params, key)] == [32] and not engine.kept_rows
     engine.generate(params, [Request(33, [1, 2], 1, plain, keep_cache=True)], key)
+    engine.submit(Request(34, [1, 2], 4, plain))
+    assert list(engine.run(params, key)) == []
     engine.release(33, 0)
-    assert not engine.kept_rows
+    assert [r.request_id for r in engine.run(params, key)] == [34] and not engine.kept_rows
 
 
 def test_episodes_continued_in_their_slots_equal_episodes_prefilled_again(model):

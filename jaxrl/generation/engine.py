@@ -55,8 +55,10 @@ only the new tokens run through the model at the row's own positions, attending 
 at the start of the next decode call (no call of their own), instead of a prefill of the whole
 prompt (`stats.extend_tokens`).
 Continuations join whatever their place in the queue (they need no free slot); a request short
-of free slots takes kept rows' slots, oldest first (their continuations are then prefilled in
-full). Noise stays keyed by the new request's id: the tokens are those a fresh request draws.
+of free slots takes the slots of rows kept for `KEEP_CALLS` decode calls or more (their
+continuations are then prefilled in full), and `run` returns early when only younger kept rows
+hold it back (call it again once their continuations are queued). Noise stays keyed by the new
+request's id: the tokens are those a fresh request draws.
 
 In-flight weight updates (streaming RL, `jaxrl.loop.feeds.streaming`). `run(..., update=fn)` asks
 `fn(version)` before every device call (so every `steps_per_call` decode steps) for newer weights;
@@ -110,6 +112,7 @@ from jaxrl.models.transformer import Transformer
 
 KV_ON_UPDATE = ("keep", "recompute")
 _KEPT = object()  # the owner of a kept row's slot (`Request.keep_cache`)
+KEEP_CALLS = 2  # decode calls after which a kept row's slot may go to a queued request
 
 
 @dataclasses.dataclass
@@ -277,7 +280,7 @@ class Engine(EngineDevice):
         return dict(self._kept)
 
     def release(self, request_id: int, sample: int) -> None:
-        """Frees a kept row's slot (`Request.keep_cache`); unknown rows are ignored."""
+        """Frees a kept row's slot; unknown rows are ignored."""
         self._kept.pop((request_id, sample), None)
 
     def reset(self) -> None:
@@ -379,10 +382,12 @@ class Engine(EngineDevice):
                     break
                 if head.continues in self._kept:
                     break
+                calls = self.stats.decode_calls  # rows kept this long wait on slow tools
+                stale = [k for k, row in self._kept.items() if calls - row.since >= KEEP_CALLS]
                 short = head.num_samples - len(free)
-                if short > len(self._kept):
+                if short > len(stale):
                     break
-                for key in list(self._kept)[: max(short, 0)]:  # evicted: prefilled in full later
+                for key in stale[: max(short, 0)]:  # evicted: prefilled in full later
                     free.append(self._kept.pop(key).slot)
                     owner[free[-1]] = None
                 free.sort()
@@ -407,6 +412,8 @@ class Engine(EngineDevice):
                     index[s], budget[s] = 0, request.budget
                     req_of[s], sample_of[s] = request.request_id, g
             if not running:
+                if self._queue:  # waits for slots of kept rows: their continuations come later
+                    return
                 continue
 
             # Pack live rows into the smallest slot bucket that holds them (a device copy of
@@ -471,30 +478,16 @@ class Engine(EngineDevice):
                         group.open_rows -= 1
                         if group.request.keep_cache and rid not in self._cancelled:
                             ids = (*group.request.prompt, *group.tokens[g])
-                            self._kept[rid, g], owner[s] = KeptRow(s, ids), _KEPT
+                            row = KeptRow(s, ids, self.stats.decode_calls)
+                            self._kept[rid, g], owner[s] = row, _KEPT
                 if group.open_rows == 0:
                     del running[rid]
                     self._ids.discard(rid)
                     if rid in self._cancelled:
                         self._cancelled.discard(rid)
                         continue
-                    yield self._result(group)
-
-    def _result(self, group: _Live) -> GroupResult:
-        g, n = len(group.slots), group.request.budget
-        tokens = np.full((g, n), self.pad_id, np.int32)
-        logprobs = np.zeros((g, n), np.float32)
-        mask = np.zeros((g, n), bool)
-        versions = np.full((g, n), -1, np.int32)
-        for row, (toks, lps) in enumerate(zip(group.tokens, group.logprobs, strict=True)):
-            tokens[row, : len(toks)], logprobs[row, : len(lps)], mask[row, : len(toks)] = (
-                toks,
-                lps,
-                True,
-            )
-            versions[row, : len(toks)] = group.versions[row]
-        return GroupResult(group.request.request_id, tuple(group.request.prompt), tokens,
-                           logprobs, mask, versions)  # fmt: skip
+                    yield GroupResult.of(group.request, group.tokens, group.logprobs,
+                                         group.versions, self.pad_id)  # fmt: skip
 
     def cached_sequences(self) -> dict[int, tuple[int, int, list[int]]]:
         """Slot -> (request id, sample index, the ids whose keys / values the slot's cache holds:

@@ -61,14 +61,30 @@ class GroupResult:
     def lengths_g(self) -> np.ndarray:
         return self.mask_gn.sum(axis=-1)
 
+    @classmethod
+    def of(cls, request: Request, tokens, logprobs, versions, pad_id: int) -> GroupResult:
+        """The result of `request` from each sample's token, log-prob and version lists."""
+        g, n = len(tokens), request.budget
+        tokens_gn = np.full((g, n), pad_id, np.int32)
+        logprobs_gn = np.zeros((g, n), np.float32)
+        mask_gn = np.zeros((g, n), bool)
+        versions_gn = np.full((g, n), -1, np.int32)
+        for row, (toks, lps, vs) in enumerate(zip(tokens, logprobs, versions, strict=True)):
+            tokens_gn[row, : len(toks)], logprobs_gn[row, : len(lps)] = toks, lps
+            mask_gn[row, : len(toks)], versions_gn[row, : len(toks)] = True, vs
+        return cls(request.request_id, tuple(request.prompt), tokens_gn, logprobs_gn, mask_gn,
+                   versions_gn)  # fmt: skip
+
 
 @dataclasses.dataclass
 class KeptRow:
     """A stopped row kept in its slot (`Request.keep_cache`): `ids` is its whole sequence,
-    prompt and completion; the cache holds the keys / values of all but the last."""
+    prompt and completion; the cache holds the keys / values of all but the last. `since`: the
+    engine's decode call count when it stopped."""
 
     slot: int
     ids: tuple[int, ...]
+    since: int = 0
 
 
 @dataclasses.dataclass
