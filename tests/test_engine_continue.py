@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.generation.engine import KEEP_CALLS, Engine, Request
+from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.episodes import EpisodeRunner
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.models.config import ModelConfig
@@ -29,14 +29,13 @@ def model():
     return Transformer(CONFIG, rngs=nnx.Rngs(0), init_std=0.3)
 
 
-def _engine(model, slots=4):
-    return Engine.for_model(
-        model, num_slots=slots, steps_per_call=4, max_total_len=64, prompt_buckets=(16, 32)
-    )
+def _engine(model, slots=4, keep_calls=0):
+    return Engine.for_model(model, num_slots=slots, steps_per_call=4, max_total_len=64,
+                            prompt_buckets=(16, 32), keep_calls=keep_calls)  # fmt: skip
 
 
 def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model):
-    engine, params = _engine(model)
+    engine, params = _engine(model, keep_calls=2)
     plain = SamplingConfig(6, ignore_eos=True)
     key = jax.random.key(3)
     first = engine.generate(params, [Request(7, [1, 5, 9, 11], 2, plain, keep_cache=True)], key)[0]
@@ -57,14 +56,14 @@ def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model)
         np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-4)
 
     # A prompt that does not begin with the kept row's sequence is prefilled as usual; a group
-    # short of free slots takes the slot of a row kept for KEEP_CALLS decode calls, and waits
+    # short of free slots takes the slot of a row kept for `keep_calls` decode calls, and waits
     # (run returns) for a younger one, until it is released.
     engine.generate(params, [Request(30, [1, 2, 3], 2, plain, keep_cache=True)], key)
     mismatch = Request(31, [1, 2, 4, 4], 1, plain, continues=(30, 0))
     prefill_before = engine.stats.prefill_tokens
     engine.generate(params, [mismatch], key)
     assert engine.stats.prefill_tokens == prefill_before + 4 and set(engine.kept_rows) == {(30, 1)}
-    assert engine.stats.decode_calls - engine.kept_rows[30, 1].since >= KEEP_CALLS
+    assert engine.stats.decode_calls - engine.kept_rows[30, 1].since >= engine.keep_calls
     engine.submit(Request(32, [1, 2], 4, plain))
     assert [r.request_id for r in engine.run(params, key)] == [32] and not engine.kept_rows
     engine.generate(params, [Request(33, [1, 2], 1, plain, keep_cache=True)], key)

@@ -55,7 +55,7 @@ only the new tokens run through the model at the row's own positions, attending 
 at the start of the next decode call (no call of their own), instead of a prefill of the whole
 prompt (`stats.extend_tokens`).
 Continuations join whatever their place in the queue (they need no free slot); a request short
-of free slots takes the slots of rows kept for `KEEP_CALLS` decode calls or more (their
+of free slots takes the slots of rows kept for `keep_calls` decode calls or more (their
 continuations are then prefilled in full), and `run` returns early when only younger kept rows
 hold it back (call it again once their continuations are queued). Noise stays keyed by the new
 request's id: the tokens are those a fresh request draws.
@@ -112,7 +112,6 @@ from jaxrl.models.transformer import Transformer
 
 KV_ON_UPDATE = ("keep", "recompute")
 _KEPT = object()  # the owner of a kept row's slot (`Request.keep_cache`)
-KEEP_CALLS = 2  # decode calls after which a kept row's slot may go to a queued request
 
 
 @dataclasses.dataclass
@@ -140,6 +139,8 @@ class Engine(EngineDevice):
         `max_position_embeddings`. Either way a cache that would not fit in the devices' free
         memory is refused before it is allocated (`jaxrl.generation.kv_memory`).
       steps_per_call: decode steps per device call between refills.
+      keep_calls: decode calls a kept row (`Request.keep_cache`) holds its slot against queued
+        requests short of free slots (0: it gives way at once; see the module docstring).
       prompt_buckets: allowed padded prompt lengths for prefill (capped at C).
       span_buckets: allowed attended prefixes for decode (default: powers of two from 32, and C).
       mesh, rules: the generation mesh and its rules table (slots split over the data-parallel
@@ -162,6 +163,7 @@ class Engine(EngineDevice):
         eos_ids: Sequence[int] = (),
         max_total_len: int | None = None,
         steps_per_call: int = 8,
+        keep_calls: int = 0,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         span_buckets: Sequence[int] | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -180,6 +182,7 @@ class Engine(EngineDevice):
             raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}; need >= 1")
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
+        self.keep_calls = int(keep_calls)
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
         # The longest prompt + completion accepted; the cache spans `capacity <= max_capacity`
         # positions, grown with the requests when no max_total_len is given.
@@ -383,7 +386,7 @@ class Engine(EngineDevice):
                 if head.continues in self._kept:
                     break
                 calls = self.stats.decode_calls  # rows kept this long wait on slow tools
-                stale = [k for k, row in self._kept.items() if calls - row.since >= KEEP_CALLS]
+                stale = [k for k, row in self._kept.items() if calls - row.since >= self.keep_calls]
                 short = head.num_samples - len(free)
                 if short > len(stale):
                     break
