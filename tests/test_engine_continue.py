@@ -74,8 +74,10 @@ def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model)
 
 
 def test_episodes_continued_in_their_slots_equal_episodes_prefilled_again(model):
+    engine, params = _engine(model)
+
     def run(continue_in_slot):
-        engine, params = _engine(model)
+        before = dataclasses.asdict(engine.stats)
         runner = EpisodeRunner(
             engine, SAMPLING, BUDGET, tool_workers=4, continue_in_slot=continue_in_slot
         )
@@ -90,7 +92,8 @@ def test_episodes_continued_in_their_slots_equal_episodes_prefilled_again(model)
         }
         logprobs = [lp for ts in out for t in ts for lp in t.behaviour_logprobs]
         assert not engine.kept_rows  # every kept row released
-        return summary, np.asarray(logprobs), dataclasses.asdict(engine.stats)
+        stats = {k: v - before[k] for k, v in dataclasses.asdict(engine.stats).items()}
+        return summary, np.asarray(logprobs), stats
 
     slot, slot_lp, slot_stats = run(True)
     again, again_lp, again_stats = run(False)
