@@ -11,8 +11,8 @@ An episode is a prompt, then model turns and environment observations in turn
   joins the running batch at the engine's next refill, so a short episode never waits for a long
   one, and a slow tool holds up only its own episode. By default (`continue_in_slot`) the
   episode's engine row keeps its slot and KV cache while the tool runs, and the request
-  continues it there: only the observation runs through the model (the engine's extend call),
-  not the whole history again.
+  continues it there: only the observation runs through the model, in the engine's next decode
+  call, not the whole history again (unless a queued group took the slot meanwhile).
 * **Environment steps** run on a thread pool (`tool_workers`; 0 runs them inline on the
   engine's thread, in a fixed order). The driver collects finished steps before every device
   call (through `Engine.run`'s per-call `update` hook) and, when the engine has nothing left to
@@ -320,7 +320,7 @@ class EpisodeRunner:
                 self.sampling,
                 max_new_tokens=min(b.max_turn_tokens, room),
                 keep_cache=self.continue_in_slot,
-            )  # fmt: skip
+            )
         )
         return trajectories
 
