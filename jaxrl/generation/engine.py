@@ -47,6 +47,19 @@ Design
 * **Exact behaviour log-probs.** Every token's log-prob is `processed_logprobs` (fp32
   temperature, top-k / top-p, log-softmax) of the logits it was drawn from, as in the `Sampler`.
 
+**Kept rows and continuations** (multi-turn episodes, `jaxrl.generation.episodes`). A request
+with `keep_cache` keeps each sample's slot and KV cache when its row stops (a `KeptRow`), until
+`release` or `reset`; a later one-sample request that `continues` it, whose prompt begins with the
+row's sequence (its prompt and completion, then e.g. a tool's observation), takes over the slot:
+only the new tokens run through the model at the row's own positions, attending over its cache,
+at the start of the next decode call (no call of their own), instead of a prefill of the whole
+prompt (`stats.extend_tokens`).
+Continuations join whatever their place in the queue (they need no free slot); a request short
+of free slots takes the slots of rows kept for `keep_calls` decode calls or more (their
+continuations are then prefilled in full), and `run` returns early when only younger kept rows
+hold it back (call it again once their continuations are queued). Noise stays keyed by the new
+request's id: the tokens are those a fresh request draws.
+
 In-flight weight updates (streaming RL, `jaxrl.loop.feeds.streaming`). `run(..., update=fn)` asks
 `fn(version)` before every device call (so every `steps_per_call` decode steps) for newer weights;
 when it returns `(new_version, new_params)` the running rows continue with them, without
@@ -66,10 +79,11 @@ compiled programs; per-request `max_new_tokens` is dynamic). A request with a di
 waits until the running ones drain (FIFO order is kept).
 
 Compiled programs (`stats.num_traces`): one prefill per (prompt-batch bucket, prompt-length
-bucket) pair, one decode per (span bucket, active-slot bucket) pair per sampling config, and one
-slot-move program per span bucket: bounded by the bucket lists, never by the number of requests.
-Each is compiled the first time its shape comes up, which stalls `run` mid-stream (0.7-1.9 s per
-program on a CPU core for a 0.4M-parameter model); `precompile` compiles them all up front.
+bucket) pair, one decode per (span bucket, active-slot bucket) pair per sampling config, one
+slot-move program per span bucket, and decodes that extend continued rows first, one per
+extend width bucket too: bounded by the bucket lists, never by the number of requests. Each is
+compiled the first time its shape comes up, which stalls `run` mid-stream (0.7-1.9 s per program
+on a CPU core for a 0.4M-parameter model); `precompile` compiles them all up front.
 
 This module is the host scheduler (queue, admission, slots, swaps); the jitted programs are in
 `jaxrl.generation.engine_programs`, `Request` / `GroupResult` / `EngineStats` in
@@ -87,9 +101,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl.generation import kv_memory
+from jaxrl.generation.engine_device import MIN_CAPACITY, EngineDevice
 from jaxrl.generation.engine_programs import EnginePrograms, bucket, pow2_buckets
-from jaxrl.generation.engine_requests import EngineStats, GroupResult, Request
+from jaxrl.generation.engine_requests import EngineStats, GroupResult, KeptRow, Request
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import sharding as ax
@@ -97,8 +111,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 
 KV_ON_UPDATE = ("keep", "recompute")
-# The shortest cache an engine that grows with its requests starts from.
-MIN_CAPACITY = 64
+_KEPT = object()  # the owner of a kept row's slot (`Request.keep_cache`)
 
 
 @dataclasses.dataclass
@@ -113,7 +126,7 @@ class _Live:
     versions: list[list[int]] = dataclasses.field(default_factory=list)
 
 
-class Engine:
+class Engine(EngineDevice):
     """Continuous-batching sampler for a `Transformer` whose params are passed per run.
 
     Args:
@@ -126,6 +139,8 @@ class Engine:
         `max_position_embeddings`. Either way a cache that would not fit in the devices' free
         memory is refused before it is allocated (`jaxrl.generation.kv_memory`).
       steps_per_call: decode steps per device call between refills.
+      keep_calls: decode calls a kept row (`Request.keep_cache`) holds its slot against queued
+        requests short of free slots (0: it gives way at once; see the module docstring).
       prompt_buckets: allowed padded prompt lengths for prefill (capped at C).
       span_buckets: allowed attended prefixes for decode (default: powers of two from 32, and C).
       mesh, rules: the generation mesh and its rules table (slots split over the data-parallel
@@ -148,6 +163,7 @@ class Engine:
         eos_ids: Sequence[int] = (),
         max_total_len: int | None = None,
         steps_per_call: int = 8,
+        keep_calls: int = 0,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         span_buckets: Sequence[int] | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -166,6 +182,7 @@ class Engine:
             raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}; need >= 1")
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
+        self.keep_calls = int(keep_calls)
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
         # The longest prompt + completion accepted; the cache spans `capacity <= max_capacity`
         # positions, grown with the requests when no max_total_len is given.
@@ -194,6 +211,7 @@ class Engine:
         self._queue: collections.deque[Request] = collections.deque()
         self._ids: set[int] = set()
         self._cancelled: set[int] = set()
+        self._kept: dict[tuple[int, int], KeptRow] = {}  # (request id, sample) -> its slot
         self._cache = None
         # The jitted device programs (`jaxrl.generation.engine_programs`), with those compiled
         # ahead by `precompile`, which `run` uses.
@@ -219,41 +237,6 @@ class Engine:
         kwargs.setdefault("eos_ids", c.eos_token_ids)
         return cls(graphdef, c, **kwargs), params
 
-    # --- the cache's length -------------------------------------------------------------------
-
-    def _set_capacity(self, capacity: int) -> None:
-        prompt_buckets, span_buckets = self._asked_buckets
-        self.capacity = int(capacity)
-        self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
-        spans = span_buckets or pow2_buckets(min(32, self.capacity), self.capacity)
-        self.span_buckets = tuple(sorted(b for b in spans if b <= self.capacity))
-
-    def _check_fits(self, capacity: int) -> None:
-        devices = None if self.mesh is None else self.mesh.devices.flat
-        kv_memory.check_cache_fits(
-            self.model_config, self.num_slots, capacity, self.abstract_cache(capacity), devices
-        )
-
-    def reserve(self, positions: int | None = None) -> None:
-        """Grows the cache (an engine built without max_total_len) to hold requests of
-        `positions` prompt + completion tokens (default: the longest queued request), to the
-        next power of two (at least `MIN_CAPACITY`) up to `max_capacity`; refuses with the
-        figures when that cache cannot fit in memory. Running rows keep their keys and values;
-        the programs compiled for the old length are compiled again as they come up. Decode and
-        prefill shapes follow the rows, not the capacity, so a grown engine samples the same
-        tokens and log-probs. A no-op for a fixed-length engine or a cache already long enough.
-        """
-        if positions is None:
-            positions = max((len(r.prompt) + r.budget for r in self._queue), default=0)
-        if not self.grows or positions <= self.capacity:
-            return
-        capacity = min(self.max_capacity, max(MIN_CAPACITY, 1 << (int(positions) - 1).bit_length()))
-        self._check_fits(capacity)
-        if self._cache is not None:
-            self._cache = self.programs.grow_cache(self._cache, capacity - self.capacity)
-        self.programs.compiled.clear()
-        self._set_capacity(capacity)
-
     # --- requests -----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> int:
@@ -273,6 +256,11 @@ class Engine:
                 f"the engine's context of {self.max_capacity} tokens; shorten or truncate the "
                 "prompt, lower max_new_tokens, or build the engine with a larger max_total_len"
             )
+        if request.continues is not None and request.num_samples != 1:
+            raise ValueError(
+                f"request {rid}: continues a kept row with num_samples={request.num_samples}; "
+                "a continuation is one sample (its row's own slot)"
+            )
         if not 1 <= request.num_samples <= self.num_slots:
             raise ValueError(
                 f"request {rid}: num_samples={request.num_samples} but the engine has "
@@ -289,11 +277,22 @@ class Engine:
         if request_id in self._ids:
             self._cancelled.add(request_id)
 
+    @property
+    def kept_rows(self) -> dict[tuple[int, int], KeptRow]:
+        """The kept rows (`Request.keep_cache`) by (request id, sample)."""
+        return dict(self._kept)
+
+    def release(self, request_id: int, sample: int) -> None:
+        """Frees a kept row's slot; unknown rows are ignored."""
+        self._kept.pop((request_id, sample), None)
+
     def reset(self) -> None:
-        """Forgets every queued request and cancellation (e.g. after an interrupted `run`)."""
+        """Forgets every queued request, cancellation and kept row (e.g. after an interrupted
+        `run`)."""
         self._queue.clear()
         self._ids.clear()
         self._cancelled.clear()
+        self._kept.clear()
 
     def generate(
         self, params: nnx.State, requests: Iterable[Request], key: jax.Array
@@ -346,6 +345,9 @@ class Engine:
         sample_of = np.zeros(s_count, np.int32)
         running: dict[int, _Live] = {}
         config: SamplingConfig | None = None
+        for row in self._kept.values():  # kept rows hold their slots from earlier runs
+            owner[row.slot], token[row.slot] = _KEPT, row.ids[-1]
+            pos[row.slot] = len(row.ids) - 1
         self._view = (owner, pos, running)  # for `cached_sequences`
         self.version = version
 
@@ -365,8 +367,14 @@ class Engine:
                 if rid in running:
                     for s in running.pop(rid).slots:
                         owner[s], live[s] = None, False
+            kept_slots = {row.slot for row in self._kept.values()}
+            for s in range(s_count):  # released kept rows
+                if owner[s] is _KEPT and s not in kept_slots:
+                    owner[s] = None
             if not running:
                 config = None
+            # Continuations of kept rows join in their own slots, whatever their queue position.
+            continued, config = self._take_continuations(config, owner)
             # Admit FIFO while G slots are free and the sampling config matches the running one.
             free = [s for s in range(s_count) if owner[s] is None]
             admitted: list[tuple[Request, list[int]]] = []
@@ -375,30 +383,40 @@ class Engine:
                 head_config = self._static_sampling(head.sampling)
                 if config is not None and head_config != config:
                     break
-                if head.num_samples > len(free):
+                if head.continues in self._kept:
                     break
+                calls = self.stats.decode_calls  # rows kept this long wait on slow tools
+                stale = [k for k, row in self._kept.items() if calls - row.since >= self.keep_calls]
+                short = head.num_samples - len(free)
+                if short > len(stale):
+                    break
+                for key in stale[: max(short, 0)]:  # evicted: prefilled in full later
+                    free.append(self._kept.pop(key).slot)
+                    owner[free[-1]] = None
+                free.sort()
                 self.reserve(len(head.prompt) + head.budget)  # a request submitted mid-run
                 config = head_config
                 self._queue.popleft()
                 slots, free = free[: head.num_samples], free[head.num_samples :]
                 admitted.append((head, slots))
+            # The new part of each continued prompt, from its row's last token to the prompt's
+            # second-to-last (the last is the first decode input): run in this call's decode.
+            extending = [(r.request_id, start, r.prompt[start:-1]) for r, _, start in continued]
             if admitted:
                 self._admit(params, admitted)
-                for request, slots in admitted:
-                    running[request.request_id] = _Live(
-                        request,
-                        slots,
-                        [[] for _ in slots],
-                        [[] for _ in slots],
-                        len(slots),
-                        [[] for _ in slots],
-                    )
-                    for g, s in enumerate(slots):
-                        owner[s], live[s] = request.request_id, True
-                        token[s], pos[s] = request.prompt[-1], len(request.prompt) - 1
-                        index[s], budget[s] = 0, request.budget
-                        req_of[s], sample_of[s] = request.request_id, g
+            for request, slots in [*admitted, *((r, [s]) for r, s, _ in continued)]:
+                tokens_g, logprobs_g, versions_g = ([[] for _ in slots] for _ in range(3))
+                running[request.request_id] = _Live(
+                    request, slots, tokens_g, logprobs_g, len(slots), versions_g
+                )
+                for g, s in enumerate(slots):
+                    owner[s], live[s] = request.request_id, True
+                    token[s], pos[s] = request.prompt[-1], len(request.prompt) - 1
+                    index[s], budget[s] = 0, request.budget
+                    req_of[s], sample_of[s] = request.request_id, g
             if not running:
+                if self._queue:  # waits for slots of kept rows: their continuations come later
+                    return
                 continue
 
             # Pack live rows into the smallest slot bucket that holds them (a device copy of
@@ -406,8 +424,9 @@ class Engine:
             state = [token, pos, index, budget, live, req_of, sample_of]
             target = bucket(int(live.sum()), self.active_buckets, s_count)
             movers = [s for s in np.flatnonzero(live) if s >= target]
+            holes = [s for s in range(target) if owner[s] is None][: len(movers)]
+            movers = movers[: len(holes)]  # kept rows may hold some of the holes
             if movers:
-                holes = [s for s in range(target) if owner[s] is None][: len(movers)]
                 dest = np.full(s_count, s_count, np.int32)
                 src = np.zeros(s_count, np.int32)
                 dest[: len(movers)], src[: len(movers)] = holes, movers
@@ -424,13 +443,18 @@ class Engine:
             # Past each live row's last write this call (its budget may end sooner than
             # n_steps): the span follows the rows, never the cache's length.
             last = pos[live] + np.minimum(n_steps, budget[live] - index[live])
-            span = bucket(int(last.max()), self.span_buckets, self.capacity)
+            # Kept rows among the decoded ones rewrite their last position: keep it in the span.
+            kept = [int(pos[s]) + 1 for s in range(active) if owner[s] is _KEPT]
+            rows = [(running[rid].slots[0], start, ids) for rid, start, ids in extending]
+            extend, reach = self._extension(params, rows, active)
+            span = bucket(max([int(last.max()), *kept, reach]), self.span_buckets, self.capacity)
             self._cache, new_state, out = self.programs.run(
                 "decode",
                 params,
                 self._cache,
                 tuple(self.programs.place_rows(x[:active]) for x in state),
                 key_data,
+                *([] if extend is None else [extend]),
                 sampling=config,
                 span=span,
                 active=active,
@@ -455,36 +479,25 @@ class Engine:
                     if not live[s]:
                         owner[s] = None
                         group.open_rows -= 1
+                        if group.request.keep_cache and rid not in self._cancelled:
+                            ids = (*group.request.prompt, *group.tokens[g])
+                            row = KeptRow(s, ids, self.stats.decode_calls)
+                            self._kept[rid, g], owner[s] = row, _KEPT
                 if group.open_rows == 0:
                     del running[rid]
                     self._ids.discard(rid)
                     if rid in self._cancelled:
                         self._cancelled.discard(rid)
                         continue
-                    yield self._result(group)
-
-    def _result(self, group: _Live) -> GroupResult:
-        g, n = len(group.slots), group.request.budget
-        tokens = np.full((g, n), self.pad_id, np.int32)
-        logprobs = np.zeros((g, n), np.float32)
-        mask = np.zeros((g, n), bool)
-        versions = np.full((g, n), -1, np.int32)
-        for row, (toks, lps) in enumerate(zip(group.tokens, group.logprobs, strict=True)):
-            tokens[row, : len(toks)], logprobs[row, : len(lps)], mask[row, : len(toks)] = (
-                toks,
-                lps,
-                True,
-            )
-            versions[row, : len(toks)] = group.versions[row]
-        return GroupResult(group.request.request_id, tuple(group.request.prompt), tokens,
-                           logprobs, mask, versions)  # fmt: skip
+                    yield GroupResult.of(group.request, group.tokens, group.logprobs,
+                                         group.versions, self.pad_id)  # fmt: skip
 
     def cached_sequences(self) -> dict[int, tuple[int, int, list[int]]]:
         """Slot -> (request id, sample index, the ids whose keys / values the slot's cache holds:
         prompt + completion so far, without the newest token, which is the next input). Valid
         between device calls of a `run` (e.g. inside `update`)."""
         owner, pos, running = self._view
-        out = {}
+        out = {row.slot: (rid, g, list(row.ids[:-1])) for (rid, g), row in self._kept.items()}
         for rid, group in running.items():
             for g, s in enumerate(group.slots):
                 if owner[s] == rid:
@@ -513,6 +526,53 @@ class Engine:
         self.stats.prefill_padded_tokens += batch * width
         self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
 
+    def _take_continuations(self, config, owner) -> tuple[list[tuple[Request, int, int]], object]:
+        """Takes from the queue the continuations of kept rows (`Request.continues`) of the
+        running sampling config: (request, its row's slot, the row's cached length) each, and the
+        config. A request whose prompt does not begin with its row's sequence frees the row and
+        stays queued, to be prefilled as usual."""
+        taken, rest = [], collections.deque()
+        for request in self._queue:
+            row = self._kept.get(request.continues) if request.continues is not None else None
+            if row is not None and tuple(request.prompt[: len(row.ids)]) != row.ids:
+                del self._kept[request.continues]
+                owner[row.slot], row = None, None
+            request_config = self._static_sampling(request.sampling)
+            if row is None or (config is not None and request_config != config):
+                rest.append(request)
+                continue
+            self.reserve(len(request.prompt) + request.budget)
+            config = request_config
+            del self._kept[request.continues]
+            taken.append((request, row.slot, len(row.ids) - 1))
+        self._queue = rest
+        return taken, config
+
+    def _extension(self, params, rows: list[tuple[int, int, Sequence[int]]], active: int):
+        """The decode call's `extend` arrays for continued rows (slot, first position, new ids)
+        and the positions they reach; rows too near the capacity for a padded width are written
+        by extend calls of their own first (then None, 0)."""
+        rows = [row for row in rows if len(row[2])]
+        if not rows:
+            return None, 0
+        longest = max(len(ids) for _, _, ids in rows)
+        width = bucket(longest, self.extend_widths(), self.capacity)
+        reach = max(start for _, start, _ in rows) + width
+        tokens = np.full((active, width), self.pad_id, np.int32)
+        start_r = np.zeros(active, np.int32)
+        slot_r = np.full(active, active, np.int32)  # out of range: not written back
+        for r, (slot, start, ids) in enumerate(rows):
+            tokens[r, : len(ids)], start_r[r], slot_r[r] = ids, start, slot
+        self.stats.extend_calls += 1
+        self.stats.extend_tokens += sum(len(ids) for _, _, ids in rows)
+        if reach <= self.capacity:
+            return (tokens, start_r, slot_r), reach
+        for r, (slot, start, ids) in enumerate(rows):  # one row per call, its exact width
+            one = (tokens[r : r + 1, : len(ids)], start_r[r : r + 1], np.array([slot], np.int32))
+            span = bucket(start + len(ids), self.span_buckets, self.capacity)
+            self._cache = self.programs.run("extend", params, self._cache, *one, span=span)
+        return None, 0
+
     def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
         """Prefills the admitted prompts (each once) and copies each into its G slots."""
         lengths = [len(r.prompt) for r, _ in admitted]
@@ -534,62 +594,3 @@ class Engine:
         self.stats.prefill_tokens += sum(lengths)
         self.stats.prefill_padded_tokens += batch * width
         self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
-
-    # --- device side --------------------------------------------------------------------------
-
-    def precompile(
-        self,
-        params: nnx.State,
-        sampling: SamplingConfig,
-        *,
-        samples_per_request: int = 1,
-        max_prompt_len: int | None = None,
-        recompute: bool = False,
-        progress: Callable[[str], None] | None = None,
-    ) -> int:
-        """Compiles, ahead of `run`, every program it can call for requests of `sampling` with
-        `samples_per_request` samples and prompts of at most `max_prompt_len` tokens: each
-        decode (span bucket x active-slot bucket), prefill (prompt-batch bucket x prompt-length
-        bucket; `recompute`: also the re-prefill of every slot's prefix) and slot move. `run`
-        otherwise compiles each the first time it is needed, which stalls the generator
-        mid-run (seconds per program on a CPU core). Nothing is executed: the programs are
-        lowered for `params`, the cache and host arrays of the shapes and placements `run`
-        passes. Returns how many programs were compiled; `progress` gets a one-line summary."""
-        if self._cache is None:
-            self._cache = self.programs.new_cache(self.capacity)
-        return self.programs.precompile(
-            params,
-            self._cache,
-            self._static_sampling(sampling),
-            capacity=self.capacity,
-            prompt_buckets=self.prompt_buckets,
-            span_buckets=self.span_buckets,
-            active_buckets=self.active_buckets,
-            samples_per_request=samples_per_request,
-            max_prompt_len=max_prompt_len,
-            recompute=recompute,
-            progress=progress,
-        )
-
-    def cache_shardings(self, positions: int | None = None):
-        """NamedShardings of the KV cache (of `positions`, default the capacity) on the engine's
-        mesh (None without a mesh)."""
-        return self.programs.cache_shardings(positions or self.capacity)
-
-    def abstract_cache(self, positions: int | None = None):
-        """ShapeDtypeStructs of the KV cache (of `positions`, default the capacity), with its
-        shardings on a mesh."""
-        return self.programs.abstract_cache(positions or self.capacity)
-
-    def lower_prefill(self, abstract_params, prompts: int, width: int):
-        """The prefill program lowered for abstract inputs (nothing allocated): `prompts`
-        right-padded prompts of `width` tokens copied into the slots. For `launch.plan`."""
-        return self.programs.lower_prefill(abstract_params, self.abstract_cache(), prompts, width)
-
-    def lower_decode(self, abstract_params, sampling: SamplingConfig, span: int | None = None):
-        """The decode program (`steps_per_call` steps of every slot over the cache prefix `span`,
-        default the capacity) lowered for abstract inputs. For `launch.plan`."""
-        span = self.capacity if span is None else span
-        return self.programs.lower_decode(
-            abstract_params, self.abstract_cache(), self._static_sampling(sampling), span
-        )

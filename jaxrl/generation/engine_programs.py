@@ -117,12 +117,21 @@ class EnginePrograms:
             self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
         )
         self.move = jax.jit(self._move_impl, static_argnames=("span",), donate_argnums=(0,))
-        self.jitted = {"prefill": self.prefill, "decode": self.decode, "move": self.move}
+        self.extend = jax.jit(self._extend_impl, static_argnames=("span",), donate_argnums=(1,))
+        self.jitted = {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "move": self.move,
+            "extend": self.extend,
+        }
         self.compiled: dict[tuple, Any] = {}
 
     @staticmethod
     def _program_key(name: str, args, static: dict) -> tuple:
-        shapes = tuple(np.shape(a) for a in args[2:4]) if name == "prefill" else ()
+        if name in ("prefill", "extend"):
+            shapes = tuple(np.shape(a) for a in args[2:4])
+        else:  # a decode with continuations: their shape
+            shapes = tuple(np.shape(a) for a in jax.tree.leaves(args[4:5]))
         return (name, shapes, tuple(sorted(static.items())))
 
     def run(self, name: str, *args, **static):
@@ -145,6 +154,7 @@ class EnginePrograms:
         samples_per_request: int,
         max_prompt_len: int | None,
         recompute: bool,
+        extend_widths: Sequence[int] | None,
         progress: Callable[[str], None] | None,
     ) -> int:
         """Compiles each program `Engine.precompile` names (its docstring) for `params`, `cache`
@@ -178,6 +188,10 @@ class EnginePrograms:
                 )
                 static = {"sampling": config, "span": span, "active": active}
                 jobs.append(("decode", (params, cache, state, key_data), static))
+                for width in (w for w in extend_widths or () if w < span):
+                    rows = np.zeros(active, np.int32)
+                    extend = (np.zeros((active, width), np.int32), rows, rows)
+                    jobs.append(("decode", (params, cache, state, key_data, extend), static))
             jobs.append(("move", (cache, index, index), {"span": span}))
         start, done = time.perf_counter(), 0
         for name, args, static in jobs:
@@ -190,7 +204,7 @@ class EnginePrograms:
         if progress is not None:
             progress(
                 f"[engine] precompiled {done} programs ({len(prefills)} prefill, "
-                f"{len(spans) * len(active_buckets)} decode, {len(spans)} move) in "
+                f"{sum(name == 'decode' for name, _, _ in jobs)} decode, {len(spans)} move) in "
                 f"{time.perf_counter() - start:.1f}s"
             )
         return done
@@ -305,6 +319,32 @@ class EnginePrograms:
             jax.tree.map(lambda full, new: _copy_rows(full, new, dest_s, src_s, axis), cache, fresh)
         )
 
+    def _extend_impl(self, params, cache, tokens_rw, start_r, slot_r, *, span: int):
+        """Runs `tokens_rw[r]` through the model at positions `start_r[r]...` of slot
+        `slot_r[r]`, attending over the slot's cache prefix `[:span]` (which must hold
+        `start_r[r] + W`) and the row's own earlier tokens, and writes their keys / values there
+        (rows with `slot_r` out of range, which come last, are skipped). Padding past a row's
+        tokens writes positions no live row has reached: decode overwrites them first."""
+        self.stats.num_traces += 1
+        return self._extend_rows(params, cache, tokens_rw, start_r, slot_r, span)
+
+    def _extend_rows(self, params, cache, tokens_rw, start_r, slot_r, span: int):
+        model: Transformer = nnx.merge(self.graphdef, params)
+        axis = 1 if self.model_config.scan_layers else 0
+        rows = jnp.minimum(slot_r, jax.tree.leaves(cache)[0].shape[axis] - 1)
+
+        def view(c):
+            return jax.lax.slice_in_dim(jnp.take(c, rows, axis=axis), 0, span, axis=axis + 1)
+
+        views = jax.tree.map(view, cache)
+        positions_rw = start_r[:, None] + jnp.arange(tokens_rw.shape[1])[None, :]
+        mask_rwl = jnp.arange(span)[None, None, :] <= positions_rw[:, :, None]
+        _, views = model.hidden_states(tokens_rw, positions_rw, mask_rwl, views, start_r)
+        order = jnp.arange(slot_r.shape[0], dtype=jnp.int32)
+        return constrain_cache(
+            jax.tree.map(lambda full, new: _copy_rows(full, new, slot_r, order, axis), cache, views)
+        )
+
     def _move_impl(self, cache, dest_s, src_s, *, span: int):
         """Copies the first `span` positions (all the moved rows have written) of slot
         `src_s[i]`'s cache row to slot `dest_s[i]` (out of range: skipped)."""
@@ -318,9 +358,20 @@ class EnginePrograms:
         return jax.tree.map(move, cache)
 
     def _decode_impl(
-        self, params, cache, state, key_data, *, sampling: SamplingConfig, span: int, active: int
+        self,
+        params,
+        cache,
+        state,
+        key_data,
+        extend=None,
+        *,
+        sampling: SamplingConfig,
+        span: int,
+        active: int,
     ):
-        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`.
+        """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`,
+        after `extend` (tokens_rw, start_r, slot_r: as for the extend program, slots below
+        `active`, `start_r + W <= span`) when given: continuations join in the same call.
 
         state: (token_s next input, pos_s its position = cache write index, index_s completion
         index of the next draw, budget_s max_new_tokens, live_s, req_s, sample_s).
@@ -337,6 +388,8 @@ class EnginePrograms:
             return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
 
         prefix = jax.tree.map(cut, cache)
+        if extend is not None:
+            prefix = self._extend_rows(params, prefix, *extend, span)
         stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
         n = self.steps_per_call
         s_count = active

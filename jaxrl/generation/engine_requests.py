@@ -19,6 +19,13 @@ class Request:
 
     max_new_tokens: this request's completion budget (default: `sampling.max_new_tokens`).
     request_id: keys the sampling noise (with the sample index and token index); unique per run.
+    keep_cache: when a sample's row stops, its slot and KV cache are kept (a `KeptRow`, keyed
+      by (request_id, sample)) for a later request that `continues` it, until
+      `Engine.release(request_id, sample)` or `Engine.reset`.
+    continues: (request id, sample) of a kept row whose sequence (prompt and completion) begins
+      this prompt: the request (one sample) takes over that row's slot and only the rest of
+      its prompt runs through the model (an extend call), not the whole. With no such row kept,
+      or a prompt that does not begin with its sequence, the prompt is prefilled as usual.
     """
 
     request_id: int
@@ -26,6 +33,8 @@ class Request:
     num_samples: int = 1
     sampling: SamplingConfig = SamplingConfig()
     max_new_tokens: int | None = None
+    keep_cache: bool = False
+    continues: tuple[int, int] | None = None
 
     @property
     def budget(self) -> int:
@@ -52,6 +61,31 @@ class GroupResult:
     def lengths_g(self) -> np.ndarray:
         return self.mask_gn.sum(axis=-1)
 
+    @classmethod
+    def of(cls, request: Request, tokens, logprobs, versions, pad_id: int) -> GroupResult:
+        """The result of `request` from each sample's token, log-prob and version lists."""
+        g, n = len(tokens), request.budget
+        tokens_gn = np.full((g, n), pad_id, np.int32)
+        logprobs_gn = np.zeros((g, n), np.float32)
+        mask_gn = np.zeros((g, n), bool)
+        versions_gn = np.full((g, n), -1, np.int32)
+        for row, (toks, lps, vs) in enumerate(zip(tokens, logprobs, versions, strict=True)):
+            tokens_gn[row, : len(toks)], logprobs_gn[row, : len(lps)] = toks, lps
+            mask_gn[row, : len(toks)], versions_gn[row, : len(toks)] = True, vs
+        return cls(request.request_id, tuple(request.prompt), tokens_gn, logprobs_gn, mask_gn,
+                   versions_gn)  # fmt: skip
+
+
+@dataclasses.dataclass
+class KeptRow:
+    """A stopped row kept in its slot (`Request.keep_cache`): `ids` is its whole sequence,
+    prompt and completion; the cache holds the keys / values of all but the last. `since`: the
+    engine's decode call count when it stopped."""
+
+    slot: int
+    ids: tuple[int, ...]
+    since: int = 0
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -64,6 +98,8 @@ class EngineStats:
     decode_calls, prefill_calls: device calls; num_traces: programs compiled.
     swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
     moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
+    extend_calls, extend_tokens: decode calls that also ran continued rows' new tokens
+      (`Request.continues`; the new part of each prompt) through the model, and those tokens.
     """
 
     prefill_tokens: int = 0
@@ -76,6 +112,8 @@ class EngineStats:
     swaps: int = 0
     recompute_tokens: int = 0
     moved_rows: int = 0
+    extend_calls: int = 0
+    extend_tokens: int = 0
 
     @property
     def utilisation(self) -> float:

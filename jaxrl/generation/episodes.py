@@ -9,7 +9,10 @@ An episode is a prompt, then model turns and environment observations in turn
   whole history (prompt, turns, observations: the ids the engine sampled and the environment
   returned, never re-tokenised), submitted as soon as the observation it follows is there. It
   joins the running batch at the engine's next refill, so a short episode never waits for a long
-  one, and a slow tool holds up only its own episode.
+  one, and a slow tool holds up only its own episode. By default (`continue_in_slot`) the
+  episode's engine row keeps its slot and KV cache while the tool runs, and the request
+  continues it there: only the observation runs through the model, in the engine's next decode
+  call, not the whole history again (unless a queued group took the slot meanwhile).
 * **Environment steps** run on a thread pool (`tool_workers`; 0 runs them inline on the
   engine's thread, in a fixed order). The driver collects finished steps before every device
   call (through `Engine.run`'s per-call `update` hook) and, when the engine has nothing left to
@@ -204,6 +207,10 @@ class EpisodeRunner:
         `budget.max_turn_tokens`.
       budget: the `EpisodeBudget`.
       tool_workers: threads that run environment steps (0: inline, in a fixed order).
+      continue_in_slot: each later turn continues its episode's engine row in place
+        (`Request.keep_cache` / `continues`: the row's slot and KV cache are kept while the
+        tool runs, and only the observation runs through the model); False: the turn is a new
+        request whose whole history is prefilled again. Same tokens either way.
     """
 
     def __init__(
@@ -213,10 +220,12 @@ class EpisodeRunner:
         budget: EpisodeBudget,
         *,
         tool_workers: int = 8,
+        continue_in_slot: bool = True,
     ):
         if tool_workers < 0:
             raise ValueError(f"tool_workers={tool_workers}; must be >= 0 (0: inline)")
         self.engine, self.sampling, self.budget = engine, sampling, budget
+        self.continue_in_slot = continue_in_slot
         self.stop_ids = set(sampling.stop_ids)
         if not sampling.ignore_eos:
             self.stop_ids |= set(engine.eos_ids)
@@ -229,6 +238,8 @@ class EpisodeRunner:
         self._envs: dict[tuple[int, int], Environment] = {}  # (episode, sample) -> its env
         self._calls: list[_Call] = []
         self._groups: dict[int, list[Trajectory]] = {}  # episode -> its running group
+        # (episode, sample) -> (its trajectory, the engine row it continues from)
+        self._rows: dict[tuple[int, int], tuple[Trajectory, tuple[int, int]]] = {}
 
     def close(self) -> None:
         """Stops the tool threads (steps still running are abandoned)."""
@@ -290,6 +301,7 @@ class EpisodeRunner:
 
         def hook(current_version: int):
             self._poll()
+            self._release_ended()
             swapped = None if update is None else update(current_version)
             if swapped is not None:
                 self._current = swapped
@@ -327,7 +339,7 @@ class EpisodeRunner:
         self.engine.reset()
         for call in self._calls:
             call.future.cancel()
-        self._calls, self._waiting, self._envs, self._groups = [], {}, {}, {}
+        self._calls, self._waiting, self._envs, self._groups, self._rows = [], {}, {}, {}, {}
 
     def _start(self, group: EpisodeGroup) -> list[Trajectory]:
         b = self.budget
@@ -354,7 +366,14 @@ class EpisodeRunner:
         self._waiting[rid] = list(zip(trajectories, group.envs, strict=True))
         self._envs |= {(group.episode, s): env for s, env in enumerate(group.envs)}
         self.engine.submit(
-            Request(rid, prompt, g, self.sampling, max_new_tokens=min(b.max_turn_tokens, room))
+            Request(
+                rid,
+                prompt,
+                g,
+                self.sampling,
+                max_new_tokens=min(b.max_turn_tokens, room),
+                keep_cache=self.continue_in_slot,
+            )
         )
         return trajectories
 
@@ -372,6 +391,11 @@ class EpisodeRunner:
                 [int(v) for v in versions[g, :n]] if versions is not None else [0] * n
             )
             trajectory.turns += 1
+            if self.continue_in_slot:
+                self._rows[trajectory.episode, trajectory.sample] = (
+                    trajectory,
+                    (result.request_id, g),
+                )
             if not ids or ids[-1] not in self.stop_ids:
                 trajectory.status = "truncated"
             elif self.pool is None:
@@ -401,6 +425,13 @@ class EpisodeRunner:
             trajectory.status = "timeout"
             return
         self._apply(trajectory, step)
+
+    def _release_ended(self) -> None:
+        """Frees the engine rows kept for episodes that have ended."""
+        for key, (trajectory, row) in list(self._rows.items()):
+            if trajectory.status is not None:
+                self.engine.release(*row)
+                del self._rows[key]
 
     def _poll(self) -> None:
         """Applies the finished steps and times out the overdue ones (on the driver's thread)."""
@@ -434,11 +465,13 @@ class EpisodeRunner:
             if c.started is not None
         ]
         timeout = min(deadlines, default=now + 0.01) - now
-        concurrent.futures.wait(
+        done, pending = concurrent.futures.wait(
             [c.future for c in self._calls],
             timeout=min(max(timeout, 0.0), 1.0),
             return_when=concurrent.futures.FIRST_COMPLETED,
         )
+        if done and pending:  # steps finishing together continue in one decode call
+            concurrent.futures.wait(pending, timeout=0.002)
         self._poll()
 
     def _apply(self, trajectory: Trajectory, step: Step) -> None:
@@ -475,6 +508,7 @@ class EpisodeRunner:
         trajectory.observation_tokens += len(observation)
         rid = request_id(trajectory.episode, trajectory.turns, trajectory.sample, b.max_turns)
         self._waiting[rid] = [(trajectory, self._envs[trajectory.episode, trajectory.sample])]
+        kept = self._rows.pop((trajectory.episode, trajectory.sample), None)
         self.engine.submit(
             Request(
                 rid,
@@ -482,5 +516,7 @@ class EpisodeRunner:
                 1,
                 self.sampling,
                 max_new_tokens=min(b.max_turn_tokens, room),
+                keep_cache=self.continue_in_slot,
+                continues=None if kept is None else kept[1],
             )
         )

@@ -1,0 +1,332 @@
+"""Multi-turn tool-use episodes against single-turn generation: sampled tokens/s on the same
+model, engine and sampling (issue 40, acceptance 4: multi-turn >= 0.8x single-turn).
+
+Workload, per model: the calculator task (`jaxrl.env.calculator`, character tokenizer) with a
+policy SFT'd here for a few hundred steps on demonstrations that all use the tool, so its
+episodes really call it: `<bos>37*48=` -> `(37*48)` | `=1776` | `1776<eos>` (two turns), or, with
+`--chained`, `a*b+c*d=` -> three calls and the answer (four turns). P prompts x G = 8 samples.
+
+* **multi-turn**: `EpisodeRunner` episodes (sampling at temperature 1, turns stopped at `)` or
+  EOS, calculator steps on a thread pool, the budgets of configs/rl/calc_tiny.gin).
+  `continue="slot"` (the default path) continues each episode in its own engine slot: its KV
+  cache is kept while the tool runs and only the observation is written, then decoding goes on;
+  `continue="request"` is the old path: each later turn a new request whose prompt, the whole
+  history, is prefilled again.
+* **single-turn**: the same P prompts as P requests of G samples on the same engine, no stop
+  ids (EOS ignored), `max_new_tokens` = the multi-turn episodes' mean sampled tokens (rounded
+  up), so both sides sample about the same number of tokens per episode.
+
+Reported: sampled tokens (loss-masked; observations excluded) per second of `run` wall time,
+median of `--repeats` timed runs after a warm-up run (compiles), the ratio multi / single; and
+from one more, instrumented, run of each: device seconds in prefill / extend / decode calls
+(each call timed to completion), the number of calls, and the seconds the driver waited with
+nothing to decode for tools.
+
+    python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
+    python -m bench.multiturn --smoke    # seconds: bench/results/multiturn_smoke.*
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, serialization
+
+from bench.common import command, machine, write_results
+from jaxrl.env.calculator import CalculatorSource, CalculatorTask
+from jaxrl.generation.engine import Engine, Request
+from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner
+from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.specs import PRESETS
+from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
+from jaxrl.train_steps import sft_loss
+
+G = 8
+
+
+def sft_policy(preset, source, tokenizer, steps: int, seq_len: int, cache_dir: str | None):
+    """`preset` trained for `steps` Adam steps (batch 64) on the source's demonstrations (read
+    from / written to `cache_dir` when given)."""
+    vocab = -(-len(tokenizer) // 8) * 8
+    config = PRESETS[preset](vocab, tokenizer)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    chained = "chained" if source.task.chained else "plain"
+    path = cache_dir and os.path.join(cache_dir, f"multiturn_{preset}_{chained}_{steps}.msgpack")
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            nnx.replace_by_pure_dict(params, serialization.msgpack_restore(f.read()))
+        return nnx.merge(graphdef, params), float("nan")
+    optimizer = optax.adam(optax.linear_schedule(2e-3, 0.0, max(steps, 1)))
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask):
+        batch = {"tokens_bs": tokens, "loss_mask_bs": mask}
+        (loss, _), grads = jax.value_and_grad(
+            lambda p: sft_loss(graphdef, p, batch, None), has_aux=True
+        )(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    loss = jnp.nan
+    for i in range(steps):
+        tokens, mask = source.demonstrations(i * 64, 64, tokenizer, seq_len, pool=4096)
+        params, opt_state, loss = step(params, opt_state, tokens, mask)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(serialization.msgpack_serialize(jax.device_get(nnx.to_pure_dict(params))))
+    return nnx.merge(graphdef, params), float(loss)
+
+
+class Timed:
+    """Wraps an engine's `programs.run`: each call blocks until its outputs are ready and adds
+    its seconds to `seconds[name]` (the instrumented run only)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.inner = engine, engine.programs.run
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def __enter__(self):
+        def run(name, *args, **static):
+            start = time.perf_counter()
+            out = jax.block_until_ready(self.inner(name, *args, **static))
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+
+        self.engine.programs.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.programs.run = self.inner
+
+
+def _stats_delta(engine: Engine, before) -> dict:
+    after = dataclasses.asdict(engine.stats)
+    return {k: after[k] - before[k] for k in after}
+
+
+def measure(name, preset, args, continue_modes) -> list[dict]:
+    tokenizer = build_arithmetic_tokenizer()
+    task = CalculatorTask(chained=args.chained, tool_share=1.0)
+    source = CalculatorSource(task, tokenizer)
+    seq_len = 64 if args.chained else 32
+    start = time.perf_counter()
+    model, loss = sft_policy(preset, source, tokenizer, args.sft_steps, seq_len, args.sft_cache)
+    sft_s = time.perf_counter() - start
+    max_len = model.config.max_position_embeddings
+    if args.chained:
+        budget = EpisodeBudget(max_turns=5, max_turn_tokens=12, max_total_tokens=64,
+                               max_observation_tokens=24, tool_timeout_s=10.0)  # fmt: skip
+    else:  # configs/rl/calc_tiny.gin
+        budget = EpisodeBudget(max_turns=3, max_turn_tokens=10, max_total_tokens=40,
+                               max_observation_tokens=12, tool_timeout_s=10.0)  # fmt: skip
+    engine, params = Engine.for_model(
+        model,
+        num_slots=args.slots,
+        steps_per_call=args.steps_per_call,
+        max_total_len=min(max_len, budget.max_total_tokens),
+        prompt_buckets=(16, 32),
+    )
+    sampling = SamplingConfig(budget.max_turn_tokens, stop_ids=source.stop_ids)
+    items = [source.item(i) for i in range(args.prompts)]
+
+    def groups():
+        return [EpisodeGroup(e, item, [source.make_env() for _ in range(G)])
+                for e, item in enumerate(items)]  # fmt: skip
+
+    runners = {
+        mode: EpisodeRunner(
+            engine,
+            sampling,
+            budget,
+            tool_workers=args.tool_workers,
+            continue_in_slot=mode == "slot",
+        )  # fmt: skip
+        for mode in continue_modes
+    }
+    waited = {"s": 0.0}
+
+    def multi(mode, seed, timed=None):
+        runner = runners[mode]
+        wait = runner._wait
+
+        def timed_wait():
+            t = time.perf_counter()
+            wait()
+            waited["s"] += time.perf_counter() - t
+
+        runner._wait = timed_wait
+        try:
+            t = time.perf_counter()
+            out = runner.run(params, jax.random.key(seed), groups())
+            seconds = time.perf_counter() - t
+        finally:
+            runner._wait = wait
+        trajectories = [t for ts in out for t in ts]
+        return seconds, trajectories
+
+    prompts = [tuple(tokenizer.encode(item.text)) for item in items]
+
+    def single(new_tokens, seed):
+        plain = SamplingConfig(new_tokens, ignore_eos=True)
+        requests = [Request(i, p, G, plain) for i, p in enumerate(prompts)]
+        t = time.perf_counter()
+        out = engine.generate(params, requests, jax.random.key(seed))
+        seconds = time.perf_counter() - t
+        return seconds, sum(int(g.mask_gn.sum()) for g in out)
+
+    start = time.perf_counter()
+    compiled = engine.precompile(params, sampling, max_prompt_len=budget.max_total_tokens,
+                                 max_extend_len=budget.max_observation_tokens + 1)  # fmt: skip
+    longest = max(map(len, prompts))
+    plain = SamplingConfig(1, ignore_eos=True)
+    compiled += engine.precompile(params, plain, samples_per_request=G, max_prompt_len=longest)
+    print(f"[{name}] precompiled {compiled} programs in {time.perf_counter() - start:.0f}s")
+    rows = []
+    # Warm-up run of every path; the single-turn length is the multi-turn mean.
+    _, first = multi(continue_modes[0], 0)
+    mean_sampled = sum(sum(t.loss_mask) for t in first) / len(first)
+    new_tokens = math.ceil(mean_sampled)
+    for mode in continue_modes[1:]:
+        multi(mode, 0)
+    single(new_tokens, 0)
+
+    times = {k: [] for k in ("single", *continue_modes)}
+    sampled = {}
+    for r in range(args.repeats):
+        seconds, n = single(new_tokens, r + 1)
+        times["single"].append(seconds)
+        sampled["single"] = n
+        for mode in continue_modes:
+            seconds, trajectories = multi(mode, r + 1)
+            times[mode].append(seconds)
+            sampled[mode] = sum(sum(t.loss_mask) for t in trajectories)
+            sampled[mode, "traj"] = trajectories
+
+    def split(fn):
+        before = dataclasses.asdict(engine.stats)
+        waited["s"] = 0.0
+        with Timed(engine) as timed:
+            fn()
+        stats = _stats_delta(engine, before)
+        return {
+            "prefill_s": round(timed.seconds.get("prefill", 0.0), 3),
+            "extend_s": round(timed.seconds.get("extend", 0.0), 3),
+            "decode_s": round(timed.seconds.get("decode", 0.0), 3),
+            "move_s": round(timed.seconds.get("move", 0.0), 3),
+            "prefill_calls": timed.calls.get("prefill", 0),
+            "extend_calls": stats["extend_calls"],
+            "decode_calls": timed.calls.get("decode", 0),
+            "prefill_tokens": stats["prefill_tokens"],
+            "extend_tokens": stats.get("extend_tokens", 0),
+            "utilisation": round(stats["kept_tokens"] / max(stats["slot_steps"], 1), 3),
+            "tool_wait_s": round(waited["s"], 3),
+        }
+
+    single_tps = sampled["single"] / statistics.median(times["single"])
+    common = {
+        "model": name,
+        "params_m": round(model.config.num_params() / 1e6, 2),
+        "task": "a*b+c*d" if args.chained else "a*b",
+        "episodes": len(items) * G,
+        "slots": args.slots,
+        "steps_per_call": args.steps_per_call,
+        "sft_steps": args.sft_steps,
+        "sft_loss": round(loss, 3),
+        "sft_s": round(sft_s, 1),
+    }
+    row = common | {
+        "path": "single-turn",
+        "turns_mean": 1.0,
+        "sampled_per_episode": new_tokens,
+        "sampled_tok_s": round(single_tps, 1),
+        "ratio": 1.0,
+        "wall_s": round(statistics.median(times["single"]), 3),
+    }
+    row |= split(lambda: single(new_tokens, 99))
+    rows.append(row)
+    for mode in continue_modes:
+        trajectories = sampled[mode, "traj"]
+        tps = sampled[mode] / statistics.median(times[mode])
+        called = sum(t.turns > 1 for t in trajectories) / len(trajectories)
+        row = common | {
+            "path": f"multi-turn ({mode})",
+            "turns_mean": round(sum(t.turns for t in trajectories) / len(trajectories), 2),
+            "tool_call_rate": round(called, 3),
+            "sampled_per_episode": round(sampled[mode] / len(trajectories), 2),
+            "sampled_tok_s": round(tps, 1),
+            "ratio": round(tps / single_tps, 3),
+            "wall_s": round(statistics.median(times[mode]), 3),
+        }
+        row |= split(lambda mode=mode: multi(mode, 99))
+        rows.append(row)
+    for runner in runners.values():
+        runner.close()
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few seconds")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts (x G = 8 episodes)")
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--steps_per_call", type=int, default=8)
+    parser.add_argument("--tool_workers", type=int, default=8)
+    parser.add_argument("--sft_steps", type=int, default=300)
+    parser.add_argument("--sft_cache", default=None, help="directory for the SFT'd params")
+    parser.add_argument("--chained", action="store_true", help="a*b+c*d: four turns")
+    parser.add_argument("--models", default="arith_tiny,rlbench_tiny")
+    parser.add_argument("--name", default=None, help="results file name (default multiturn)")
+    parser.add_argument("--paths", default="slot,request", help="multi-turn paths to run")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.slots, args.repeats, args.sft_steps = 4, 16, 1, 30
+        args.models = "arith_tiny"
+    modes = tuple(m for m in args.paths.split(",") if m)
+    if not modes or set(modes) - {"slot", "request"}:
+        parser.error(f"--paths={args.paths!r}; a comma-separated subset of slot,request")
+    rows = []
+    for preset in args.models.split(","):
+        for row in measure(preset, preset, args, modes):
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    columns = [
+        ("model", "model"),
+        ("params_m", "params (M)"),
+        ("task", "task"),
+        ("path", "path"),
+        ("turns_mean", "turns"),
+        ("sampled_per_episode", "sampled tok / episode"),
+        ("sampled_tok_s", "sampled tok/s"),
+        ("ratio", "vs single-turn"),
+        ("prefill_calls", "prefill calls"),
+        ("extend_calls", "decode calls extending"),
+        ("decode_calls", "decode calls"),
+        ("prefill_s", "prefill s"),
+        ("decode_s", "decode s"),
+        ("tool_wait_s", "tool wait s"),
+        ("utilisation", "slot utilisation"),
+    ]
+    name = args.name or ("multiturn_smoke" if args.smoke else "multiturn")
+    load = "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    note = f"`{command()}` on {machine()}, {load}"
+    print(write_results(name, rows, columns, note))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The continuous-batching engine's device-side API (`jaxrl.generation.engine.Engine` inherits
+it): the cache's length (fixed, or grown with the requests), compiling the programs ahead of
+`run`, and the cache's and programs' abstract forms for `launch.plan`. The programs themselves
+are in `jaxrl.generation.engine_programs`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flax import nnx
+
+from jaxrl.generation import kv_memory
+from jaxrl.generation.engine_programs import bucket, pow2_buckets
+from jaxrl.generation.sampling import SamplingConfig
+
+# The shortest cache an engine that grows with its requests starts from.
+MIN_CAPACITY = 64
+
+
+class EngineDevice:
+    """`Engine`'s methods over its `programs` (an `EnginePrograms`), cache and buckets."""
+
+    # --- the cache's length -------------------------------------------------------------------
+
+    def _set_capacity(self, capacity: int) -> None:
+        prompt_buckets, span_buckets = self._asked_buckets
+        self.capacity = int(capacity)
+        self.prompt_buckets = tuple(sorted(b for b in prompt_buckets if b < self.capacity))
+        spans = span_buckets or pow2_buckets(min(32, self.capacity), self.capacity)
+        self.span_buckets = tuple(sorted(b for b in spans if b <= self.capacity))
+
+    def _check_fits(self, capacity: int) -> None:
+        devices = None if self.mesh is None else self.mesh.devices.flat
+        kv_memory.check_cache_fits(
+            self.model_config, self.num_slots, capacity, self.abstract_cache(capacity), devices
+        )
+
+    def reserve(self, positions: int | None = None) -> None:
+        """Grows the cache (an engine built without max_total_len) to hold requests of
+        `positions` prompt + completion tokens (default: the longest queued request), to the
+        next power of two (at least `MIN_CAPACITY`) up to `max_capacity`; refuses with the
+        figures when that cache cannot fit in memory. Running rows keep their keys and values;
+        the programs compiled for the old length are compiled again as they come up. Decode and
+        prefill shapes follow the rows, not the capacity, so a grown engine samples the same
+        tokens and log-probs. A no-op for a fixed-length engine or a cache already long enough.
+        """
+        if positions is None:
+            positions = max((len(r.prompt) + r.budget for r in self._queue), default=0)
+        if not self.grows or positions <= self.capacity:
+            return
+        capacity = min(self.max_capacity, max(MIN_CAPACITY, 1 << (int(positions) - 1).bit_length()))
+        self._check_fits(capacity)
+        if self._cache is not None:
+            self._cache = self.programs.grow_cache(self._cache, capacity - self.capacity)
+        self.programs.compiled.clear()
+        self._set_capacity(capacity)
+
+    def precompile(
+        self,
+        params: nnx.State,
+        sampling: SamplingConfig,
+        *,
+        samples_per_request: int = 1,
+        max_prompt_len: int | None = None,
+        recompute: bool = False,
+        max_extend_len: int | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> int:
+        """Compiles, ahead of `run`, every program it can call for requests of `sampling` with
+        `samples_per_request` samples and prompts of at most `max_prompt_len` tokens: each
+        decode (span bucket x active-slot bucket), prefill (prompt-batch bucket x prompt-length
+        bucket; `recompute`: also the re-prefill of every slot's prefix), slot move and, with
+        `max_extend_len`, each extend of continuations of up to that many new tokens. `run`
+        otherwise compiles each the first time it is needed, which stalls the generator
+        mid-run (seconds per program on a CPU core). Nothing is executed: the programs are
+        lowered for `params`, the cache and host arrays of the shapes and placements `run`
+        passes. Returns how many programs were compiled; `progress` gets a one-line summary."""
+        if self._cache is None:
+            self._cache = self.programs.new_cache(self.capacity)
+        return self.programs.precompile(
+            params,
+            self._cache,
+            self._static_sampling(sampling),
+            capacity=self.capacity,
+            prompt_buckets=self.prompt_buckets,
+            span_buckets=self.span_buckets,
+            active_buckets=self.active_buckets,
+            samples_per_request=samples_per_request,
+            max_prompt_len=max_prompt_len,
+            recompute=recompute,
+            extend_widths=None if max_extend_len is None else self.extend_widths(max_extend_len),
+            progress=progress,
+        )
+
+    def extend_widths(self, longest: int | None = None) -> tuple[int, ...]:
+        """The padded widths of extend calls (powers of two from 8, and the capacity), up to
+        the one that holds `longest` new tokens."""
+        widths = pow2_buckets(min(8, self.capacity), self.capacity)
+        if longest is None:
+            return widths
+        return tuple(w for w in widths if w < longest) + (bucket(longest, widths, self.capacity),)
+
+    def cache_shardings(self, positions: int | None = None):
+        """NamedShardings of the KV cache (of `positions`, default the capacity) on the engine's
+        mesh (None without a mesh)."""
+        return self.programs.cache_shardings(positions or self.capacity)
+
+    def abstract_cache(self, positions: int | None = None):
+        """ShapeDtypeStructs of the KV cache (of `positions`, default the capacity), with its
+        shardings on a mesh."""
+        return self.programs.abstract_cache(positions or self.capacity)
+
+    def lower_prefill(self, abstract_params, prompts: int, width: int):
+        """The prefill program lowered for abstract inputs (nothing allocated): `prompts`
+        right-padded prompts of `width` tokens copied into the slots. For `launch.plan`."""
+        return self.programs.lower_prefill(abstract_params, self.abstract_cache(), prompts, width)
+
+    def lower_decode(self, abstract_params, sampling: SamplingConfig, span: int | None = None):
+        """The decode program (`steps_per_call` steps of every slot over the cache prefix `span`,
+        default the capacity) lowered for abstract inputs. For `launch.plan`."""
+        span = self.capacity if span is None else span
+        return self.programs.lower_decode(
+            abstract_params, self.abstract_cache(), self._static_sampling(sampling), span
+        )

@@ -1,0 +1,107 @@
+"""Kept rows and continuations on the continuous-batching engine (`Request.keep_cache` /
+`continues`): a continued row samples what a fresh request with the whole prompt samples, while
+only the new tokens run through the model; rows that no request continues are released; and
+multi-turn episodes continued in their slots equal those re-prefilled each turn."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.generation.engine import Engine, Request
+from jaxrl.generation.episodes import EpisodeRunner
+from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from tests.test_multiturn import BUDGET, SAMPLING, _groups
+
+CONFIG = ModelConfig(
+    "llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128, eos_token_id=2, pad_token_id=0
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CONFIG, rngs=nnx.Rngs(0), init_std=0.3)
+
+
+def _engine(model, slots=4, keep_calls=0):
+    return Engine.for_model(model, num_slots=slots, steps_per_call=4, max_total_len=64,
+                            prompt_buckets=(16, 32), keep_calls=keep_calls)  # fmt: skip
+
+
+def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model):
+    engine, params = _engine(model, keep_calls=2)
+    plain = SamplingConfig(6, ignore_eos=True)
+    key = jax.random.key(3)
+    first = engine.generate(params, [Request(7, [1, 5, 9, 11], 2, plain, keep_cache=True)], key)[0]
+    assert len(engine.kept_rows) == 2  # both samples' rows hold their slots
+    histories = [[1, 5, 9, 11, *first.tokens_gn[g].tolist(), 40 + g, 41] for g in range(2)]
+    prefill_before = engine.stats.prefill_tokens
+    requests = [Request(20 + g, h, 1, plain, continues=(7, g)) for g, h in enumerate(histories)]
+    continued = engine.generate(params, requests, key)
+    assert engine.stats.prefill_tokens == prefill_before  # nothing prefilled again
+    assert engine.stats.extend_tokens == 2 * 2  # per row: its last sampled token and 40 + g
+    assert not engine.kept_rows  # taken over, then freed (no keep_cache on the continuations)
+    fresh_engine, _ = _engine(model)
+    fresh = fresh_engine.generate(
+        params, [Request(20 + g, h, 1, plain) for g, h in enumerate(histories)], key
+    )
+    for a, b in zip(continued, fresh, strict=True):
+        np.testing.assert_array_equal(a.tokens_gn, b.tokens_gn)
+        np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-4)
+
+    # A prompt that does not begin with the kept row's sequence is prefilled as usual; a group
+    # short of free slots takes the slot of a row kept for `keep_calls` decode calls, and waits
+    # (run returns) for a younger one, until it is released.
+    engine.generate(params, [Request(30, [1, 2, 3], 2, plain, keep_cache=True)], key)
+    mismatch = Request(31, [1, 2, 4, 4], 1, plain, continues=(30, 0))
+    prefill_before = engine.stats.prefill_tokens
+    engine.generate(params, [mismatch], key)
+    assert engine.stats.prefill_tokens == prefill_before + 4 and set(engine.kept_rows) == {(30, 1)}
+    assert engine.stats.decode_calls - engine.kept_rows[30, 1].since >= engine.keep_calls
+    engine.submit(Request(32, [1, 2], 4, plain))
+    assert [r.request_id for r in engine.run(params, key)] == [32] and not engine.kept_rows
+    engine.generate(params, [Request(33, [1, 2], 1, plain, keep_cache=True)], key)
+    engine.submit(Request(34, [1, 2], 4, plain))
+    assert list(engine.run(params, key)) == []
+    engine.release(33, 0)
+    assert [r.request_id for r in engine.run(params, key)] == [34] and not engine.kept_rows
+
+
+def test_episodes_continued_in_their_slots_equal_episodes_prefilled_again(model):
+    engine, params = _engine(model)
+
+    def run(continue_in_slot):
+        before = dataclasses.asdict(engine.stats)
+        runner = EpisodeRunner(
+            engine, SAMPLING, BUDGET, tool_workers=4, continue_in_slot=continue_in_slot
+        )
+        try:
+            out = runner.run(params, jax.random.key(0), _groups())
+        finally:
+            runner.close()
+        summary = {
+            (t.episode, t.sample): (tuple(t.tokens), tuple(t.loss_mask), t.turns, t.status)
+            for ts in out
+            for t in ts
+        }
+        logprobs = [lp for ts in out for t in ts for lp in t.behaviour_logprobs]
+        assert not engine.kept_rows  # every kept row released
+        stats = {k: v - before[k] for k, v in dataclasses.asdict(engine.stats).items()}
+        return summary, np.asarray(logprobs), stats
+
+    slot, slot_lp, slot_stats = run(True)
+    again, again_lp, again_stats = run(False)
+    assert slot == again
+    np.testing.assert_allclose(slot_lp, again_lp, atol=1e-4)
+    assert max(turns for _, _, turns, _ in slot.values()) >= 3
+    assert slot_stats["extend_calls"] > 0 and again_stats["extend_calls"] == 0
+    # Only observations (and each turn's last token) run through the model again, not histories.
+    assert (
+        slot_stats["prefill_tokens"] + slot_stats["extend_tokens"] < again_stats["prefill_tokens"]
+    )
