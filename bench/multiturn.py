@@ -140,6 +140,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         steps_per_call=args.steps_per_call,
         max_total_len=min(max_len, budget.max_total_tokens),
         prompt_buckets=(16, 32),
+        keep_calls=args.keep_calls,
     )
     sampling = SamplingConfig(budget.max_turn_tokens, stop_ids=source.stop_ids)
     items = [source.item(i) for i in range(args.prompts)]
@@ -155,6 +156,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             budget,
             tool_workers=args.tool_workers,
             continue_in_slot=mode == "slot",
+            tool_grace_s=args.tool_grace_s,
         )  # fmt: skip
         for mode in continue_modes
     }
@@ -171,8 +173,9 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
 
         runner._wait = timed_wait
         try:
+            episodes = groups()  # built before the clock starts, as single-turn's requests are
             t = time.perf_counter()
-            out = runner.run(params, jax.random.key(seed), groups())
+            out = runner.run(params, jax.random.key(seed), episodes)
             seconds = time.perf_counter() - t
         finally:
             runner._wait = wait
@@ -181,9 +184,15 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
 
     prompts = [tuple(tokenizer.encode(item.text)) for item in items]
 
-    def single(new_tokens, seed):
-        plain = SamplingConfig(new_tokens, ignore_eos=True)
-        requests = [Request(i, p, G, plain) for i, p in enumerate(prompts)]
+    def single(kind, seed):
+        """One request of G per prompt; `kind` "lengths": each sample's budget the sampled tokens
+        of that episode in the warm-up run; "lockstep": the mean length for all."""
+        if kind == "lengths":
+            requests = [Request(e, p, G, SamplingConfig(max(n), ignore_eos=True),
+                                sample_budgets=n) for e, (p, n) in enumerate(lengths)]  # fmt: skip
+        else:
+            plain = SamplingConfig(new_tokens, ignore_eos=True)
+            requests = [Request(i, p, G, plain) for i, p in enumerate(prompts)]
         t = time.perf_counter()
         out = engine.generate(params, requests, jax.random.key(seed))
         seconds = time.perf_counter() - t
@@ -197,20 +206,24 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     compiled += engine.precompile(params, plain, samples_per_request=G, max_prompt_len=longest)
     print(f"[{name}] precompiled {compiled} programs in {time.perf_counter() - start:.0f}s")
     rows = []
-    # Warm-up run of every path; the single-turn length is the multi-turn mean.
+    # Warm-up run of every path; the single-turn lengths are the warm-up episodes'.
     _, first = multi(continue_modes[0], 0)
-    mean_sampled = sum(sum(t.loss_mask) for t in first) / len(first)
-    new_tokens = math.ceil(mean_sampled)
+    lengths = [(p, tuple(sum(t.loss_mask) for t in first if t.episode == e))
+               for e, p in enumerate(prompts)]  # fmt: skip
+    new_tokens = math.ceil(sum(sum(n) for _, n in lengths) / len(first))
     for mode in continue_modes[1:]:
         multi(mode, 0)
-    single(new_tokens, 0)
+    singles = ("lengths", "lockstep")
+    for kind in singles:
+        single(kind, 0)
 
-    times = {k: [] for k in ("single", *continue_modes)}
+    times = {k: [] for k in (*singles, *continue_modes)}
     sampled = {}
     for r in range(args.repeats):
-        seconds, n = single(new_tokens, r + 1)
-        times["single"].append(seconds)
-        sampled["single"] = n
+        for kind in singles:
+            seconds, n = single(kind, r + 1)
+            times[kind].append(seconds)
+            sampled[kind] = n
         for mode in continue_modes:
             seconds, trajectories = multi(mode, r + 1)
             times[mode].append(seconds)
@@ -237,7 +250,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "tool_wait_s": round(waited["s"], 3),
         }
 
-    single_tps = sampled["single"] / statistics.median(times["single"])
+    single_tps = {kind: sampled[kind] / statistics.median(times[kind]) for kind in singles}
     common = {
         "model": name,
         "params_m": round(model.config.num_params() / 1e6, 2),
@@ -249,16 +262,19 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "sft_loss": round(loss, 3),
         "sft_s": round(sft_s, 1),
     }
-    row = common | {
-        "path": "single-turn",
-        "turns_mean": 1.0,
-        "sampled_per_episode": new_tokens,
-        "sampled_tok_s": round(single_tps, 1),
-        "ratio": 1.0,
-        "wall_s": round(statistics.median(times["single"]), 3),
-    }
-    row |= split(lambda: single(new_tokens, 99))
-    rows.append(row)
+    for kind, label in (("lengths", "single-turn, the episodes' lengths"),
+                        ("lockstep", "single-turn, mean length, lockstep")):  # fmt: skip
+        row = common | {
+            "path": label,
+            "turns_mean": 1.0,
+            "sampled_per_episode": round(sampled[kind] / len(first), 2),
+            "sampled_tok_s": round(single_tps[kind], 1),
+            "ratio": round(single_tps[kind] / single_tps["lengths"], 3),
+            "ratio_lockstep": round(single_tps[kind] / single_tps["lockstep"], 3),
+            "wall_s": round(statistics.median(times[kind]), 3),
+        }
+        row |= split(lambda kind=kind: single(kind, 99))
+        rows.append(row)
     for mode in continue_modes:
         trajectories = sampled[mode, "traj"]
         tps = sampled[mode] / statistics.median(times[mode])
@@ -269,7 +285,8 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "tool_call_rate": round(called, 3),
             "sampled_per_episode": round(sampled[mode] / len(trajectories), 2),
             "sampled_tok_s": round(tps, 1),
-            "ratio": round(tps / single_tps, 3),
+            "ratio": round(tps / single_tps["lengths"], 3),
+            "ratio_lockstep": round(tps / single_tps["lockstep"], 3),
             "wall_s": round(statistics.median(times[mode]), 3),
         }
         row |= split(lambda mode=mode: multi(mode, 99))
@@ -287,6 +304,8 @@ def main(argv=None) -> None:
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--steps_per_call", type=int, default=8)
     parser.add_argument("--tool_workers", type=int, default=8)
+    parser.add_argument("--tool_grace_s", type=float, default=0.005)
+    parser.add_argument("--keep_calls", type=int, default=0)
     parser.add_argument("--sft_steps", type=int, default=300)
     parser.add_argument("--sft_cache", default=None, help="directory for the SFT'd params")
     parser.add_argument("--chained", action="store_true", help="a*b+c*d: four turns")
@@ -313,7 +332,8 @@ def main(argv=None) -> None:
         ("turns_mean", "turns"),
         ("sampled_per_episode", "sampled tok / episode"),
         ("sampled_tok_s", "sampled tok/s"),
-        ("ratio", "vs single-turn"),
+        ("ratio", "vs single-turn, same lengths"),
+        ("ratio_lockstep", "vs single-turn, lockstep"),
         ("prefill_calls", "prefill calls"),
         ("extend_calls", "decode calls extending"),
         ("decode_calls", "decode calls"),

@@ -104,7 +104,7 @@ def _groups(modes=("ok",) * NUM_GROUPS, release=None) -> list[EpisodeGroup]:
 
 
 class Recording:
-    """The engine, keeping every `GroupResult` it hands out by request id."""
+    """The engine, keeping every `GroupResult` row it hands out by (request id, sample)."""
 
     def __init__(self, engine: Engine):
         self.engine, self.results = engine, {}
@@ -114,7 +114,9 @@ class Recording:
 
     def run(self, *args, **kwargs):
         for result in self.engine.run(*args, **kwargs):
-            self.results[result.request_id] = result
+            samples = result.samples or range(len(result.tokens_gn))
+            for row, g in enumerate(samples):
+                self.results[result.request_id, g] = (result, row)
             yield result
 
 
@@ -209,7 +211,8 @@ def test_trainer_sees_the_engines_and_the_environments_ids_and_masking_is_exact(
         rebuilt, mask = [], []
         for k in range(t.turns):
             rid = request_id(t.episode, k, 0 if k == 0 else t.sample, BUDGET.max_turns)
-            result, row = recording.results[rid], t.sample if k == 0 else 0
+            result, row = recording.results[rid, t.sample if k == 0 else 0]
+            assert result.samples == (t.sample if k == 0 else 0,)  # handed out row by row
             assert list(result.prompt) == [*t.prompt_ids, *rebuilt]  # what the engine saw
             ids = result.tokens_gn[row, : int(result.mask_gn[row].sum())].tolist()
             if k < len(env.log):

@@ -79,19 +79,27 @@ class CalculatorEnv:
         self.tokenizer, self.tool, self.disabled = tokenizer, tool, disabled
         (self.close_id,) = calculator_stop_ids(tokenizer)
         self.reference: str | None = None
+        # A fast tokenizer's Rust backend directly (the same ids and text, a few microseconds
+        # a call instead of tens): the environment steps once per turn of every episode.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = backend if plain else None
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, special: bool = False) -> list[int]:
         with _TOKENIZER_LOCK:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            if self._backend is not None:
+                return self._backend.encode(text, add_special_tokens=special).ids
+            return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     def _decode(self, ids: Sequence[int]) -> str:
         with _TOKENIZER_LOCK:
+            if self._backend is not None:
+                return self._backend.decode(list(ids), skip_special_tokens=True)
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def reset(self, item: PromptItem) -> list[int]:
         self.reference = item.reference
-        with _TOKENIZER_LOCK:
-            return list(self.tokenizer.encode(item.text))  # <bos> first
+        return self._encode(item.text, special=True)  # <bos> first
 
     def step(self, turn_ids: Sequence[int]) -> Step:
         ids = [int(t) for t in turn_ids]

@@ -102,7 +102,11 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generation.engine_device import MIN_CAPACITY, EngineDevice
-from jaxrl.generation.engine_programs import EnginePrograms, bucket, pow2_buckets
+from jaxrl.generation.engine_programs import (
+    EnginePrograms,
+    bucket,
+    pow2_buckets,
+)
 from jaxrl.generation.engine_requests import EngineStats, GroupResult, KeptRow, Request
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
 from jaxrl.generation.sampling import SamplingConfig
@@ -255,6 +259,13 @@ class Engine(EngineDevice):
                 f"request {rid}: prompt of {n} tokens + max_new_tokens={request.budget} exceeds "
                 f"the engine's context of {self.max_capacity} tokens; shorten or truncate the "
                 "prompt, lower max_new_tokens, or build the engine with a larger max_total_len"
+            )
+        budgets = request.sample_budgets
+        fits = budgets is None or all(1 <= b <= request.budget for b in budgets)
+        if not fits or (budgets is not None and len(budgets) != request.num_samples):
+            raise ValueError(
+                f"request {rid}: sample_budgets={budgets}; need num_samples={request.num_samples} "
+                f"values in 1..max_new_tokens={request.budget}"
             )
         if request.continues is not None and request.num_samples != 1:
             raise ValueError(
@@ -412,7 +423,12 @@ class Engine(EngineDevice):
                 for g, s in enumerate(slots):
                     owner[s], live[s] = request.request_id, True
                     token[s], pos[s] = request.prompt[-1], len(request.prompt) - 1
-                    index[s], budget[s] = 0, request.budget
+                    index[s] = 0
+                    budget[s] = (
+                        request.budget
+                        if request.sample_budgets is None
+                        else (request.sample_budgets[g])
+                    )
                     req_of[s], sample_of[s] = request.request_id, g
             if not running:
                 if self._queue:  # waits for slots of kept rows: their continuations come later
@@ -483,14 +499,19 @@ class Engine(EngineDevice):
                             ids = (*group.request.prompt, *group.tokens[g])
                             row = KeptRow(s, ids, self.stats.decode_calls)
                             self._kept[rid, g], owner[s] = row, _KEPT
+                        if group.request.per_sample and rid not in self._cancelled:
+                            yield GroupResult.of(group.request, [group.tokens[g]],
+                                                 [group.logprobs[g]], [group.versions[g]],
+                                                 self.pad_id, (g,))  # fmt: skip
                 if group.open_rows == 0:
                     del running[rid]
                     self._ids.discard(rid)
                     if rid in self._cancelled:
                         self._cancelled.discard(rid)
                         continue
-                    yield GroupResult.of(group.request, group.tokens, group.logprobs,
-                                         group.versions, self.pad_id)  # fmt: skip
+                    if not group.request.per_sample:
+                        yield GroupResult.of(group.request, group.tokens, group.logprobs,
+                                             group.versions, self.pad_id)  # fmt: skip
 
     def cached_sequences(self) -> dict[int, tuple[int, int, list[int]]]:
         """Slot -> (request id, sample index, the ids whose keys / values the slot's cache holds:
@@ -547,50 +568,3 @@ class Engine(EngineDevice):
             taken.append((request, row.slot, len(row.ids) - 1))
         self._queue = rest
         return taken, config
-
-    def _extension(self, params, rows: list[tuple[int, int, Sequence[int]]], active: int):
-        """The decode call's `extend` arrays for continued rows (slot, first position, new ids)
-        and the positions they reach; rows too near the capacity for a padded width are written
-        by extend calls of their own first (then None, 0)."""
-        rows = [row for row in rows if len(row[2])]
-        if not rows:
-            return None, 0
-        longest = max(len(ids) for _, _, ids in rows)
-        width = bucket(longest, self.extend_widths(), self.capacity)
-        reach = max(start for _, start, _ in rows) + width
-        tokens = np.full((active, width), self.pad_id, np.int32)
-        start_r = np.zeros(active, np.int32)
-        slot_r = np.full(active, active, np.int32)  # out of range: not written back
-        for r, (slot, start, ids) in enumerate(rows):
-            tokens[r, : len(ids)], start_r[r], slot_r[r] = ids, start, slot
-        self.stats.extend_calls += 1
-        self.stats.extend_tokens += sum(len(ids) for _, _, ids in rows)
-        if reach <= self.capacity:
-            return (tokens, start_r, slot_r), reach
-        for r, (slot, start, ids) in enumerate(rows):  # one row per call, its exact width
-            one = (tokens[r : r + 1, : len(ids)], start_r[r : r + 1], np.array([slot], np.int32))
-            span = bucket(start + len(ids), self.span_buckets, self.capacity)
-            self._cache = self.programs.run("extend", params, self._cache, *one, span=span)
-        return None, 0
-
-    def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
-        """Prefills the admitted prompts (each once) and copies each into its G slots."""
-        lengths = [len(r.prompt) for r, _ in admitted]
-        width = bucket(max(lengths), self.prompt_buckets, self.capacity)
-        batch = bucket(len(admitted), pow2_buckets(1, self.num_slots), self.num_slots)
-        tokens = np.full((batch, width), self.pad_id, np.int32)
-        valid = np.zeros((batch, width), bool)
-        dest = np.full(self.num_slots, self.num_slots, np.int32)  # out of range: dropped
-        src = np.zeros(self.num_slots, np.int32)
-        i = 0
-        for row, (request, slots) in enumerate(admitted):
-            tokens[row, : len(request.prompt)] = request.prompt
-            valid[row, : len(request.prompt)] = True
-            for s in slots:
-                dest[i], src[i] = s, row
-                i += 1
-        valid[len(admitted) :, 0] = True  # padding rows: one token, so softmax rows are defined
-        self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += sum(lengths)
-        self.stats.prefill_padded_tokens += batch * width
-        self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)

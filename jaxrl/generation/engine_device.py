@@ -5,12 +5,14 @@ are in `jaxrl.generation.engine_programs`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 from flax import nnx
 
 from jaxrl.generation import kv_memory
-from jaxrl.generation.engine_programs import bucket, pow2_buckets
+from jaxrl.generation.engine_programs import bucket, extend_row_buckets, pow2_buckets
+from jaxrl.generation.engine_requests import Request
 from jaxrl.generation.sampling import SamplingConfig
 
 # The shortest cache an engine that grows with its requests starts from.
@@ -19,6 +21,57 @@ MIN_CAPACITY = 64
 
 class EngineDevice:
     """`Engine`'s methods over its `programs` (an `EnginePrograms`), cache and buckets."""
+
+    # --- the device calls' host arrays -------------------------------------------------------
+
+    def _admit(self, params, admitted: list[tuple[Request, list[int]]]) -> None:
+        """Prefills the admitted prompts (each once) and copies each into its G slots."""
+        lengths = [len(r.prompt) for r, _ in admitted]
+        width = bucket(max(lengths), self.prompt_buckets, self.capacity)
+        batch = bucket(len(admitted), pow2_buckets(1, self.num_slots), self.num_slots)
+        tokens = np.full((batch, width), self.pad_id, np.int32)
+        valid = np.zeros((batch, width), bool)
+        dest = np.full(self.num_slots, self.num_slots, np.int32)  # out of range: dropped
+        src = np.zeros(self.num_slots, np.int32)
+        i = 0
+        for row, (request, slots) in enumerate(admitted):
+            tokens[row, : len(request.prompt)] = request.prompt
+            valid[row, : len(request.prompt)] = True
+            for s in slots:
+                dest[i], src[i] = s, row
+                i += 1
+        valid[len(admitted) :, 0] = True  # padding rows: one token, so softmax rows are defined
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += sum(lengths)
+        self.stats.prefill_padded_tokens += batch * width
+        self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
+
+    def _extension(self, params, rows: list[tuple[int, int, Sequence[int]]], active: int):
+        """The decode call's `extend` arrays for continued rows (slot, first position, new ids)
+        and the positions they reach; rows too near the capacity for a padded width are written
+        by extend calls of their own first (then None, 0)."""
+        rows = [row for row in rows if len(row[2])]
+        if not rows:
+            return None, 0
+        longest = max(len(ids) for _, _, ids in rows)
+        width = bucket(longest, self.extend_widths(), self.capacity)
+        reach = max(start for _, start, _ in rows) + width
+        # Rows bucketed like the slots (from 8): a few continuations do not pay for `active`.
+        count = bucket(len(rows), extend_row_buckets(active), active)
+        tokens = np.full((count, width), self.pad_id, np.int32)
+        start_r = np.zeros(count, np.int32)
+        slot_r = np.full(count, active, np.int32)  # out of range: not written back
+        for r, (slot, start, ids) in enumerate(rows):
+            tokens[r, : len(ids)], start_r[r], slot_r[r] = ids, start, slot
+        self.stats.extend_calls += 1
+        self.stats.extend_tokens += sum(len(ids) for _, _, ids in rows)
+        if reach <= self.capacity:
+            return (tokens, start_r, slot_r), reach
+        for r, (slot, start, ids) in enumerate(rows):  # one row per call, its exact width
+            one = (tokens[r : r + 1, : len(ids)], start_r[r : r + 1], np.array([slot], np.int32))
+            span = bucket(start + len(ids), self.span_buckets, self.capacity)
+            self._cache = self.programs.run("extend", params, self._cache, *one, span=span)
+        return None, 0
 
     # --- the cache's length -------------------------------------------------------------------
 

@@ -80,6 +80,11 @@ def _copy_rows(full, new, dest_s, src_s, axis: int):
     return jax.lax.fori_loop(0, count, body, full)
 
 
+def extend_row_buckets(active: int) -> tuple[int, ...]:
+    """Row counts of a decode call's extension of continued rows among `active` slots."""
+    return pow2_buckets(min(8, active), active)
+
+
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """lo, 2 lo, 4 lo, ... below hi, then hi."""
     out, b = [], lo
@@ -189,9 +194,10 @@ class EnginePrograms:
                 static = {"sampling": config, "span": span, "active": active}
                 jobs.append(("decode", (params, cache, state, key_data), static))
                 for width in (w for w in extend_widths or () if w < span):
-                    rows = np.zeros(active, np.int32)
-                    extend = (np.zeros((active, width), np.int32), rows, rows)
-                    jobs.append(("decode", (params, cache, state, key_data, extend), static))
+                    for count in extend_row_buckets(active):
+                        rows = np.zeros(count, np.int32)
+                        extend = (np.zeros((count, width), np.int32), rows, rows)
+                        jobs.append(("decode", (params, cache, state, key_data, extend), static))
             jobs.append(("move", (cache, index, index), {"span": span}))
         start, done = time.perf_counter(), 0
         for name, args, static in jobs:
@@ -340,6 +346,20 @@ class EnginePrograms:
         positions_rw = start_r[:, None] + jnp.arange(tokens_rw.shape[1])[None, :]
         mask_rwl = jnp.arange(span)[None, None, :] <= positions_rw[:, :, None]
         _, views = model.hidden_states(tokens_rw, positions_rw, mask_rwl, views, start_r)
+        slots = jax.tree.leaves(cache)[0].shape[axis]
+        if jax.tree.leaves(cache)[0].shape[axis + 1] == span:
+            # The decode call's prefix (`span` positions): each slot takes its row by one gather
+            # and a select, cheaper than a loop of in-place row copies into the prefix.
+            match_sr = slot_r[None, :] == jnp.arange(slots)[:, None]
+            has_s, row_s = match_sr.any(axis=1), jnp.argmax(match_sr, axis=1)
+
+            def put(full, new):
+                shape = [1] * full.ndim
+                shape[axis] = slots
+                picked = jnp.take(new, row_s, axis=axis).astype(full.dtype)
+                return jnp.where(has_s.reshape(shape), picked, full)
+
+            return constrain_cache(jax.tree.map(put, cache, views))
         order = jnp.arange(slot_r.shape[0], dtype=jnp.int32)
         return constrain_cache(
             jax.tree.map(lambda full, new: _copy_rows(full, new, slot_r, order, axis), cache, views)

@@ -26,6 +26,10 @@ class Request:
       this prompt: the request (one sample) takes over that row's slot and only the rest of
       its prompt runs through the model (an extend call), not the whole. With no such row kept,
       or a prompt that does not begin with its sequence, the prompt is prefilled as usual.
+    sample_budgets: per-sample `max_new_tokens` (G values in 1..`budget`); None: `budget` each.
+    per_sample: each sample is handed out as its row stops (a one-row `GroupResult` whose
+      `samples` names it), not the group when its last row does: a multi-turn episode's tool
+      call starts while the other samples of its group still decode.
     """
 
     request_id: int
@@ -35,6 +39,8 @@ class Request:
     max_new_tokens: int | None = None
     keep_cache: bool = False
     continues: tuple[int, int] | None = None
+    per_sample: bool = False
+    sample_budgets: tuple[int, ...] | None = None
 
     @property
     def budget(self) -> int:
@@ -48,6 +54,8 @@ class GroupResult:
     tokens_gn: sampled ids, `pad_id` after a row's stop. logprobs_gn: float32 behaviour
     log-probs (0 where masked). mask_gn: True on completion tokens (the stop token included).
     versions_gn: int32 policy version that sampled each token (-1 where masked).
+    samples: the sample index of each row (a `Request.per_sample` result: one row); None: rows
+      0..G-1, the whole group.
     """
 
     request_id: int
@@ -56,14 +64,18 @@ class GroupResult:
     logprobs_gn: np.ndarray
     mask_gn: np.ndarray
     versions_gn: np.ndarray | None = None
+    samples: tuple[int, ...] | None = None
 
     @property
     def lengths_g(self) -> np.ndarray:
         return self.mask_gn.sum(axis=-1)
 
     @classmethod
-    def of(cls, request: Request, tokens, logprobs, versions, pad_id: int) -> GroupResult:
-        """The result of `request` from each sample's token, log-prob and version lists."""
+    def of(
+        cls, request: Request, tokens, logprobs, versions, pad_id: int, samples=None
+    ) -> GroupResult:
+        """The result of `request` from each row's token, log-prob and version lists (rows
+        `samples`, default all)."""
         g, n = len(tokens), request.budget
         tokens_gn = np.full((g, n), pad_id, np.int32)
         logprobs_gn = np.zeros((g, n), np.float32)
@@ -73,7 +85,7 @@ class GroupResult:
             tokens_gn[row, : len(toks)], logprobs_gn[row, : len(lps)] = toks, lps
             mask_gn[row, : len(toks)], versions_gn[row, : len(toks)] = True, vs
         return cls(request.request_id, tuple(request.prompt), tokens_gn, logprobs_gn, mask_gn,
-                   versions_gn)  # fmt: skip
+                   versions_gn, None if samples is None else tuple(samples))  # fmt: skip
 
 
 @dataclasses.dataclass

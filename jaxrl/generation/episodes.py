@@ -194,6 +194,7 @@ class _Call:
     future: concurrent.futures.Future
     started: float | None = None
     ended: float | None = None
+    waited: bool = False  # the driver has waited `tool_grace_s` for it once
 
 
 class EpisodeRunner:
@@ -211,6 +212,9 @@ class EpisodeRunner:
         (`Request.keep_cache` / `continues`: the row's slot and KV cache are kept while the
         tool runs, and only the observation runs through the model); False: the turn is a new
         request whose whole history is prefilled again. Same tokens either way.
+      tool_grace_s: before each device call the driver waits up to this long for the steps
+        started since the last one, so a fast tool's reply joins that call instead of the next
+        (0: no wait; a slow tool costs at most this once per step).
     """
 
     def __init__(
@@ -221,11 +225,15 @@ class EpisodeRunner:
         *,
         tool_workers: int = 8,
         continue_in_slot: bool = True,
+        tool_grace_s: float = 0.005,
     ):
         if tool_workers < 0:
             raise ValueError(f"tool_workers={tool_workers}; must be >= 0 (0: inline)")
+        if tool_grace_s < 0:
+            raise ValueError(f"tool_grace_s={tool_grace_s}; must be >= 0 (0: no wait)")
         self.engine, self.sampling, self.budget = engine, sampling, budget
         self.continue_in_slot = continue_in_slot
+        self.tool_grace_s = float(tool_grace_s)
         self.stop_ids = set(sampling.stop_ids)
         if not sampling.ignore_eos:
             self.stop_ids |= set(engine.eos_ids)
@@ -300,6 +308,11 @@ class EpisodeRunner:
         self._current = (version, params)
 
         def hook(current_version: int):
+            fresh = [c.future for c in self._calls if not c.waited]
+            if fresh and self.tool_grace_s > 0:  # fast tools' replies join this very call
+                concurrent.futures.wait(fresh, timeout=self.tool_grace_s)
+            for c in self._calls:
+                c.waited = True
             self._poll()
             self._release_ended()
             swapped = None if update is None else update(current_version)
@@ -373,6 +386,7 @@ class EpisodeRunner:
                 self.sampling,
                 max_new_tokens=min(b.max_turn_tokens, room),
                 keep_cache=self.continue_in_slot,
+                per_sample=True,
             )
         )
         return trajectories
@@ -380,15 +394,19 @@ class EpisodeRunner:
     def _finish_turn(self, result: GroupResult) -> None:
         """A turn's tokens are in: record them, then step the environment (or end the
         episode if the turn ran out of tokens before a stop id)."""
-        for g, (trajectory, env) in enumerate(self._waiting.pop(result.request_id)):
-            n = int(result.mask_gn[g].sum())
-            ids = [int(t) for t in result.tokens_gn[g, :n]]
+        waiting = self._waiting[result.request_id]
+        samples = range(len(waiting)) if result.samples is None else result.samples
+        for row, g in enumerate(samples):
+            trajectory, env = waiting[g]
+            waiting[g] = None
+            n = int(result.mask_gn[row].sum())
+            ids = [int(t) for t in result.tokens_gn[row, :n]]
             trajectory.tokens += ids
             trajectory.loss_mask += [True] * n
-            trajectory.behaviour_logprobs += [float(x) for x in result.logprobs_gn[g, :n]]
+            trajectory.behaviour_logprobs += [float(x) for x in result.logprobs_gn[row, :n]]
             versions = result.versions_gn
             trajectory.token_versions += (
-                [int(v) for v in versions[g, :n]] if versions is not None else [0] * n
+                [int(v) for v in versions[row, :n]] if versions is not None else [0] * n
             )
             trajectory.turns += 1
             if self.continue_in_slot:
@@ -404,6 +422,8 @@ class EpisodeRunner:
                 call = _Call(trajectory, env, concurrent.futures.Future())
                 call.future = self.pool.submit(self._timed_step, call, ids)
                 self._calls.append(call)
+        if all(w is None for w in waiting):
+            del self._waiting[result.request_id]
 
     @staticmethod
     def _timed_step(call: _Call, ids: list[int]) -> Step:
@@ -518,5 +538,6 @@ class EpisodeRunner:
                 max_new_tokens=min(b.max_turn_tokens, room),
                 keep_cache=self.continue_in_slot,
                 continues=None if kept is None else kept[1],
+                per_sample=True,
             )
         )
