@@ -105,3 +105,19 @@ def test_episodes_continued_in_their_slots_equal_episodes_prefilled_again(model)
     assert (
         slot_stats["prefill_tokens"] + slot_stats["extend_tokens"] < again_stats["prefill_tokens"]
     )
+
+
+def test_per_sample_results_and_sample_budgets(model):
+    engine, params = _engine(model)
+    plain = SamplingConfig(6, ignore_eos=True)
+    key = jax.random.key(5)
+    (whole,) = engine.generate(params, [Request(1, [1, 5, 9], 2, plain, sample_budgets=(2, 6))], key)
+    assert whole.samples is None and whole.lengths_g.tolist() == [2, 6]
+    engine.submit(Request(1, [1, 5, 9], 2, plain, sample_budgets=(2, 6), per_sample=True))
+    rows = list(engine.run(params, key))
+    assert [r.samples for r in rows] == [(0,), (1,)]  # the short row first, as it stops
+    for r in rows:
+        np.testing.assert_array_equal(r.tokens_gn[0], whole.tokens_gn[r.samples[0]])
+    for bad in [(2,), (0, 3), (3, 7)]:
+        with pytest.raises(ValueError, match="sample_budgets"):
+            engine.submit(Request(2, [1, 5], 2, plain, sample_budgets=bad))
