@@ -111,7 +111,8 @@ def test_per_sample_results_and_sample_budgets(model):
     engine, params = _engine(model)
     plain = SamplingConfig(6, ignore_eos=True)
     key = jax.random.key(5)
-    (whole,) = engine.generate(params, [Request(1, [1, 5, 9], 2, plain, sample_budgets=(2, 6))], key)
+    request = Request(1, [1, 5, 9], 2, plain, sample_budgets=(2, 6))
+    (whole,) = engine.generate(params, [request], key)
     assert whole.samples is None and whole.lengths_g.tolist() == [2, 6]
     engine.submit(Request(1, [1, 5, 9], 2, plain, sample_budgets=(2, 6), per_sample=True))
     rows = list(engine.run(params, key))
