@@ -122,3 +122,20 @@ def test_per_sample_results_and_sample_budgets(model):
     for bad in [(2,), (0, 3), (3, 7)]:
         with pytest.raises(ValueError, match="sample_budgets"):
             engine.submit(Request(2, [1, 5], 2, plain, sample_budgets=bad))
+
+
+def test_a_row_moved_into_its_stopped_siblings_slot_keeps_its_own_tokens(model):
+    # 15 samples stop after one token; the 16th, in the top slot, is moved down into the lowest
+    # free slot, its stopped sibling's: the sibling's result must not take its tokens.
+    engine, params = _engine(model, slots=16)
+    plain = SamplingConfig(9, ignore_eos=True)
+    key = jax.random.key(2)
+    moved = engine.stats.moved_rows
+    (short,) = engine.generate(
+        params, [Request(1, [1, 4], 16, plain, sample_budgets=(1,) * 15 + (9,))], key
+    )
+    assert engine.stats.moved_rows > moved
+    (full,) = engine.generate(params, [Request(1, [1, 4], 16, plain)], key)
+    assert short.lengths_g.tolist() == [1] * 15 + [9]
+    np.testing.assert_array_equal(short.tokens_gn[:, 0], full.tokens_gn[:, 0])
+    np.testing.assert_array_equal(short.tokens_gn[15], full.tokens_gn[15])

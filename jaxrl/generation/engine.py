@@ -120,7 +120,8 @@ _KEPT = object()  # the owner of a kept row's slot (`Request.keep_cache`)
 
 @dataclasses.dataclass
 class _Live:
-    """Host view of one admitted request."""
+    """Host view of one admitted request. `slots[g]`: sample g's slot while it decodes (-1
+    once it has stopped: its slot may then serve another row, of this request too)."""
 
     request: Request
     slots: list[int]
@@ -215,6 +216,7 @@ class Engine(EngineDevice):
         self._queue: collections.deque[Request] = collections.deque()
         self._ids: set[int] = set()
         self._cancelled: set[int] = set()
+        self._static: dict[SamplingConfig, SamplingConfig] = {}
         self._kept: dict[tuple[int, int], KeptRow] = {}  # (request id, sample) -> its slot
         self._cache = None
         # The jitted device programs (`jaxrl.generation.engine_programs`), with those compiled
@@ -316,10 +318,16 @@ class Engine(EngineDevice):
     # --- the scheduling loop ------------------------------------------------------------------
 
     def _static_sampling(self, sampling: SamplingConfig) -> SamplingConfig:
-        stops = sampling.stop_ids
-        if not sampling.ignore_eos:
-            stops = tuple(sorted(set(stops) | set(self.eos_ids)))
-        return dataclasses.replace(sampling, max_new_tokens=1, stop_ids=stops, ignore_eos=False)
+        static = self._static.get(sampling)  # asked for every queued request at every refill
+        if static is None:
+            stops = sampling.stop_ids
+            if not sampling.ignore_eos:
+                stops = tuple(sorted(set(stops) | set(self.eos_ids)))
+            static = dataclasses.replace(
+                sampling, max_new_tokens=1, stop_ids=stops, ignore_eos=False
+            )
+            self._static[sampling] = static
+        return static
 
     def run(
         self,
@@ -377,7 +385,8 @@ class Engine(EngineDevice):
                 self._queue = collections.deque(r for r in self._queue if r.request_id != rid)
                 if rid in running:
                     for s in running.pop(rid).slots:
-                        owner[s], live[s] = None, False
+                        if s >= 0:  # a stopped sample's slot may be another row's by now
+                            owner[s], live[s] = None, False
             kept_slots = {row.slot for row in self._kept.values()}
             for s in range(s_count):  # released kept rows
                 if owner[s] is _KEPT and s not in kept_slots:
@@ -486,14 +495,14 @@ class Engine(EngineDevice):
             for rid in list(running):
                 group = running[rid]
                 for g, s in enumerate(group.slots):
-                    if owner[s] != rid or s >= active:
+                    if s < 0 or owner[s] != rid or s >= active:
                         continue
                     kept = out_valid[:, s]
                     group.tokens[g].extend(out_tokens[kept, s].tolist())
                     group.logprobs[g].extend(out_logprobs[kept, s].tolist())
                     group.versions[g].extend([self.version] * int(kept.sum()))
                     if not live[s]:
-                        owner[s] = None
+                        owner[s], group.slots[g] = None, -1
                         group.open_rows -= 1
                         if group.request.keep_cache and rid not in self._cancelled:
                             ids = (*group.request.prompt, *group.tokens[g])
@@ -521,7 +530,7 @@ class Engine(EngineDevice):
         out = {row.slot: (rid, g, list(row.ids[:-1])) for (rid, g), row in self._kept.items()}
         for rid, group in running.items():
             for g, s in enumerate(group.slots):
-                if owner[s] == rid:
+                if s >= 0 and owner[s] == rid:
                     ids = list(group.request.prompt) + group.tokens[g]
                     out[s] = (rid, g, ids[: int(pos[s])])
         return out
