@@ -246,6 +246,7 @@ class EpisodeRunner:
         self._envs: dict[tuple[int, int], Environment] = {}  # (episode, sample) -> its env
         self._calls: list[_Call] = []
         self._groups: dict[int, list[Trajectory]] = {}  # episode -> its running group
+        self._touched: set[int] = set()  # episodes with a turn or step finished since `_ended`
         # (episode, sample) -> (its trajectory, the engine row it continues from)
         self._rows: dict[tuple[int, int], tuple[Trajectory, tuple[int, int]]] = {}
 
@@ -339,8 +340,11 @@ class EpisodeRunner:
             self._reset()
 
     def _ended(self) -> Iterator[list[Trajectory]]:
-        """The groups whose episodes have all ended, in the order they were started."""
-        for episode, trajectories in list(self._groups.items()):
+        """The groups whose episodes have all ended, in the order they were started (only
+        groups with a turn or step finished since the last look can have)."""
+        touched, self._touched = self._touched, set()
+        for episode in [e for e in self._groups if e in touched]:
+            trajectories = self._groups[episode]
             if all(t.status is not None for t in trajectories):
                 del self._groups[episode]
                 for s in range(len(trajectories)):
@@ -353,6 +357,7 @@ class EpisodeRunner:
         for call in self._calls:
             call.future.cancel()
         self._calls, self._waiting, self._envs, self._groups, self._rows = [], {}, {}, {}, {}
+        self._touched = set()
 
     def _start(self, group: EpisodeGroup) -> list[Trajectory]:
         b = self.budget
@@ -399,6 +404,7 @@ class EpisodeRunner:
         for row, g in enumerate(samples):
             trajectory, env = waiting[g]
             waiting[g] = None
+            self._touched.add(trajectory.episode)
             n = int(result.mask_gn[row].sum())
             ids = [int(t) for t in result.tokens_gn[row, :n]]
             trajectory.tokens += ids
@@ -458,6 +464,7 @@ class EpisodeRunner:
         now, still = time.monotonic(), []
         for call in self._calls:
             t = call.trajectory
+            self._touched.add(t.episode)  # a step finished or overdue, or none: checked once
             if call.future.done():
                 error = call.future.exception()
                 if error is not None:
