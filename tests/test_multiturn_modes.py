@@ -202,6 +202,7 @@ def test_streaming_episodes_resume_after_sigkill_without_training_a_group_twice(
         assert records[s]["episode/turns_mean"] >= 1
     for s in (0, STEPS):  # evaluated as episodes while the generator streams
         assert 0 <= records[s]["eval/tool_call_rate"] <= 1 and records[s]["eval/turns_mean"] >= 1
+        assert 0 <= records[s]["eval/accuracy"] <= 1
 
 
 def _rollout(versions, mask=None) -> Rollout:
