@@ -52,7 +52,7 @@ TINY = [
     "OptimizerConfig.warmup_steps = 0",
 ]
 FIXED_LAG = [
-    "SFTConfig.steps = 2",  # the config's SFT warm start, two steps of it
+    "SFTConfig.steps = 2",  # the config's SFT warm start; under the kill's step 3 (its steps count)
     "SFTConfig.batch_size = 8",
     "SFTConfig.save_every_steps = 100",
     "SFTConfig.eval_size = 0",
