@@ -4,7 +4,7 @@ and resume exactly after kills between and inside saves; a failing reward or gen
 run quickly, loudly, with the last checkpoint intact.
 
 Subprocesses share a persistent XLA compilation cache (same programs, so only the first run
-compiles); that changes no result, only the seconds.
+compiles; tests/procs.py); that changes no result, only the seconds.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import REPO, launch_env, launch_flags
 
 from jaxrl import workdir as run_dir
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
 MARK_ENV = "JAXRL_TEST_FAULT_MARK"
 # Six steps of fixed-lag-2 async RL from random weights, saved (and kept) every 2 steps, no
@@ -53,28 +53,14 @@ def xla_cache(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "async_xla_cache")
 
 
-def _flags(workdir, params, config=CONFIG):
-    flags = ["--gin_file", config, "--workdir", str(workdir)]
-    for p in params:
-        flags += ["--gin_param", p]
-    return flags
-
-
 def _start(
     workdir, cache, params=(), fault=None, entry=("-m", "launch.rl"), mark=None, config=CONFIG
 ):
-    env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
-    env["JAX_COMPILATION_CACHE_DIR"] = cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    if fault:
-        env["JAXRL_FAULT"] = fault
-    if mark:
-        env[MARK_ENV] = str(mark)
+    extra = {MARK_ENV: str(mark)} if mark else {}
     return subprocess.Popen(
-        [sys.executable, *entry, *_flags(workdir, TINY + list(params), config)],
+        [sys.executable, *entry, *launch_flags(config, workdir, TINY + list(params))],
         cwd=REPO,
-        env=env,
+        env=launch_env(cache, fault, **extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

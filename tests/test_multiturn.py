@@ -2,12 +2,12 @@
 are exactly the engine's and the environment's; observation tokens are attended but carry no
 loss and no gradient, whatever their placeholders; tokens and turn counts do not depend on the
 slot count, the arrival order or the tools' timing; malformed calls, raising and slow tools and
-over-budget episodes end (or not) with their status while the run goes on. The calculator tool's
-parser and environment are checked on their own."""
+over-budget episodes end (or not) with their status while the run goes on; the streaming driver's
+groups join the running batch and span weight versions. The calculator tool's parser and
+environment are checked on their own. Launches: tests/test_multiturn_modes.py."""
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -283,10 +283,11 @@ def test_trainer_sees_the_engines_and_the_environments_ids_and_masking_is_exact(
 
     # Through the trainer, on-policy: observation tokens are attended where the engine put them
     # (log pi of every sampled token equals the engine's log mu), and a step's update does not
-    # move by a bit when the observation placeholders change.
+    # move by a bit when the observation placeholders change. One device: the masking is the
+    # same on any mesh, and the one-device program compiles in two thirds of the time.
     trainer = Trainer(
         CONFIG,
-        make_mesh(MeshConfig(("fsdp", "tp"), (2, 1))),
+        make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), num_devices=1)),
         TRAINER_RULES,
         optax.sgd(0.1),
         loss=LossConfig(name="grpo"),
@@ -387,52 +388,44 @@ def test_over_budget_turns_and_total_tokens_truncate(engine4):
         _run(engine, params, _groups(), budget=EpisodeBudget(max_total_tokens=4))
 
 
-# --- sync-mode training through the one loop ----------------------------------------------------
+# --- streaming: episodes joining the running batch (tests/test_multiturn_modes.py: launches) ---
 
 
-def test_calc_tiny_config_runs_sft_then_multi_turn_rl(tmp_path):
-    """configs/rl/calc_tiny.gin through launch.rl (the one trainer loop with `EpisodeFeed`),
-    shrunk to a few steps: the SFT warm start on the calculator's demonstrations, then sync RL on
-    episodes, evaluated as greedy episodes."""
-    import gin
+def test_streamed_episodes_join_the_running_batch_and_span_versions(engine4):
+    """`EpisodeRunner.stream` (the streaming generator's driver): groups started between its
+    yields join the running engine and get the tokens and turns they get in one `run` call (the
+    noise is a function of episode, turn, sample and token only); with a new version before
+    every device call, episodes span versions and each sampled token records its own
+    (observations -1)."""
+    engine, params = engine4
+    runner = EpisodeRunner(engine, SAMPLING, BUDGET, tool_workers=0)
+    whole = _run(engine, params, _groups(), tool_workers=0)
 
-    from jaxrl.infra.launcher import launch
-    from jaxrl.infra.metrics import read_metrics
-    from launch.rl import rl_main
+    def bump(version):
+        return version + 1, params
 
-    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs/rl/calc_tiny.gin")
-    smoke = [
-        "SFTConfig.steps = 2",
-        "SFTConfig.batch_size = 8",
-        "SFTConfig.eval_every_steps = 100",
-        "SFTConfig.save_every_steps = 100",
-        "SFTConfig.eval_size = 0",  # no SFT evaluation (it crashed on an empty held-out set)
-        "SFTConfig.eval_samples = 0",
-        "RLConfig.total_steps = 2",
-        "RLConfig.num_prompts = 2",
-        "RLConfig.samples_per_prompt = 4",
-        "RLConfig.eval_every_steps = 2",
-        "RLConfig.eval_size = 4",
-        "RLConfig.save_every_steps = 100",
-    ]
-    flags = ["--gin_file", config, "--workdir", str(tmp_path / "run")]
-    for p in smoke:
-        flags += ["--gin_param", p]
-    try:
-        launch(rl_main, flags)
-    finally:
-        gin.clear_config()
-    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
-    steps = [r for r in records if r["step"] > 0]
-    assert [r["step"] for r in steps] == [1, 2]
-    for r in steps:
-        assert np.isfinite(r["loss"]) and 0 < r["num_tokens"]
-        assert r["abs_log_ratio_max"] <= 1e-4  # sync fp32: observations attended as sampled
-        assert r["episode/turns_mean"] >= 1
-        # The loss counts the sampled tokens of the batch's episodes only (observations out).
-        assert r["num_tokens"] == round(r["episode/sampled_tokens_mean"] * 8)
-    for r in (records[0], steps[-1]):
-        assert 0 <= r["eval/accuracy"] <= 1 and 0 <= r["eval/tool_call_rate"] <= 1
+    groups = _groups()
+    for group in groups[:2]:
+        runner.start(group)
+    streamed, waiting = [], list(groups[2:])
+    for trajectories in runner.stream(params, jax.random.key(0), update=bump):
+        streamed.append(trajectories)
+        if waiting:  # one more group joins after each finished one
+            runner.start(waiting.pop(0))
+    assert sorted(ts[0].episode for ts in streamed) == list(range(NUM_GROUPS))
+    by_episode = {ts[0].episode: ts for ts in streamed}
+    spanning = 0
+    for ts in whole:
+        for w in ts:
+            s = by_episode[w.episode][w.sample]
+            assert (s.tokens, s.loss_mask, s.turns, s.status) == (
+                w.tokens, w.loss_mask, w.turns, w.status,
+            )  # fmt: skip
+            versions, mask = np.asarray(s.token_versions), np.asarray(s.loss_mask)
+            assert np.all(versions[~mask] == -1) and np.all(versions[mask] >= 0)
+            assert np.all(np.diff(versions[mask]) >= 0)  # in sampling order
+            spanning += len(set(versions[mask])) > 1
+    assert spanning > 0
 
 
 def test_episode_jobs_are_checked_before_any_work():

@@ -1,39 +1,34 @@
 """Multi-turn episodes in the async schedules, through `launch.rl` on configs/rl/calc_tiny.gin
-(shrunk: no SFT, trainer and generator on one device each, an even-length reward that an
-untrained policy varies on): a fixed-lag run is reproducible bit for bit and resumes bit for bit
-after a SIGKILL; a streaming run killed after a save resumes and trains no episode group twice.
-Staleness figures count sampled tokens only (observations carry version -1).
+(shrunk: trainer and generator on one device each, an even-length reward that an untrained
+policy varies on): a fixed-lag run, the config's SFT warm start (two steps) then RL, is
+reproducible bit for bit and resumes bit for bit after a SIGKILL; a streaming run killed after a
+save resumes and trains no episode group twice, and evaluates greedy episodes. Staleness figures
+count sampled tokens only (observations carry version -1).
 
-Subprocesses share a persistent XLA compilation cache (only the first run compiles); that
-changes no result, only the seconds."""
+The runs share a persistent XLA compilation cache and one engine shape (slots, steps per
+call), so that only the first run compiles most programs; that changes no result, only the
+seconds."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-import test_multiturn as episodes_tests  # its tiny model, engine and scripted environments
-from flax import nnx
+from procs import REPO, run_launch
 
 from jaxrl import workdir as run_dir
-from jaxrl.generation.episodes import EpisodeRunner
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.loop.feeds.streaming import token_staleness_metrics
 from jaxrl.loop.rollout_queue import prompt_ledger
 from jaxrl.rl import Rollout
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "calc_tiny.gin")
 STEPS, PROMPTS, G = 4, 2, 4
 TINY = [
-    "rl_main.sft = None",
     "TaskSpec.name = 'envs_for_tests:calculator_even_length'",
     "rl_main.episode_tool_workers = 0",  # steps inline: device calls of fixed shapes
     "rl_main.mesh = @trainer/MeshConfig()",
@@ -44,6 +39,8 @@ TINY = [
     "generator/MeshConfig.axis_sizes = (1, 1)",
     "generator/MeshConfig.first_device = 1",
     "generator/MeshConfig.num_devices = 1",
+    f"rl_main.engine_slots = {PROMPTS * G}",  # both schedules: the same engine programs
+    "rl_main.engine_steps_per_call = 4",
     "RLConfig.mode = 'async'",
     f"RLConfig.total_steps = {STEPS}",
     f"RLConfig.num_prompts = {PROMPTS}",
@@ -55,17 +52,20 @@ TINY = [
     "OptimizerConfig.warmup_steps = 0",
 ]
 FIXED_LAG = [
+    "SFTConfig.steps = 2",  # the config's SFT warm start; under the kill's step 3 (its steps count)
+    "SFTConfig.batch_size = 8",
+    "SFTConfig.save_every_steps = 100",
+    "SFTConfig.eval_size = 0",
     "RLConfig.schedule = 'fixed_lag'",
     "RLConfig.lag = 1",
     "RLConfig.max_staleness = 1",
     "RLConfig.queue_size = 1",
 ]
 STREAMING = [
+    "rl_main.sft = None",
     "RLConfig.schedule = 'streaming'",
     "RLConfig.max_staleness = 4",
     "RLConfig.queue_size = 1",
-    f"rl_main.engine_slots = {PROMPTS * G}",
-    "rl_main.engine_steps_per_call = 4",
     "RLConfig.eval_size = 2",  # greedy episodes on the trainer's engine, at steps 0 and 4
     f"RLConfig.eval_every_steps = {STEPS}",
 ]
@@ -76,20 +76,8 @@ def xla_cache(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "multiturn_modes_xla_cache")
 
 
-def _launch(workdir, cache, schedule, fault=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
-    env["JAX_COMPILATION_CACHE_DIR"] = cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    if fault:
-        env["JAXRL_FAULT"] = fault
-    flags = ["--gin_file", CONFIG, "--workdir", str(workdir)]
-    for p in TINY + schedule:
-        flags += ["--gin_param", p]
-    return subprocess.run(
-        [sys.executable, "-m", "launch.rl", *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+def _launch(workdir, cache, schedule, fault=None):
+    return run_launch(CONFIG, workdir, TINY + schedule, cache, fault, timeout=900)
 
 
 def _params(workdir, step=None) -> dict[str, np.ndarray]:
@@ -114,12 +102,19 @@ EXACT = ("loss", "num_tokens", "reward/mean", "episode/turns_mean", "episode/sam
 
 
 def test_fixed_lag_episodes_are_reproducible_and_resume_bitwise_after_sigkill(tmp_path, xla_cache):
-    """Two runs of one config: the uninterrupted reference, and one killed with SIGKILL after
-    step 3 (step 2 saved, with the episodes batch 2 sampled ahead by version 1) then rerun. Step 2
-    and the queued episodes are bitwise the reference's; the rerun resumes from step 2 and ends
-    with the reference's parameters and per-step figures bit for bit."""
+    """Two runs of one config, each the SFT warm start then RL on episodes: the uninterrupted
+    reference, and one killed with SIGKILL after step 3 (step 2 saved, with the episodes batch 2
+    sampled ahead by version 1) then rerun. Step 2 and the queued episodes are bitwise the
+    reference's; the rerun resumes from step 2 (no second SFT stage) and ends with the
+    reference's parameters and per-step figures bit for bit. The loss counts the episodes'
+    sampled tokens only, and on-policy (step 1) the trainer's log-probs of the sampled tokens are
+    the engine's: observations attended where the engine put them."""
     reference = _launch(tmp_path / "reference", xla_cache, FIXED_LAG)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "SFT warm start" in reference.stdout
+    sft = _records(tmp_path / "reference" / "sft")
+    assert max(sft) == 2 and np.isfinite(sft[2]["loss"])
+    assert (tmp_path / "reference" / "sft" / "checkpoints" / "2").is_dir()
     run = tmp_path / "run"
     killed = _launch(run, xla_cache, FIXED_LAG, fault="kill_at_step=3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -144,6 +139,7 @@ def test_fixed_lag_episodes_are_reproducible_and_resume_bitwise_after_sigkill(tm
     resumed = _launch(run, xla_cache, FIXED_LAG)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout and "from step 2" in resumed.stdout
+    assert "SFT warm start" not in resumed.stdout
     ref, params = _params(tmp_path / "reference"), _params(run)
     for name, value in ref.items():
         assert value.tobytes() == params[name].tobytes(), name
@@ -155,6 +151,10 @@ def test_fixed_lag_episodes_are_reproducible_and_resume_bitwise_after_sigkill(tm
         assert a[step]["async/staleness"] == min(step - 1, 1)
         for key in EXACT:
             assert a[step][key] == b[step][key], (step, key)
+        assert np.isfinite(a[step]["loss"]) and a[step]["episode/turns_mean"] >= 1
+        # The loss counts the batch's sampled tokens (observations out).
+        assert a[step]["num_tokens"] == round(a[step]["episode/sampled_tokens_mean"] * PROMPTS * G)
+    assert a[1]["abs_log_ratio_max"] <= 1e-4  # on-policy, fp32
     rewards = {a[s]["reward/mean"] for s in a if s > 0}
     assert len(rewards) > 1 or 0 < rewards.pop() < 1  # the episodes' rewards varied
 
@@ -202,6 +202,7 @@ def test_streaming_episodes_resume_after_sigkill_without_training_a_group_twice(
         assert records[s]["episode/turns_mean"] >= 1
     for s in (0, STEPS):  # evaluated as episodes while the generator streams
         assert 0 <= records[s]["eval/tool_call_rate"] <= 1 and records[s]["eval/turns_mean"] >= 1
+        assert 0 <= records[s]["eval/accuracy"] <= 1
 
 
 def _rollout(versions, mask=None) -> Rollout:
@@ -234,47 +235,3 @@ def test_staleness_figures_count_sampled_tokens_only():
     metrics, _ = token_staleness_metrics([calm], 5)
     assert metrics["stream/token_staleness_max"] == 0.0
     assert metrics["stream/mixed_version_rows"] == 0.0
-
-
-@pytest.fixture(scope="module")
-def engine4():
-    model = episodes_tests.Transformer(episodes_tests.CONFIG, rngs=nnx.Rngs(0), init_std=0.3)
-    return episodes_tests._engine(model, 4)
-
-
-def test_streamed_episodes_join_the_running_batch_and_span_versions(engine4):
-    """`EpisodeRunner.stream` (the streaming generator's driver): groups started between its
-    yields join the running engine and get the tokens and turns they get in one `run` call (the
-    noise is a function of episode, turn, sample and token only); with a new version before
-    every device call, episodes span versions and each sampled token records its own
-    (observations -1)."""
-    engine, params = engine4
-    t = episodes_tests
-    runner = EpisodeRunner(engine, t.SAMPLING, t.BUDGET, tool_workers=0)
-    whole = t._run(engine, params, t._groups(), tool_workers=0)
-
-    def bump(version):
-        return version + 1, params
-
-    groups = t._groups()
-    for group in groups[:2]:
-        runner.start(group)
-    streamed, waiting = [], list(groups[2:])
-    for trajectories in runner.stream(params, jax.random.key(0), update=bump):
-        streamed.append(trajectories)
-        if waiting:  # one more group joins after each finished one
-            runner.start(waiting.pop(0))
-    assert sorted(ts[0].episode for ts in streamed) == list(range(t.NUM_GROUPS))
-    by_episode = {ts[0].episode: ts for ts in streamed}
-    spanning = 0
-    for ts in whole:
-        for w in ts:
-            s = by_episode[w.episode][w.sample]
-            assert (s.tokens, s.loss_mask, s.turns, s.status) == (
-                w.tokens, w.loss_mask, w.turns, w.status,
-            )  # fmt: skip
-            versions, mask = np.asarray(s.token_versions), np.asarray(s.loss_mask)
-            assert np.all(versions[~mask] == -1) and np.all(versions[mask] >= 0)
-            assert np.all(np.diff(versions[mask]) >= 0)  # in sampling order
-            spanning += len(set(versions[mask])) > 1
-    assert spanning > 0

@@ -7,21 +7,21 @@ ledger accounts for every issued prompt by index: trained, queued, in flight, dr
 filtered, exactly one of them at every checkpoint, each fate kept across the kills, the trained
 ones those the steps logged.
 
-Subprocesses share a persistent XLA compilation cache (only the first run compiles)."""
+Subprocesses share a persistent XLA compilation cache (only the first run compiles;
+tests/procs.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
+
+from procs import REPO, run_launch
 
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.loop.rollout_queue import prompt_ledger
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "chain_tiny_streaming.gin")
 STEPS, PROMPTS = 6, 4
 TINY = [
@@ -46,19 +46,7 @@ TINY = [
 
 
 def _run(workdir, cache, fault=None):
-    env = {k: v for k, v in os.environ.items() if k != "JAXRL_FAULT"}
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests")])
-    env["JAX_COMPILATION_CACHE_DIR"] = cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    if fault:
-        env["JAXRL_FAULT"] = fault
-    flags = ["--gin_file", CONFIG, "--workdir", str(workdir)]
-    for p in TINY:
-        flags += ["--gin_param", p]
-    return subprocess.run(
-        [sys.executable, "-m", "launch.rl", *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return run_launch(CONFIG, workdir, TINY, cache, fault)
 
 
 def _extra(workdir, step):
