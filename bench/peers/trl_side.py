@@ -9,9 +9,10 @@ The RL step: `GRPOConfig(loss_type="grpo", beta=0, scale_rewards="group", epsilo
 optimizer step per generation batch (`per_device_train_batch_size` = prompts x G), constant
 learning rate, AdamW, sampling with transformers `generate` at temperature 1 (no top-k / top-p),
 fp32 on the CPU, no gradient checkpointing (TRL's default turns it on; the library's
-remat_policy defaults to none). Per step: `step_s` from the trainer's `on_step_begin` to `on_step_end` (after the
-optimizer step), `generate_s` the time in `_generate_single_turn` (sampling), `train_s` the step
-less `_generate_and_score_completions` (sampling, rewards, advantages).
+remat_policy defaults to none). Per step: `step_s` from the trainer's `on_step_begin` to
+`on_step_end` (after the optimizer step), `generate_s` the time in `_generate_single_turn`
+(sampling), `train_s` the step less `_generate_and_score_completions` (sampling, rewards,
+advantages).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def generate(model_dir: str, num_prompts: int, new_tokens: int, rounds: int, way
     model.eval()
     messages, _ = workload.smol_messages(0, num_prompts)
     ids = [
-        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in messages
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
+        for m in messages
     ]
     ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
     config = transformers.GenerationConfig(

@@ -59,7 +59,9 @@ def model_config(model_dir: str):
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
     if hf.get("model_type") != "llama":
-        raise SystemExit(f"{model_dir}: model_type {hf.get('model_type')!r}; Tunix's llama3 needs llama")
+        raise SystemExit(
+            f"{model_dir}: model_type {hf.get('model_type')!r}; Tunix's llama3 needs llama"
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", "default") not in ("default", None):
         raise SystemExit(f"{model_dir}: RoPE {rope}; Tunix's llama3 model has no RoPE scaling")
@@ -146,7 +148,9 @@ def rl(model_dir: str, shape: workload.Shape, steps: int) -> dict:
             top_k=None,
         ),
     )
-    cluster = rl_cluster_lib.RLCluster(actor=model, tokenizer=tokenizer, cluster_config=cluster_config)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model, tokenizer=tokenizer, cluster_config=cluster_config
+    )
 
     def reward(prompts, completions, answer=None, **kwargs):
         if tiny:

@@ -66,13 +66,18 @@ def tiny_prompt_ids(step: int, num_prompts: int, vocab_size: int = 512, length: 
     """Step `step`'s prompts: `num_prompts` lists of `length` ids in 3..vocab-1 (0-2 are pad,
     bos, eos), drawn from a generator seeded by the prompt's global index."""
     return [
-        [int(t) for t in np.random.default_rng(step * num_prompts + i).integers(3, vocab_size, length)]
+        [
+            int(t)
+            for t in np.random.default_rng(step * num_prompts + i).integers(3, vocab_size, length)
+        ]
         for i in range(num_prompts)
     ]
 
 
 def tiny_prompt_texts(step: int, num_prompts: int, vocab_size: int = 512, length: int = 16):
-    return [" ".join(map(str, ids)) for ids in tiny_prompt_ids(step, num_prompts, vocab_size, length)]
+    return [
+        " ".join(map(str, ids)) for ids in tiny_prompt_ids(step, num_prompts, vocab_size, length)
+    ]
 
 
 def arithmetic(index: int) -> tuple[str, str]:
