@@ -135,8 +135,9 @@ def rl_controller(steps: int, smoke: bool) -> dict:
 
 
 def generate_only(model: str, num_prompts: int, new_tokens: int, rounds: int, slots: int) -> dict:
-    """Generation alone: `num_prompts` chat-templated prompts, one sample each, on the
-    continuous-batching engine; tokens/s per round after a warm-up round (compiles)."""
+    """Generation alone: `num_prompts` chat-templated prompts, one sample each, temperature 1,
+    EOS respected, on the continuous-batching engine (`slots` decode slots); the mean over
+    `rounds` rounds after a warm-up round (compiles) of seconds and completion tokens."""
     import jax
     import numpy as np
 
@@ -147,12 +148,12 @@ def generate_only(model: str, num_prompts: int, new_tokens: int, rounds: int, sl
 
     model_obj = hf.load_model(model)
     tokenizer = hf.load_tokenizer(model)
-    messages, _ = workload.smol_messages(0, num_prompts)
-    ids = [
-        list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
-        for m in messages
-    ]
-    ids = [x["input_ids"] if isinstance(x, dict) else x for x in ids]
+    if getattr(tokenizer, "chat_template", None):
+        messages, _ = workload.smol_messages(0, num_prompts)
+        ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in messages]
+        ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
+    else:  # the tiny model's id tokenizer (--smoke)
+        ids = workload.tiny_prompt_ids(0, num_prompts, tokenizer.vocab_size)
     engine, params = Engine.for_model(model_obj, num_slots=min(slots, num_prompts))
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
     times, tokens = [], []
