@@ -179,12 +179,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["export", "public", "controller", "generate"])
     parser.add_argument("--model", required=True, help="HF folder (export: where to write it)")
-    parser.add_argument("--shape", default="tiny")
+    workload.add_shape_flags(parser)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--generator", default="engine", choices=["engine", "static"])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slots", type=int, default=64)
     args = parser.parse_args(argv)
@@ -194,11 +193,11 @@ def main(argv=None) -> None:
     if args.mode == "controller":
         workload.emit(rl_controller(args.steps, args.smoke))
     elif args.mode == "public":
-        shape = workload.shape(args.shape)
+        shape = workload.shape_from_args(args)
         workload.emit(rl_public(args.model, shape, args.steps, args.generator))
     else:
         workload.emit(
-            generate_only(args.model, args.prompts, args.new_tokens, args.rounds, args.slots)
+            generate_only(args.model, args.prompts, args.new_tokens or 128, args.rounds, args.slots)
         )
 
 

@@ -88,6 +88,9 @@ def side_commands(args, model: str) -> dict[str, tuple[str, str, list[str]]]:
     """(python, module, args) per side to run."""
     steps = ["--steps", str(args.steps)]
     shape = ["--shape", args.shape_name]
+    for flag in ("num_prompts", "samples", "new_tokens"):
+        if getattr(args, flag):
+            shape += [f"--{flag}", str(getattr(args, flag))]
     sides = {
         "library": (
             sys.executable,
@@ -122,6 +125,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tunix_python", default="")
     parser.add_argument("--trl_python", default="")
     parser.add_argument("--sides", default="", help="comma list of library,controller,tunix,trl")
+    parser.add_argument("--num_prompts", type=int, default=0, help="override the shape's")
+    parser.add_argument("--samples", type=int, default=0, help="override the shape's G")
+    parser.add_argument("--new_tokens", type=int, default=0, help="override the shape's")
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--core", type=int, default=-1, help="default: the last allowed core")
@@ -178,6 +184,7 @@ def main(argv=None) -> list[dict]:
         if runs[name]:
             row |= {k: statistics.median(r[k] for r in runs[name]) for k in PHASES}
             row["per_round_step_s"] = [round(r["step_s"], 4) for r in runs[name]]
+            row["steps_s"] = [r.get("steps_s") for r in runs[name]]
             row["load_1min"] = [r["load_1min"] for r in runs[name]]
             row["completion_tokens"] = statistics.median(
                 r.get("completion_tokens", 0) for r in runs[name]
@@ -196,9 +203,16 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(row), flush=True)
 
     from bench.common import write_results
+    from bench.peers import workload
 
+    shape = workload.shape(
+        args.shape_name,
+        num_prompts=args.num_prompts,
+        samples=args.samples,
+        new_tokens=args.new_tokens,
+    )
     note = (
-        f"`{command}`; shape {args.shape_name}, {args.steps} steps x {args.rounds} rounds per "
+        f"`{command}`; shape {shape}, {args.steps} steps x {args.rounds} rounds per "
         f"side, one core (taskset -c {core}); {machine()}; {load_before} before, {load()} after"
     )
     columns = [

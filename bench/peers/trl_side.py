@@ -202,16 +202,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["rl", "generate", "generate_batch"])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--shape", default="tiny")
+    workload.add_shape_flags(parser)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     if args.mode == "rl":
-        workload.emit(rl(args.model, workload.shape(args.shape), args.steps))
+        workload.emit(rl(args.model, workload.shape_from_args(args), args.steps))
     else:
-        workload.emit(generate(args.model, args.prompts, args.new_tokens, args.rounds, args.mode))
+        workload.emit(
+            generate(args.model, args.prompts, args.new_tokens or 128, args.rounds, args.mode)
+        )
 
 
 if __name__ == "__main__":

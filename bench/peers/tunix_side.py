@@ -223,10 +223,10 @@ def rl(model_dir: str, shape: workload.Shape, steps: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--shape", default="tiny")
+    workload.add_shape_flags(parser)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args(argv)
-    workload.emit(rl(args.model, workload.shape(args.shape), args.steps))
+    workload.emit(rl(args.model, workload.shape_from_args(args), args.steps))
 
 
 if __name__ == "__main__":

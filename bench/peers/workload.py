@@ -54,9 +54,27 @@ SHAPES = {s.name: s for s in (TINY, TINY_SMOKE, SMOL)}
 
 
 def shape(name: str, **overrides) -> Shape:
+    """The named shape; overrides that are set (not 0 / None) replace its fields."""
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
     return dataclasses.replace(SHAPES[name], **{k: v for k, v in overrides.items() if v})
+
+
+def add_shape_flags(parser) -> None:
+    """`--shape` and the overrides every side takes."""
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--num_prompts", type=int, default=0, help="override the shape's")
+    parser.add_argument("--samples", type=int, default=0, help="override the shape's G")
+    parser.add_argument("--new_tokens", type=int, default=0, help="override the shape's")
+
+
+def shape_from_args(args) -> Shape:
+    return shape(
+        args.shape,
+        num_prompts=args.num_prompts,
+        samples=args.samples,
+        new_tokens=args.new_tokens,
+    )
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -126,6 +144,7 @@ def summarise(steps: list[dict], warmup: int) -> dict:
     for key in ("step_s", "generate_s", "train_s"):
         row[key] = statistics.median(s[key] for s in window)
     row["first_step_s"] = steps[0]["step_s"]
+    row["steps_s"] = [round(s["step_s"], 4) for s in steps]
     row["completion_tokens"] = statistics.median(s.get("completion_tokens", 0) for s in window)
     return row
 
