@@ -34,14 +34,16 @@ def export_tiny(path: str, smoke: bool) -> None:
     as an HF safetensors folder with `word_tokenizer`."""
     from flax import nnx
 
-    from bench.rl import _model_config
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import TRAINER_RULES
     from jaxrl.models import hf
+    from jaxrl.models.presets import rlbench_tiny
     from jaxrl.models.transformer import Transformer
     from jaxrl.trainer import OptimizerConfig, Trainer
 
-    config = _model_config(smoke)
+    # bench.rl's model (its --smoke: 1 layer, hidden 32)
+    small = dict(hidden_size=32, intermediate_size=64, num_layers=1) if smoke else {}
+    config = rlbench_tiny(**small)
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), 0, 1))
     trainer = Trainer(config, mesh, TRAINER_RULES, OptimizerConfig().make(1))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
