@@ -57,11 +57,8 @@ def prompts(shape: workload.Shape, tokenizer, step: int):
         ids = workload.tiny_prompt_ids(step, shape.num_prompts, tokenizer.vocab_size)
         return ids, workload.even_ids
     messages, answers = workload.smol_messages(step, shape.num_prompts)
-    ids = [
-        list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True))
-        for m in messages
-    ]
-    ids = [x["input_ids"] if isinstance(x, dict) else x for x in ids]
+    ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in messages]
+    ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
     per_row = [a for a in answers for _ in range(shape.samples)]
     return ids, lambda texts: workload.arithmetic_correct(texts, per_row)
 
