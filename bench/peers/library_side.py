@@ -63,7 +63,9 @@ def prompts(shape: workload.Shape, tokenizer, step: int):
     return ids, lambda texts: workload.arithmetic_correct(texts, per_row)
 
 
-def rl_public(model: str, shape: workload.Shape, steps: int, generator: str) -> dict:
+def rl_public(
+    model: str, shape: workload.Shape, steps: int, generator: str, slots: int = 0
+) -> dict:
     """RL steps as a user writes them: `Trainer.from_hf` (GRPO), the colocated sampler,
     `rollouts_from_samples` / `collate_rollouts`, `Trainer.rl_step`."""
     import jax
@@ -83,8 +85,10 @@ def rl_public(model: str, shape: workload.Shape, steps: int, generator: str) -> 
         loss=LossConfig(name="grpo", temperature=shape.temperature),
     )
     tokenizer = hf.load_tokenizer(model)
+    # slots 0: the library's default engine size (256 decode slots)
+    sizing = {"num_slots": slots} if slots else {}
     sampler = colocated_sampler(
-        trainer, tokenizer, prompt_buckets=(shape.prompt_len,), generator=generator
+        trainer, tokenizer, prompt_buckets=(shape.prompt_len,), generator=generator, **sizing
     )
     sampling = SamplingConfig(max_new_tokens=shape.new_tokens, temperature=shape.temperature)
     g = shape.samples
@@ -184,7 +188,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=64, help="generate: the engine's slots")
+    parser.add_argument("--rl_slots", type=int, default=0, help="public: the sampler's slots")
     args = parser.parse_args(argv)
     if args.mode == "export":
         export_tiny(args.model, args.smoke)
@@ -193,7 +198,7 @@ def main(argv=None) -> None:
         workload.emit(rl_controller(args.steps, args.smoke))
     elif args.mode == "public":
         shape = workload.shape_from_args(args)
-        workload.emit(rl_public(args.model, shape, args.steps, args.generator))
+        workload.emit(rl_public(args.model, shape, args.steps, args.generator, args.rl_slots))
     else:
         workload.emit(
             generate_only(args.model, args.prompts, args.new_tokens or 128, args.rounds, args.slots)
