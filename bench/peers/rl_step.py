@@ -186,9 +186,9 @@ def main(argv=None) -> list[dict]:
             row["per_round_step_s"] = [round(r["step_s"], 4) for r in runs[name]]
             row["steps_s"] = [r.get("steps_s") for r in runs[name]]
             row["load_1min"] = [r["load_1min"] for r in runs[name]]
-            row["completion_tokens"] = statistics.median(
-                r.get("completion_tokens", 0) for r in runs[name]
-            )
+            if "completion_tokens" in runs[name][0]:  # the Controller side does not count them
+                tokens = [r["completion_tokens"] for r in runs[name]]
+                row["completion_tokens"] = statistics.median(tokens)
             if "versions" in runs[name][0]:
                 row["versions"] = runs[name][0]["versions"]
         if name in errors:
