@@ -1,11 +1,10 @@
 """Kept rows and continuations on the continuous-batching engine (`Request.keep_cache` /
 `continues`): a continued row samples what a fresh request with the whole prompt samples, while
-only the new tokens run through the model; rows that no request continues are released; and
-multi-turn episodes continued in their slots equal those re-prefilled each turn."""
+only the new tokens run through the model; rows that no request continues are released; per-sample
+results and budgets; a row moved into a stopped sibling's slot. (Episodes continued in their slots
+against episodes re-prefilled each turn: tests/test_multiturn.py, scheduling independence.)"""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import numpy as np
@@ -13,11 +12,9 @@ import pytest
 from flax import nnx
 
 from jaxrl.generation.engine import Engine, Request
-from jaxrl.generation.episodes import EpisodeRunner
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from tests.test_multiturn import BUDGET, SAMPLING, _groups
 
 CONFIG = ModelConfig(
     "llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128, eos_token_id=2, pad_token_id=0
@@ -71,40 +68,6 @@ def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model)
     assert list(engine.run(params, key)) == []
     engine.release(33, 0)
     assert [r.request_id for r in engine.run(params, key)] == [34] and not engine.kept_rows
-
-
-def test_episodes_continued_in_their_slots_equal_episodes_prefilled_again(model):
-    engine, params = _engine(model)
-
-    def run(continue_in_slot):
-        before = dataclasses.asdict(engine.stats)
-        runner = EpisodeRunner(
-            engine, SAMPLING, BUDGET, tool_workers=4, continue_in_slot=continue_in_slot
-        )
-        try:
-            out = runner.run(params, jax.random.key(0), _groups())
-        finally:
-            runner.close()
-        summary = {
-            (t.episode, t.sample): (tuple(t.tokens), tuple(t.loss_mask), t.turns, t.status)
-            for ts in out
-            for t in ts
-        }
-        logprobs = [lp for ts in out for t in ts for lp in t.behaviour_logprobs]
-        assert not engine.kept_rows  # every kept row released
-        stats = {k: v - before[k] for k, v in dataclasses.asdict(engine.stats).items()}
-        return summary, np.asarray(logprobs), stats
-
-    slot, slot_lp, slot_stats = run(True)
-    again, again_lp, again_stats = run(False)
-    assert slot == again
-    np.testing.assert_allclose(slot_lp, again_lp, atol=1e-4)
-    assert max(turns for _, _, turns, _ in slot.values()) >= 3
-    assert slot_stats["extend_calls"] > 0 and again_stats["extend_calls"] == 0
-    # Only observations (and each turn's last token) run through the model again, not histories.
-    assert (
-        slot_stats["prefill_tokens"] + slot_stats["extend_tokens"] < again_stats["prefill_tokens"]
-    )
 
 
 def test_per_sample_results_and_sample_budgets(model):

@@ -8,6 +8,7 @@ environment are checked on their own. Launches: tests/test_multiturn_modes.py.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -136,8 +137,10 @@ def engine4(model):
     return _engine(model, 4)
 
 
-def _run(engine, params, groups, tool_workers=4, budget=BUDGET):
-    runner = EpisodeRunner(engine, SAMPLING, budget, tool_workers=tool_workers)
+def _run(engine, params, groups, tool_workers=4, budget=BUDGET, continue_in_slot=True):
+    runner = EpisodeRunner(
+        engine, SAMPLING, budget, tool_workers=tool_workers, continue_in_slot=continue_in_slot
+    )
     try:
         return runner.run(params, jax.random.key(0), groups)
     finally:
@@ -319,17 +322,28 @@ def test_tokens_and_turns_independent_of_slots_arrival_order_and_tool_timing(mod
         }
 
     engine32 = _engine(model, 32)
-    runs = {}
+    runs, stats = {}, {}
     for slots, (engine, params) in ((4, engine4), (32, engine32)):
         for order in ("forward", "reversed"):
             groups = _groups()
             groups = groups if order == "forward" else groups[::-1]
-            runs[slots, order] = summary(_run(engine, params, groups))
+            # One run continues each turn as a new request whose whole history is prefilled
+            # again, instead of in the episode's own slot: the same tokens either way.
+            in_slot = (slots, order) != (32, "reversed")
+            before = dataclasses.asdict(engine.stats)
+            runs[slots, order] = summary(_run(engine, params, groups, continue_in_slot=in_slot))
+            after = dataclasses.asdict(engine.stats)
+            stats[slots, order] = {k: after[k] - before[k] for k in after}
     runs["inline"] = summary(_run(engine4[0], engine4[1], _groups(), tool_workers=0))
     first = runs[4, "forward"]
     assert len({t[2] for t in first.values()}) >= 3  # episodes of different turn counts
     for name, run in runs.items():
         assert run == first, name
+    # In its slot, a later turn runs only the new tokens (each turn's last token and the
+    # observation) through the model, not the history again.
+    slot, again = stats[32, "forward"], stats[32, "reversed"]
+    assert slot["extend_tokens"] > 0 and again["extend_tokens"] == 0
+    assert slot["prefill_tokens"] + slot["extend_tokens"] < again["prefill_tokens"]
 
 
 # --- acceptance 6: bad input --------------------------------------------------------------------

@@ -81,8 +81,9 @@ def _copy_rows(full, new, dest_s, src_s, axis: int):
 
 
 def extend_row_buckets(active: int) -> tuple[int, ...]:
-    """Row counts of a decode call's extension of continued rows among `active` slots."""
-    return pow2_buckets(min(8, active), active)
+    """Row counts of a decode call's extension of continued rows among `active` slots: up to
+    8, or all (two programs per span, width and slot bucket, not one per power of two)."""
+    return tuple(sorted({min(8, active), active}))
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
