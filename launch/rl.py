@@ -171,6 +171,7 @@ def rl_main(
     episodes: EpisodeBudget | None = None,
     episode_tool_workers: int = 8,
     mask_observations: bool = True,
+    plot: bool = True,
 ) -> dict:
     """`mesh`: the trainer's (and, in sync mode, the colocated generator's) devices and axes.
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
@@ -194,7 +195,8 @@ def rl_main(
     `episode_tool_workers`: threads for the environments' steps (0: inline, which keeps sync
     and fixed-lag runs reproducible bit for bit). `mask_observations=False`: the control
     experiment of training on the environment's observation tokens too (never for real
-    training)."""
+    training). `plot=False`: no curves PNG at the end (`python -m launch.plot WORKDIR` draws it
+    later)."""
     gen = resolve_generator_config(
         generator_config,
         generator=generator,
@@ -344,11 +346,14 @@ def rl_main(
     final_step = int(state.step) if state is not None else rl.total_steps  # generator: None
     if jax.process_index() != 0:  # process 0 wrote the metrics and reports
         return {"workdir": workdir, "plot": None, "final_step": final_step}
-    from launch.plot import write_plot
-
-    plot = write_plot(workdir)
     print(f"metrics:     {os.path.abspath(os.path.join(workdir, 'metrics.jsonl'))}")
-    print(f"plot:        {plot}")
+    if plot:
+        from launch.plot import write_plot
+
+        plot = write_plot(workdir)
+        print(f"plot:        {plot}")
+    else:
+        plot = None
     print(f"checkpoints: {os.path.abspath(run_dir.checkpoint_dir(workdir))}")
     return {"workdir": workdir, "plot": plot, "final_step": final_step}
 

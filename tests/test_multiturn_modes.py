@@ -48,6 +48,7 @@ TINY = [
     "RLConfig.eval_size = 0",
     "RLConfig.save_every_steps = 2",
     "RLConfig.keep_last_n = 3",
+    "rl_main.plot = False",  # no curves PNG (matplotlib) in each of the five launches
     "OptimizerConfig.learning_rate = 1e-2",
     "OptimizerConfig.warmup_steps = 0",
 ]
