@@ -167,15 +167,7 @@ def generate_only(model: str, num_prompts: int, new_tokens: int, rounds: int, sl
         n = int(sum(np.asarray(g.mask_gn).sum() for g in groups))
         times.append(time.perf_counter() - start)
         tokens.append(n)
-    window = slice(1, None) if rounds else slice(0, None)
-    total_s, total_tokens = sum(times[window]), sum(tokens[window])
-    return dict(
-        seconds=total_s / len(times[window]),
-        tokens=total_tokens / len(times[window]),
-        tokens_per_s=total_tokens / total_s,
-        first_round_s=times[0],
-        prompt_tokens_mean=float(np.mean([len(p) for p in ids])),
-    )
+    return workload.generation_summary(times, tokens, rounds, ids)
 
 
 def main(argv=None) -> None:

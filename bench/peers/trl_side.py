@@ -144,7 +144,6 @@ def generate(model_dir: str, num_prompts: int, new_tokens: int, rounds: int, way
     """Generation alone: `num_prompts` chat-templated prompts, one sample each, temperature 1,
     EOS respected; `way` "generate" (one left-padded batch) or "generate_batch" (transformers'
     continuous batching, its paged cache bounded to the prompts' pages)."""
-    import numpy as np
     import torch
     import transformers
 
@@ -203,14 +202,7 @@ def generate(model_dir: str, num_prompts: int, new_tokens: int, rounds: int, way
                 n = sum(len(r.generated_tokens) for r in results.values())
         times.append(time.perf_counter() - start)
         tokens.append(n)
-    window = slice(1, None) if rounds else slice(0, None)
-    total_s, total_tokens = sum(times[window]), sum(tokens[window])
-    return dict(
-        seconds=total_s / len(times[window]),
-        tokens=total_tokens / len(times[window]),
-        tokens_per_s=total_tokens / total_s,
-        first_round_s=times[0],
-        prompt_tokens_mean=float(np.mean([len(p) for p in ids])),
+    return workload.generation_summary(times, tokens, rounds, ids) | dict(
         versions=f"transformers {transformers.__version__}, torch {torch.__version__}",
     )
 

@@ -149,6 +149,21 @@ def summarise(steps: list[dict], warmup: int) -> dict:
     return row
 
 
+def generation_summary(times: list[float], tokens: list[int], rounds: int, ids) -> dict:
+    """A generation side's figures: per-call seconds and tokens, tokens/s over the timed calls
+    (all but the first, a warm-up, when there were `rounds` after it), the first call's seconds
+    and the mean prompt length of `ids`."""
+    window = slice(1, None) if rounds else slice(0, None)
+    total_s, total_tokens = sum(times[window]), sum(tokens[window])
+    return dict(
+        seconds=total_s / len(times[window]),
+        tokens=total_tokens / len(times[window]),
+        tokens_per_s=total_tokens / total_s,
+        first_round_s=times[0],
+        prompt_tokens_mean=float(np.mean([len(p) for p in ids])),
+    )
+
+
 def emit(row: dict) -> None:
     """The side's result, as the one line the orchestrator reads."""
     print("ROW " + json.dumps(row), flush=True)
