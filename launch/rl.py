@@ -347,15 +347,14 @@ def rl_main(
     if jax.process_index() != 0:  # process 0 wrote the metrics and reports
         return {"workdir": workdir, "plot": None, "final_step": final_step}
     print(f"metrics:     {os.path.abspath(os.path.join(workdir, 'metrics.jsonl'))}")
+    plot_path = None
     if plot:
         from launch.plot import write_plot
 
-        plot = write_plot(workdir)
-        print(f"plot:        {plot}")
-    else:
-        plot = None
+        plot_path = write_plot(workdir)
+        print(f"plot:        {plot_path}")
     print(f"checkpoints: {os.path.abspath(run_dir.checkpoint_dir(workdir))}")
-    return {"workdir": workdir, "plot": plot, "final_step": final_step}
+    return {"workdir": workdir, "plot": plot_path, "final_step": final_step}
 
 
 def _initial_state(io, trainer, lora, loss, initial):

@@ -102,11 +102,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generation.engine_device import MIN_CAPACITY, EngineDevice
-from jaxrl.generation.engine_programs import (
-    EnginePrograms,
-    bucket,
-    pow2_buckets,
-)
+from jaxrl.generation.engine_programs import EnginePrograms, bucket, pow2_buckets
 from jaxrl.generation.engine_requests import EngineStats, GroupResult, KeptRow, Request
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
 from jaxrl.generation.sampling import SamplingConfig
@@ -432,12 +428,7 @@ class Engine(EngineDevice):
                 for g, s in enumerate(slots):
                     owner[s], live[s] = request.request_id, True
                     token[s], pos[s] = request.prompt[-1], len(request.prompt) - 1
-                    index[s] = 0
-                    budget[s] = (
-                        request.budget
-                        if request.sample_budgets is None
-                        else (request.sample_budgets[g])
-                    )
+                    index[s], budget[s] = 0, request.sample_budget(g)
                     req_of[s], sample_of[s] = request.request_id, g
             if not running:
                 if self._queue:  # waits for slots of kept rows: their continuations come later

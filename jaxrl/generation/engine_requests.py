@@ -46,6 +46,10 @@ class Request:
     def budget(self) -> int:
         return self.max_new_tokens or self.sampling.max_new_tokens
 
+    def sample_budget(self, g: int) -> int:
+        """Sample g's `max_new_tokens` (`sample_budgets[g]`, else `budget`)."""
+        return self.budget if self.sample_budgets is None else self.sample_budgets[g]
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupResult:

@@ -492,13 +492,11 @@ class EpisodeRunner:
             if c.started is not None
         ]
         timeout = min(deadlines, default=now + 0.01) - now
-        done, pending = concurrent.futures.wait(
+        concurrent.futures.wait(
             [c.future for c in self._calls],
             timeout=min(max(timeout, 0.0), 1.0),
             return_when=concurrent.futures.FIRST_COMPLETED,
-        )
-        if done and pending:  # steps finishing together continue in one decode call
-            concurrent.futures.wait(pending, timeout=0.002)
+        )  # the steps still running get `tool_grace_s` before the next device call
         self._poll()
 
     def _apply(self, trajectory: Trajectory, step: Step) -> None:
