@@ -16,6 +16,9 @@ episodes really call it: `<bos>37*48=` -> `(37*48)` | `=1776` | `1776<eos>` (two
   ids (EOS ignored), `max_new_tokens` = the multi-turn episodes' mean sampled tokens (rounded
   up), so both sides sample about the same number of tokens per episode.
 
+`--turn_tokens L` replaces the calculator by a scripted workload whose turns average L tokens
+(`scripted_workload`): the cost of a turn boundary against the turns' length.
+
 Reported: sampled tokens (loss-masked; observations excluded) per second of `run` wall time,
 median of `--repeats` timed runs after a warm-up run (compiles), the ratio multi / single; and
 from one more, instrumented, run of each: device seconds in prefill / extend / decode calls
@@ -23,6 +26,7 @@ from one more, instrumented, run of each: device seconds in prefill / extend / d
 nothing to decode for tools.
 
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
+    python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
     python -m bench.multiturn --smoke    # seconds: bench/results/multiturn_smoke.*
 """
 
@@ -35,19 +39,23 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, serialization
 
 from bench.common import command, machine, write_results
+from jaxrl.env.base import Step
 from jaxrl.env.calculator import CalculatorSource, CalculatorTask
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.specs import PRESETS
+from jaxrl.tasks.source import PromptItem
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 from jaxrl.train_steps import sft_loss
 
@@ -119,7 +127,43 @@ def _stats_delta(engine: Engine, before) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def measure(name, preset, args, continue_modes) -> list[dict]:
+class ScriptedToolEnv:
+    """The `--turn_tokens` workload's environment: it ignores what the model wrote, answers
+    every turn but the last with `observation` (a fixed tool reply) and ends the episode after
+    `turns` turns."""
+
+    def __init__(self, prompt: Sequence[int], observation: Sequence[int], turns: int):
+        self.prompt, self.observation, self.turns, self.turn = prompt, observation, turns, 0
+
+    def reset(self, item) -> Sequence[int]:
+        return self.prompt
+
+    def step(self, turn_ids: Sequence[int]) -> Step:
+        self.turn += 1
+        if self.turn >= self.turns:
+            return Step(done=True)
+        return Step(observation=self.observation)
+
+
+@dataclasses.dataclass
+class Workload:
+    """A policy and its episodes: `prompts[e]` are episode group e's prompt ids; `make_env(e)`
+    one of its G environments."""
+
+    task: str
+    model: Transformer
+    sft_loss: float
+    sft_s: float
+    budget: EpisodeBudget
+    stop_ids: tuple[int, ...]
+    items: list
+    prompts: list[tuple[int, ...]]
+    make_env: Callable[[int], object]
+    temperature: float = 1.0
+
+
+def calculator_workload(preset, args) -> Workload:
+    """The calculator task with a policy SFT'd to call the tool (module docstring)."""
     tokenizer = build_arithmetic_tokenizer()
     task = CalculatorTask(chained=args.chained, tool_share=1.0)
     source = CalculatorSource(task, tokenizer)
@@ -127,13 +171,57 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     start = time.perf_counter()
     model, loss = sft_policy(preset, source, tokenizer, args.sft_steps, seq_len, args.sft_cache)
     sft_s = time.perf_counter() - start
-    max_len = model.config.max_position_embeddings
     if args.chained:
         budget = EpisodeBudget(max_turns=5, max_turn_tokens=12, max_total_tokens=64,
                                max_observation_tokens=24, tool_timeout_s=10.0)  # fmt: skip
     else:  # configs/rl/calc_tiny.gin
         budget = EpisodeBudget(max_turns=3, max_turn_tokens=10, max_total_tokens=40,
                                max_observation_tokens=12, tool_timeout_s=10.0)  # fmt: skip
+    items = [source.item(i) for i in range(args.prompts)]
+    prompts = [tuple(tokenizer.encode(item.text)) for item in items]
+    task_name = "a*b+c*d" if args.chained else "a*b"
+    stop_ids = tuple(source.stop_ids)
+    return Workload(
+        task_name, model, loss, sft_s, budget, stop_ids, items, prompts, lambda e: source.make_env()
+    )
+
+
+def scripted_workload(preset, args) -> Workload:
+    """`--turn_tokens L`: turns of about L tokens. The policy is `preset` at its seed-0 random
+    init, sampled at temperature 100 (nearly uniform over its vocabulary V), with V / L of its
+    ids stop ids, so turn lengths are about geometric with mean L (at most 3 L); `--turns`
+    turns per episode, each tool reply `--observation_tokens` ids; 16-token prompts. What it
+    measures is the engine's and driver's cost per turn boundary against the turns' length,
+    not a task."""
+    L, turns, obs = args.turn_tokens, args.turns, args.observation_tokens
+    config = PRESETS[preset](512, build_arithmetic_tokenizer())
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    vocab = config.vocab_size
+    stop_ids = tuple(range(vocab - max(1, round(vocab / L)), vocab))  # P(stop) ~ 1 / L
+    rng = np.random.default_rng(0)
+    plain = stop_ids[0]  # prompts and replies: ids below the stop ids
+    prompts = [tuple(int(t) for t in rng.integers(3, plain, 16)) for _ in range(args.prompts)]
+    observation = tuple(int(t) for t in rng.integers(3, plain, obs))
+    turn_max = 3 * L
+    total = min(16 + turns * turn_max + (turns - 1) * obs, config.max_position_embeddings)
+    budget = EpisodeBudget(
+        max_turns=turns,
+        max_turn_tokens=turn_max,
+        max_total_tokens=total,
+        max_observation_tokens=(turns - 1) * obs,
+        tool_timeout_s=10.0,
+    )
+    items = [PromptItem(f"scripted {e}", "") for e in range(args.prompts)]
+    return Workload(f"scripted, {turns} turns of ~{L} + {obs}-token replies", model, float("nan"),
+                    0.0, budget, stop_ids, items, prompts,
+                    lambda e: ScriptedToolEnv(prompts[e], observation, turns),
+                    temperature=100.0)  # fmt: skip
+
+
+def measure(name, preset, args, continue_modes) -> list[dict]:
+    work = (scripted_workload if args.turn_tokens else calculator_workload)(preset, args)
+    model, budget, items, prompts = work.model, work.budget, work.items, work.prompts
+    max_len = model.config.max_position_embeddings
     engine, params = Engine.for_model(
         model,
         num_slots=args.slots,
@@ -142,11 +230,12 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         prompt_buckets=(16, 32),
         keep_calls=args.keep_calls,
     )
-    sampling = SamplingConfig(budget.max_turn_tokens, stop_ids=source.stop_ids)
-    items = [source.item(i) for i in range(args.prompts)]
+    sampling = SamplingConfig(
+        budget.max_turn_tokens, temperature=work.temperature, stop_ids=work.stop_ids
+    )
 
     def groups():
-        return [EpisodeGroup(e, item, [source.make_env() for _ in range(G)])
+        return [EpisodeGroup(e, item, [work.make_env(e) for _ in range(G)])
                 for e, item in enumerate(items)]  # fmt: skip
 
     runners = {
@@ -182,16 +271,18 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         trajectories = [t for ts in out for t in ts]
         return seconds, trajectories
 
-    prompts = [tuple(tokenizer.encode(item.text)) for item in items]
-
     def single(kind, seed):
         """One request of G per prompt; `kind` "lengths": each sample's budget the sampled tokens
         of that episode in the warm-up run; "lockstep": the mean length for all."""
+        t = work.temperature
         if kind == "lengths":
-            requests = [Request(e, p, G, SamplingConfig(max(n), ignore_eos=True),
-                                sample_budgets=n) for e, (p, n) in enumerate(lengths)]  # fmt: skip
+            requests = [
+                Request(e, p, G, SamplingConfig(max(n), temperature=t, ignore_eos=True),
+                        sample_budgets=n)
+                for e, (p, n) in enumerate(lengths)
+            ]  # fmt: skip
         else:
-            plain = SamplingConfig(new_tokens, ignore_eos=True)
+            plain = SamplingConfig(new_tokens, temperature=t, ignore_eos=True)
             requests = [Request(i, p, G, plain) for i, p in enumerate(prompts)]
         t = time.perf_counter()
         out = engine.generate(params, requests, jax.random.key(seed))
@@ -199,11 +290,16 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         return seconds, sum(int(g.mask_gn.sum()) for g in out)
 
     start = time.perf_counter()
-    compiled = engine.precompile(params, sampling, max_prompt_len=budget.max_total_tokens,
-                                 max_extend_len=budget.max_observation_tokens + 1)  # fmt: skip
     longest = max(map(len, prompts))
-    plain = SamplingConfig(1, ignore_eos=True)
-    compiled += engine.precompile(params, plain, samples_per_request=G, max_prompt_len=longest)
+    compiled = 0
+    if not args.turn_tokens:  # scripted: every span bucket up to hundreds of positions would
+        # take minutes; its warm-up runs compile what the episodes need instead.
+        # The history re-prefilled ("request") reaches the total budget; prompts are shorter.
+        widest = budget.max_total_tokens if "request" in continue_modes else longest
+        compiled = engine.precompile(params, sampling, max_prompt_len=widest,
+                                     max_extend_len=budget.max_observation_tokens + 1)  # fmt: skip
+        plain = SamplingConfig(1, temperature=work.temperature, ignore_eos=True)
+        compiled += engine.precompile(params, plain, samples_per_request=G, max_prompt_len=longest)
     print(f"[{name}] precompiled {compiled} programs in {time.perf_counter() - start:.0f}s")
     rows = []
     # Warm-up run of every path; the single-turn lengths are the warm-up episodes'.
@@ -216,6 +312,12 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     singles = ("lengths", "lockstep")
     for kind in singles:
         single(kind, 0)
+    if args.turn_tokens:  # not precompiled: each timed run once first, so none compiles
+        for seed in (*range(1, args.repeats + 1), 99):  # 99: the instrumented run
+            for kind in singles:
+                single(kind, seed)
+            for mode in continue_modes:
+                multi(mode, seed)
 
     times = {k: [] for k in (*singles, *continue_modes)}
     sampled = {}
@@ -254,13 +356,13 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     common = {
         "model": name,
         "params_m": round(model.config.num_params() / 1e6, 2),
-        "task": "a*b+c*d" if args.chained else "a*b",
+        "task": work.task,
         "episodes": len(items) * G,
         "slots": args.slots,
         "steps_per_call": args.steps_per_call,
         "sft_steps": args.sft_steps,
-        "sft_loss": round(loss, 3),
-        "sft_s": round(sft_s, 1),
+        "sft_loss": round(work.sft_loss, 3),
+        "sft_s": round(work.sft_s, 1),
     }
     for kind, label in (("lengths", "single-turn, the episodes' lengths"),
                         ("lockstep", "single-turn, mean length, lockstep")):  # fmt: skip
@@ -309,6 +411,12 @@ def main(argv=None) -> None:
     parser.add_argument("--sft_steps", type=int, default=300)
     parser.add_argument("--sft_cache", default=None, help="directory for the SFT'd params")
     parser.add_argument("--chained", action="store_true", help="a*b+c*d: four turns")
+    parser.add_argument(
+        "--turn_tokens", type=int, default=0,
+        help="> 0: the scripted workload, turns of about this many tokens (not the calculator)",
+    )  # fmt: skip
+    parser.add_argument("--turns", type=int, default=3, help="--turn_tokens: turns per episode")
+    parser.add_argument("--observation_tokens", type=int, default=8, help="--turn_tokens: reply")
     parser.add_argument("--models", default="arith_tiny,rlbench_tiny")
     parser.add_argument("--name", default=None, help="results file name (default multiturn)")
     parser.add_argument("--paths", default="slot,request", help="multi-turn paths to run")

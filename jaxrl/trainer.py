@@ -176,6 +176,8 @@ class Trainer:
         rules: ax.LogicalRules | None = None,
         loss: LossConfig | None = None,
         vocab_chunk_size: int | None = None,
+        pack_length: int = 0,
+        share_prompts: bool | None = None,
         **config_overrides: Any,
     ) -> tuple[Trainer, TrainState]:
         """A trainer for the HF `save_pretrained` directory `path` and its first `TrainState`.
@@ -183,6 +185,8 @@ class Trainer:
         The weights are read (safetensors only) straight into the trainer's parameter shardings,
         one tensor at a time. `mesh` defaults to every device on ("fsdp", "tp") = (n, 1), `rules`
         to `TRAINER_RULES`; `optimizer` is built for a run of `total_steps` optimizer steps.
+        `pack_length` / `share_prompts`: as for the constructor (packed batches, each GRPO
+        group's prompt trained on once).
         `config_overrides` set what HF configs do not carry (`param_dtype="bfloat16"`,
         `dtype="bfloat16"`, `attention_impl="cudnn"`, ...). The tokenizer: `hf.load_tokenizer`.
 
@@ -204,6 +208,8 @@ class Trainer:
             grad_accum_steps=optimizer.grad_accum_steps,
             loss=loss,
             vocab_chunk_size=vocab_chunk_size,
+            pack_length=pack_length,
+            share_prompts=share_prompts,
         )
         params = hf.load_params(path, model_config, trainer.param_shardings)
         return trainer, trainer.init(params)

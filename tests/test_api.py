@@ -74,6 +74,13 @@ def test_hf_dir_to_trainer_then_one_rl_step(tmp_path, tokenizer):
         lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), state.params, before
     )
     assert max(jax.tree.leaves(moved)) > 1e-4
+    # Packed rows with each group's prompt once (`pack_length`): the padded batch's loss.
+    packed, packed_state = Trainer.from_hf(
+        path, optimizer, total_steps=2, mesh=mesh, loss=LossConfig(name="grpo"), pack_length=32
+    )
+    assert packed.pack_length == 32 and packed.share_prompts
+    _, packed_metrics = packed.rl_step(packed_state, batch)
+    np.testing.assert_allclose(float(packed_metrics["loss"]), float(metrics["loss"]), rtol=1e-5)
 
 
 def _generated(tokenizer, completion: str) -> GeneratedBatch:

@@ -39,3 +39,20 @@ def test_summary_skips_warmup_and_overrides():
     assert (shape.samples, shape.new_tokens, shape.rows) == (4, 128, 16)
     with pytest.raises(SystemExit, match="unknown shape"):
         workload.shape("huge")
+
+
+def test_rl_step_sides_with_shared_prompts():
+    import argparse
+
+    from bench.peers.rl_step import side_commands
+
+    args = argparse.Namespace(
+        steps=3, shape_name="smol", num_prompts=0, samples=0, new_tokens=0, pack_length=576,
+        smoke=False, tunix_python="", trl_python="/venv/bin/python", sides="",
+    )  # fmt: skip
+    sides = side_commands(args, "/m")
+    assert list(sides) == ["library", "library_shared", "trl"]
+    assert sides["library_shared"][2][-2:] == ["--pack_length", "576"]
+    assert "--pack_length" not in sides["library"][2]
+    args.pack_length = 0
+    assert "library_shared" not in side_commands(args, "/m")

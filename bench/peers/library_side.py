@@ -64,9 +64,15 @@ def prompts(shape: workload.Shape, tokenizer, step: int):
 
 
 def rl_public(
-    model: str, shape: workload.Shape, steps: int, generator: str, slots: int = 0
+    model: str,
+    shape: workload.Shape,
+    steps: int,
+    generator: str,
+    slots: int = 0,
+    pack_length: int = 0,
 ) -> dict:
-    """RL steps as a user writes them: `Trainer.from_hf` (GRPO), the colocated sampler,
+    """RL steps as a user writes them: `Trainer.from_hf` (GRPO; `pack_length` > 0: packed
+    batches, each group's prompt trained on once), the colocated sampler,
     `rollouts_from_samples` / `collate_rollouts`, `Trainer.rl_step`."""
     import jax
     import numpy as np
@@ -83,6 +89,7 @@ def rl_public(
         OptimizerConfig(learning_rate=shape.learning_rate),
         total_steps=steps,
         loss=LossConfig(name="grpo", temperature=shape.temperature),
+        pack_length=pack_length,
     )
     tokenizer = hf.load_tokenizer(model)
     # slots 0: the library's default engine size (256 decode slots)
@@ -182,6 +189,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slots", type=int, default=64, help="generate: the engine's slots")
     parser.add_argument("--rl_slots", type=int, default=0, help="public: the sampler's slots")
+    parser.add_argument(
+        "--pack_length", type=int, default=0, help="public: packed rows (0: padded batches)"
+    )
     args = parser.parse_args(argv)
     if args.mode == "export":
         export_tiny(args.model, args.smoke)
@@ -190,7 +200,10 @@ def main(argv=None) -> None:
         workload.emit(rl_controller(args.steps, args.smoke))
     elif args.mode == "public":
         shape = workload.shape_from_args(args)
-        workload.emit(rl_public(args.model, shape, args.steps, args.generator, args.rl_slots))
+        row = rl_public(
+            args.model, shape, args.steps, args.generator, args.rl_slots, args.pack_length
+        )
+        workload.emit(row)
     else:
         workload.emit(
             generate_only(args.model, args.prompts, args.new_tokens or 128, args.rounds, args.slots)

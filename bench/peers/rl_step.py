@@ -35,6 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PHASES = ("step_s", "generate_s", "train_s")
 LABELS = {
     "library": "this library, public API (GRPO)",
+    "library_shared": "this library, public API (GRPO), shared prompts",
     "controller": "this library, its Controller (AIPO)",
     "tunix": "Tunix GRPOLearner",
     "trl": "TRL GRPOTrainer",
@@ -98,6 +99,12 @@ def side_commands(args, model: str) -> dict[str, tuple[str, str, list[str]]]:
             ["public", "--model", model, *shape, *steps],
         )
     }
+    if args.pack_length:
+        sides["library_shared"] = (
+            sys.executable,
+            "bench.peers.library_side",
+            ["public", "--model", model, *shape, *steps, "--pack_length", str(args.pack_length)],
+        )
     if args.shape_name.startswith("tiny"):
         smoke = ["--smoke"] if args.smoke else []
         controller = ["controller", "--model", model, *steps, *smoke]
@@ -128,6 +135,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--num_prompts", type=int, default=0, help="override the shape's")
     parser.add_argument("--samples", type=int, default=0, help="override the shape's G")
     parser.add_argument("--new_tokens", type=int, default=0, help="override the shape's")
+    parser.add_argument(
+        "--pack_length", type=int, default=0,
+        help="> 0: also the library with packed rows of this length, each group's prompt once",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--core", type=int, default=-1, help="default: the last allowed core")
@@ -180,7 +191,10 @@ def main(argv=None) -> list[dict]:
                   f"{result['wall_s']:.0f}s wall, load {before:.1f})", flush=True)  # fmt: skip
     rows = []
     for name in names:
-        row = {"side": LABELS[name], "key": name, "rounds": len(runs[name])}
+        label = LABELS[name]
+        if name == "library_shared":
+            label += f" (rows of {args.pack_length})"
+        row = {"side": label, "key": name, "rounds": len(runs[name])}
         if runs[name]:
             row |= {k: statistics.median(r[k] for r in runs[name]) for k in PHASES}
             row["per_round_step_s"] = [round(r["step_s"], 4) for r in runs[name]]

@@ -81,9 +81,11 @@ def _copy_rows(full, new, dest_s, src_s, axis: int):
 
 
 def extend_row_buckets(active: int) -> tuple[int, ...]:
-    """Row counts of a decode call's extension of continued rows among `active` slots: up to
-    8, or all (two programs per span, width and slot bucket, not one per power of two)."""
-    return tuple(sorted({min(8, active), active}))
+    """Row counts of a decode call's extension of continued rows among `active` slots: 8, 16,
+    32, ... up to all of them. The extension's forward runs every bucketed row, so a call that
+    continues 9 rows of 32 pays for 16, not 32 (measured on rlbench-tiny at span 128: 8 rows
+    add 7 ms to a 51 ms call, 32 rows 33 ms)."""
+    return pow2_buckets(min(8, active), active)
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
