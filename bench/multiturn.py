@@ -274,15 +274,15 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     def single(kind, seed):
         """One request of G per prompt; `kind` "lengths": each sample's budget the sampled tokens
         of that episode in the warm-up run; "lockstep": the mean length for all."""
-        t = work.temperature
+        temp = work.temperature
         if kind == "lengths":
             requests = [
-                Request(e, p, G, SamplingConfig(max(n), temperature=t, ignore_eos=True),
+                Request(e, p, G, SamplingConfig(max(n), temperature=temp, ignore_eos=True),
                         sample_budgets=n)
                 for e, (p, n) in enumerate(lengths)
             ]  # fmt: skip
         else:
-            plain = SamplingConfig(new_tokens, temperature=t, ignore_eos=True)
+            plain = SamplingConfig(new_tokens, temperature=temp, ignore_eos=True)
             requests = [Request(i, p, G, plain) for i, p in enumerate(prompts)]
         t = time.perf_counter()
         out = engine.generate(params, requests, jax.random.key(seed))
@@ -294,8 +294,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     compiled = 0
     if not args.turn_tokens:  # scripted: every span bucket up to hundreds of positions would
         # take minutes; its warm-up runs compile what the episodes need instead.
-        # The history re-prefilled ("request") reaches the total budget; prompts are shorter.
-        widest = budget.max_total_tokens if "request" in continue_modes else longest
+        widest = budget.max_total_tokens  # a history re-prefilled reaches the total budget
         compiled = engine.precompile(params, sampling, max_prompt_len=widest,
                                      max_extend_len=budget.max_observation_tokens + 1)  # fmt: skip
         plain = SamplingConfig(1, temperature=work.temperature, ignore_eos=True)
