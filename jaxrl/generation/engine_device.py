@@ -56,7 +56,7 @@ class EngineDevice:
         longest = max(len(ids) for _, _, ids in rows)
         width = bucket(longest, self.extend_widths(), self.capacity)
         reach = max(start for _, start, _ in rows) + width
-        # Rows bucketed (up to 8, or all active slots): a few continuations do not pay for all.
+        # Rows bucketed (8, 16, 32, ...): a few continuations do not pay for every active slot.
         count = bucket(len(rows), extend_row_buckets(active), active)
         tokens = np.full((count, width), self.pad_id, np.int32)
         start_r = np.zeros(count, np.int32)
