@@ -2,8 +2,12 @@
 
 Importing the package sets XLA's CPU scheduler flag on a machine that runs JAX on the CPU
 (`jaxrl.infra.xla_cpu`): XLA reads XLA_FLAGS when JAX starts its backend, after this import.
+There it also has malloc keep freed memory for reuse (`keep_freed_memory`: XLA:CPU's temporary
+buffers then stop faulting in fresh pages each step).
 """
 
-from jaxrl.infra.xla_cpu import set_cpu_xla_flags
+from jaxrl.infra.xla_cpu import cpu_only, keep_freed_memory, set_cpu_xla_flags
 
 set_cpu_xla_flags()
+if cpu_only():
+    keep_freed_memory()

@@ -193,6 +193,11 @@ def main(argv=None) -> None:
         "--pack_length", type=int, default=0, help="public: packed rows (0: padded batches)"
     )
     args = parser.parse_args(argv)
+    # As the CPU launchers do (launch/__init__.py): XLA:CPU's temporary buffers reuse freed pages.
+    from jaxrl.infra.xla_cpu import cpu_only, keep_freed_memory
+
+    if cpu_only():
+        keep_freed_memory()
     if args.mode == "export":
         export_tiny(args.model, args.smoke)
         return
