@@ -49,6 +49,29 @@ def _finish(proc) -> tuple[int, str]:
     return proc.returncode, output
 
 
+def test_free_port_stays_out_of_the_ephemeral_range(tmp_path, monkeypatch):
+    """The transfer server binds its port late; a port from the kernel's ephemeral range could
+    by then be the local port of an outgoing gloo or gRPC connection ("bind: Address already in
+    use"). free_port hands out ports below the range, never twice, and each can be bound."""
+    import socket
+
+    from jaxrl.infra import distributed
+
+    low, high = distributed._ephemeral_range()
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20, ports
+    assert all(not low <= p <= high for p in ports), (low, high, ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+    # A range that leaves no room outside it: the kernel's choice, still never twice.
+    (tmp_path / "range").write_text("1024\t65535\n")
+    monkeypatch.setattr(distributed, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+    assert distributed._ephemeral_range() == (1024, 65535)
+    more = [free_port() for _ in range(5)]
+    assert len(set(more + ports)) == 25 and all(1024 <= p <= 65535 for p in more)
+
+
 def test_meshes_larger_than_the_job_name_the_process_layout():
     result = run_cluster(["layout"], script=__file__, devices_per_process=2, timeout_s=60)
     output = result.stdout + result.stderr

@@ -38,7 +38,9 @@ What JAX 0.10.2 does on CPU, and what this module adds (each checked with local 
 - Cross-process `jax.device_put` (weight sync, `jaxrl.sync.cross_process`) needs a transfer server
   per process: `jax_cross_host_transfer_socket_address` set to a concrete `host:port` before the
   backend starts (port 0 hangs the receiver: the server publishes the port it was given). The
-  default picks a free port on the interface that routes to the coordinator.
+  default picks a free port on the interface that routes to the coordinator, below the kernel's
+  ephemeral range (the server binds late, and a port from that range may by then be the local
+  port of an outgoing gloo or gRPC connection: "bind: Address already in use").
 
 Output: `jaxrl.infra.metrics` writes metrics.jsonl / TensorBoard and shows the progress bar on
 process 0 only, and `Checkpointer` lets process 0 clean up and write the JSON state; `initialize`
@@ -244,11 +246,54 @@ def _local_host_facing(host: str | None) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; IANA's elsewhere)."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (another process may still take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port nobody listens on now, outside the kernel's ephemeral range.
+
+    A port is chosen now and bound later (the transfer server binds on the first cross-process
+    transfer, after gloo and gRPC have opened many connections). A port from the ephemeral range
+    (what binding port 0 returns) can meanwhile become the local port of one of those outgoing
+    connections, and the bind fails with "Address already in use". Ports below the range are
+    never handed out to outgoing connections, so only another listener can take them. Ports
+    already returned by this process are not returned again.
+    """
+    import random
+
+    low, high = _ephemeral_range()
+    candidates = [(10_000, low)] if low > 11_000 else []
+    if high < 64_000:
+        candidates.append((high + 1, 65_536))
+    rng = random.Random()
+    for start, stop in candidates:
+        for _ in range(64):
+            port = rng.randrange(start, stop)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room outside the range
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def wait_for_coordinator(address: str, timeout_s: float, process_id: int | None = None) -> None:
