@@ -1,6 +1,6 @@
 """`jaxrl.infra.xla_cpu.keep_freed_memory`: after it, a large buffer freed and allocated again
 reuses the process's pages (no fresh page faults), where glibc's default maps it anew; and the
-CPU launchers set it. Each case runs in its own process: the setting is process-wide."""
+CPU launchers set it unless JAXRL_KEEP_FREED_MEMORY=0. Each case runs in its own process: the setting is process-wide."""
 
 import os
 import subprocess
@@ -31,8 +31,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(mode: str) -> int:
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+def _faults(mode: str, **extra_env) -> int:
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", **extra_env)
     out = subprocess.run(
         [sys.executable, "-c", _SNIPPET, mode], env=env, cwd=REPO, capture_output=True,
         text=True, check=True,
@@ -46,3 +46,4 @@ def test_a_freed_buffer_is_reused_without_page_faults():
     assert _faults("default") > pages // 2  # mapped anew: every page faults in again
     assert _faults("keep") < pages // 50
     assert _faults("launch") < pages // 50
+    assert _faults("launch", JAXRL_KEEP_FREED_MEMORY="0") > pages // 2  # the opt-out

@@ -194,9 +194,9 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     # As the CPU launchers do (launch/__init__.py): XLA:CPU's temporary buffers reuse freed pages.
-    from jaxrl.infra.xla_cpu import cpu_only, keep_freed_memory
+    from jaxrl.infra.xla_cpu import keep_freed_memory, keep_freed_memory_wanted
 
-    if cpu_only():
+    if keep_freed_memory_wanted():
         keep_freed_memory()
     if args.mode == "export":
         export_tiny(args.model, args.smoke)

@@ -56,10 +56,22 @@ def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def env() -> dict:
-    from jaxrl.infra.xla_cpu import cpu_xla_flags
+# glibc's malloc told what `jaxrl.infra.xla_cpu.keep_freed_memory` sets, for the peers' processes.
+KEEP_FREED_TUNABLES = (
+    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
+)
+
+
+def env(allocator: str = "keep") -> dict:
+    """The sides' environment. allocator "keep": every side's malloc keeps freed memory (the
+    library's launchers' setting, the peers through GLIBC_TUNABLES); "default": glibc's own."""
+    from jaxrl.infra.xla_cpu import KEEP_FREED_MEMORY_ENV, cpu_xla_flags
 
     out = dict(os.environ)
+    out.pop("GLIBC_TUNABLES", None)
+    if allocator == "keep":
+        out["GLIBC_TUNABLES"] = KEEP_FREED_TUNABLES
+    out[KEEP_FREED_MEMORY_ENV] = "1" if allocator == "keep" else "0"
     out["XLA_FLAGS"] = cpu_xla_flags("", devices=1)
     out["JAX_PLATFORMS"] = "cpu"
     out["PYTHONPATH"] = REPO
@@ -68,13 +80,15 @@ def env() -> dict:
     return out
 
 
-def run_side(python: str, module: str, args: list[str], core: int, timeout: int) -> dict:
+def run_side(
+    python: str, module: str, args: list[str], core: int, timeout: int, allocator: str = "keep"
+) -> dict:
     """`python -m module args` pinned to `core`; its `ROW` line, or {"error": ...}."""
     cmd = ["taskset", "-c", str(core), python, "-m", module, *args]
     start = time.perf_counter()
     try:
         out = subprocess.run(
-            cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout
+            cmd, cwd=REPO, env=env(allocator), capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout}s: {' '.join(cmd)}"}
@@ -144,6 +158,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--core", type=int, default=-1, help="default: the last allowed core")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per side per round")
     parser.add_argument("--smoke", action="store_true", help="library sides only, 1-layer model")
+    parser.add_argument(
+        "--allocator", default="keep", choices=["keep", "default"],
+        help="keep: every side's malloc keeps freed memory (the launchers' setting); default: glibc's",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.smoke and args.shape != "tiny":
         raise SystemExit("--smoke runs the tiny shape only")
@@ -176,7 +194,7 @@ def main(argv=None) -> list[dict]:
                 continue
             python, module, side_args = sides[name]
             before = os.getloadavg()[0]
-            result = run_side(python, module, side_args, core, args.timeout)
+            result = run_side(python, module, side_args, core, args.timeout, args.allocator)
             result["load_1min"] = [before, os.getloadavg()[0]]
             if "error" in result:
                 errors[name] = result["error"]
@@ -227,7 +245,9 @@ def main(argv=None) -> list[dict]:
     )
     note = (
         f"`{command}`; shape {shape}, {args.steps} steps x {args.rounds} rounds per "
-        f"side, one core (taskset -c {core}); {machine()}; {load_before} before, {load()} after"
+        f"side, one core (taskset -c {core}); malloc: "
+        + ("every side keeps freed memory" if args.allocator == "keep" else "glibc defaults")
+        + f"; {machine()}; {load_before} before, {load()} after"
     )
     columns = [
         ("side", "side"), ("step_s", "RL step s"), ("generate_s", "generate s"),

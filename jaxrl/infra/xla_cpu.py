@@ -83,6 +83,14 @@ def set_cpu_xla_flags(environ: MutableMapping[str, str] = os.environ) -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
+KEEP_FREED_MEMORY_ENV = "JAXRL_KEEP_FREED_MEMORY"  # "0": the launchers leave malloc as it is
+
+
+def keep_freed_memory_wanted(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether the CPU launchers call `keep_freed_memory` (unless JAXRL_KEEP_FREED_MEMORY=0)."""
+    return cpu_only(environ) and environ.get(KEEP_FREED_MEMORY_ENV, "1").strip() != "0"
+
+
 def keep_freed_memory() -> bool:
     """Has glibc's malloc keep the memory a process frees for its next allocations, instead of
     handing it back to the kernel; returns whether it could (False off glibc).
@@ -99,7 +107,8 @@ def keep_freed_memory() -> bool:
 
     Call it early, before JAX starts its backend (the arena limit applies to threads created
     after it). It changes the whole process's allocator, so the library never calls it on
-    import: the CPU launchers do (`launch/__init__.py`), and a script may.
+    import: the CPU launchers do (`launch/__init__.py`; `JAXRL_KEEP_FREED_MEMORY=0` turns it
+    off for a run short of memory), and a script may.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
