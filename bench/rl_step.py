@@ -5,7 +5,8 @@ library's Controller, sample + score + train, one CPU device, the process pinned
 fresh process, from its own source tree: this checkout, and `--baseline` (a commit, checked out
 into a temporary git worktree). The two alternate for `--rounds` rounds, so a drift in the
 machine's speed hits both alike; per side, the median over rounds of each round's median step
-(after warm-up) and of its phases.
+(after warm-up) and of its phases. Both trees get the same malloc settings (`--allocator`: keep
+freed memory, as this tree's launchers do, or glibc's default), so the comparison is of the code.
 
 Next to the times, the train step's FLOPs on this tree: XLA's cost analysis of the compiled RL
 step for the workload's batch (32 rows x (16 + 32) tokens), the minimal FLOPs for the same tokens
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from jaxrl.infra.xla_cpu import cpu_xla_flags
+from jaxrl.infra.xla_cpu import allocator_env, cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = (
@@ -41,16 +42,16 @@ RUN = (
 PHASES = ("step_s", "generate_s", "reward_s", "train_s")
 
 
-def _env() -> dict:
-    env = dict(os.environ)
+def _env(allocator: str = "keep") -> dict:
+    env = allocator_env(dict(os.environ), allocator)  # both trees alike
     env["XLA_FLAGS"] = cpu_xla_flags("", devices=1)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def _run(tree: str, code: str, args: list[str], core: int) -> dict:
+def _run(tree: str, code: str, args: list[str], core: int, allocator: str = "keep") -> dict:
     """`code` in a fresh process importing from `tree`, pinned to `core`; its `ROW` line."""
-    env = _env() | {"PYTHONPATH": tree}
+    env = _env(allocator) | {"PYTHONPATH": tree}
     out = subprocess.run(
         ["taskset", "-c", str(core), sys.executable, "-c", code, *args],
         cwd=tree,
@@ -110,6 +111,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--baseline", default="3876ef4")
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument(
+        "--allocator", default="keep", choices=["keep", "default"],
+        help="both trees' malloc: keep freed memory (the launchers' setting) or glibc's default",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     rounds = args.rounds or (1 if args.smoke else 3)
     steps = args.steps or (4 if args.smoke else 16)
@@ -132,11 +137,11 @@ def main(argv=None) -> list[dict]:
         for r in range(rounds):
             for name, tree in trees.items():
                 start = time.perf_counter()
-                runs[name].append(_run(tree, RUN, [str(steps), mode], core))
+                runs[name].append(_run(tree, RUN, [str(steps), mode], core, args.allocator))
                 print(f"[rl_step] round {r + 1}/{rounds} {name}: "
                       f"{runs[name][-1]['step_s']:.3f} s/step "
                       f"({time.perf_counter() - start:.0f}s)", flush=True)  # fmt: skip
-        flops = _run(REPO, FLOPS, [mode], core)
+        flops = _run(REPO, FLOPS, [mode], core, args.allocator)
     finally:
         if scratch is not None:
             subprocess.run(
@@ -161,7 +166,10 @@ def main(argv=None) -> list[dict]:
 
     command = "python -m bench.rl_step" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     load = f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
-    note = f"`{command}`, one core (taskset -c {core}), {load}, {steps} steps x {rounds} rounds"
+    note = (
+        f"`{command}`, one core (taskset -c {core}), {load}, {steps} steps x {rounds} rounds, "
+        f"malloc {args.allocator} in both trees"
+    )
     columns = [
         ("tree", "tree"), ("step_s", "s / step"), ("vs_baseline", "vs baseline"),
         ("generate_s", "generate s"), ("reward_s", "reward s"), ("train_s", "train s"),

@@ -56,22 +56,12 @@ def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-# glibc's malloc told what `jaxrl.infra.xla_cpu.keep_freed_memory` sets, for the peers' processes.
-KEEP_FREED_TUNABLES = (
-    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
-)
-
-
 def env(allocator: str = "keep") -> dict:
     """The sides' environment. allocator "keep": every side's malloc keeps freed memory (the
     library's launchers' setting, the peers through GLIBC_TUNABLES); "default": glibc's own."""
-    from jaxrl.infra.xla_cpu import KEEP_FREED_MEMORY_ENV, cpu_xla_flags
+    from jaxrl.infra.xla_cpu import allocator_env, cpu_xla_flags
 
-    out = dict(os.environ)
-    out.pop("GLIBC_TUNABLES", None)
-    if allocator == "keep":
-        out["GLIBC_TUNABLES"] = KEEP_FREED_TUNABLES
-    out[KEEP_FREED_MEMORY_ENV] = "1" if allocator == "keep" else "0"
+    out = allocator_env(dict(os.environ), allocator)
     out["XLA_FLAGS"] = cpu_xla_flags("", devices=1)
     out["JAX_PLATFORMS"] = "cpu"
     out["PYTHONPATH"] = REPO

@@ -84,6 +84,24 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
 KEEP_FREED_MEMORY_ENV = "JAXRL_KEEP_FREED_MEMORY"  # "0": the launchers leave malloc as it is
+# The same settings for a process that does not call `keep_freed_memory` (a peer library, an
+# older tree in a benchmark): glibc reads GLIBC_TUNABLES when the process starts.
+KEEP_FREED_GLIBC_TUNABLES = (
+    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000:glibc.malloc.arena_max=1"
+)
+
+
+def allocator_env(environ: MutableMapping[str, str], allocator: str) -> MutableMapping[str, str]:
+    """Sets environ's malloc settings for a child process: "keep" (keeps freed memory, through
+    GLIBC_TUNABLES and JAXRL_KEEP_FREED_MEMORY=1) or "default" (glibc's own, and the launchers'
+    setting off). Benchmarks use it to give every side the same allocator."""
+    if allocator not in ("keep", "default"):
+        raise ValueError(f"allocator={allocator!r}: expected 'keep' or 'default'.")
+    environ.pop("GLIBC_TUNABLES", None)
+    if allocator == "keep":
+        environ["GLIBC_TUNABLES"] = KEEP_FREED_GLIBC_TUNABLES
+    environ[KEEP_FREED_MEMORY_ENV] = "1" if allocator == "keep" else "0"
+    return environ
 
 
 def keep_freed_memory_wanted(environ: MutableMapping[str, str] = os.environ) -> bool:

@@ -118,6 +118,9 @@ class Attention(nnx.Module):
             # Decode: one query per row (the form follows the backend: `_decode_attention`).
             impl = None if c.attention_impl is None else "xla"
             out = _decode_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts, impl)
+        elif c.attention_impl != "cudnn" and _host_form():
+            # Whole-sequence self-attention or cached prefill on the CPU.
+            out = _host_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
         else:  # cached prefill: the XLA kernel (pallas is TPU self-attention)
             impl = "xla" if c.attention_impl == "pallas" else c.attention_impl
             out = jax.nn.dot_product_attention(
@@ -291,9 +294,9 @@ DECODE_FORMS = ("auto", "host", "xla")
 
 @contextlib.contextmanager
 def decode_attention_form(form: str):
-    """Which formulation single-token decode attention traces to: "auto" (`_host_decode_attention`
-    when the default backend is the CPU, `jax.nn.dot_product_attention` otherwise), "host" or
-    "xla". For programs traced on one backend for another: `launch.plan` compiles TPU programs
+    """Which formulation attention traces to: "auto" (the CPU forms when the default backend is
+    the CPU, `jax.nn.dot_product_attention` otherwise), "host" or "xla". The CPU forms are
+    `_host_decode_attention` (one query per row) and `_host_attention` (training, prefill). For programs traced on one backend for another: `launch.plan` compiles TPU programs
     from a CPU process and asks for "xla". Read when a program is traced: one traced before
     keeps its form (JAX caches traces per function)."""
     if form not in DECODE_FORMS:
@@ -305,10 +308,15 @@ def decode_attention_form(form: str):
         _DECODE_FORM.reset(token)
 
 
+def _host_form() -> bool:
+    """Whether attention traces to the CPU forms (`decode_attention_form`)."""
+    form = _DECODE_FORM.get()
+    return form == "host" or (form == "auto" and jax.default_backend() == "cpu")
+
+
 def _decode_attention(q_b1hd, k_bskd, v_bskd, mask_b1s, implementation) -> jax.Array:
     """One query token per row against the cache (`mask_b1s`: the keys each row may see)."""
-    form = _DECODE_FORM.get()
-    if form == "host" or (form == "auto" and jax.default_backend() == "cpu"):
+    if _host_form():
         return _host_decode_attention(q_b1hd, k_bskd, v_bskd, mask_b1s)
     return jax.nn.dot_product_attention(
         q_b1hd, k_bskd, v_bskd, mask=mask_b1s[:, None, :, :], implementation=implementation
@@ -340,6 +348,36 @@ def _host_decode_attention(q_b1hd, k_bskd, v_bskd, mask_b1s) -> jax.Array:
     weights_bskg = jax.nn.softmax(logits_bskg, axis=1)
     out_bkgd = (weights_bskg[..., None] * v_bskd[:, :, :, None, :].astype(f32)).sum(1)
     return out_bkgd.reshape(b, 1, h, d).astype(q_b1hd.dtype)
+
+
+def _host_attention(q_bthd, k_bskd, v_bskd, mask_bts) -> jax.Array:
+    """Attention of T queries per row over S keys (training, prefill; grouped-query, G = H / K)
+    in the layout XLA:CPU runs without strided copies, fp32 throughout; the maths of
+    `jax.nn.dot_product_attention`:
+
+        logits[b, k, g, t, s] = sum_d q[b, t, k, g, d] key[b, s, k, d] / sqrt(D)  (masked: fp32 min)
+        out[b, t, k, g, :]    = sum_s softmax_s(logits)[b, k, g, t, s] value[b, s, k, :]
+
+    The G query heads of a KV head are stacked along the query axis (`[B, K, G*T, D]`), so both
+    products are plain batched matmuls (batch `B, K`) and the softmax runs over the minor axis.
+    `jax.nn.dot_product_attention` maps over G and lays its logits out `[G, B, K, T, S]`; on the
+    CPU its forward and backward passes spent more time in layout copies of those logits than in
+    the attention's matmuls (figures: docs/benchmarks.md, "Measurements behind design choices").
+    """
+    f32 = jnp.float32
+    b, t, h, d = q_bthd.shape
+    s, kv = k_bskd.shape[1], k_bskd.shape[2]
+    g = h // kv
+    q_bkxd = (q_bthd.astype(f32) * (d**-0.5)).reshape(b, t, kv, g, d)
+    q_bkxd = q_bkxd.transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    k_bksd = k_bskd.astype(f32).transpose(0, 2, 1, 3)
+    v_bksd = v_bskd.astype(f32).transpose(0, 2, 1, 3)
+    logits_bkgts = jnp.einsum("bkxd,bksd->bkxs", q_bkxd, k_bksd).reshape(b, kv, g, t, s)
+    logits_bkgts = jnp.where(mask_bts[:, None, None], logits_bkgts, jnp.finfo(f32).min)
+    weights_bkxs = jax.nn.softmax(logits_bkgts, axis=-1).reshape(b, kv, g * t, s)
+    out_bkxd = jnp.einsum("bkxs,bksd->bkxd", weights_bkxs, v_bksd)
+    out_bthd = out_bkxd.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return out_bthd.astype(q_bthd.dtype)
 
 
 def _write_cache(cache_bskd: jax.Array, x_btkd: jax.Array, index: jax.Array) -> jax.Array:
