@@ -1,6 +1,7 @@
 """`jaxrl.infra.xla_cpu.keep_freed_memory`: after it, a large buffer freed and allocated again
 reuses the process's pages (no fresh page faults), where glibc's default maps it anew; and the
-CPU launchers set it unless JAXRL_KEEP_FREED_MEMORY=0. Each case runs in its own process: the setting is process-wide."""
+CPU launchers set it unless JAXRL_KEEP_FREED_MEMORY=0. Each case runs in its own process: the
+setting is process-wide."""
 
 import os
 import subprocess

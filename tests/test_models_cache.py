@@ -132,8 +132,10 @@ def test_host_attention_equals_dot_product_attention_with_gradients():
     unmasked = transformer._host_attention(q, k, v, jnp.ones_like(mask))
     assert np.abs(np.asarray(unmasked) - np.asarray(xla(q, k, v))).max() > 1e-2
 
-    config = ModelConfig(model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
-                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    config = ModelConfig(
+        model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=8,
+    )  # fmt: skip
     model = Transformer(config, rngs=nnx.Rngs(0))
     tokens = jnp.ones((2, 5), jnp.int32)
 

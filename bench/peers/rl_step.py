@@ -150,7 +150,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--smoke", action="store_true", help="library sides only, 1-layer model")
     parser.add_argument(
         "--allocator", default="keep", choices=["keep", "default"],
-        help="keep: every side's malloc keeps freed memory (the launchers' setting); default: glibc's",
+        help="keep: every side's malloc keeps freed memory (the launchers' setting); "
+        "default: glibc's",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.smoke and args.shape != "tiny":

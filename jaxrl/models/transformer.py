@@ -296,7 +296,8 @@ DECODE_FORMS = ("auto", "host", "xla")
 def decode_attention_form(form: str):
     """Which formulation attention traces to: "auto" (the CPU forms when the default backend is
     the CPU, `jax.nn.dot_product_attention` otherwise), "host" or "xla". The CPU forms are
-    `_host_decode_attention` (one query per row) and `_host_attention` (training, prefill). For programs traced on one backend for another: `launch.plan` compiles TPU programs
+    `_host_decode_attention` (one query per row) and `_host_attention` (training, prefill).
+    For programs traced on one backend for another: `launch.plan` compiles TPU programs
     from a CPU process and asks for "xla". Read when a program is traced: one traced before
     keeps its form (JAX caches traces per function)."""
     if form not in DECODE_FORMS:
