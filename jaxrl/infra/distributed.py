@@ -57,6 +57,7 @@ import dataclasses
 import logging
 import math
 import os
+import random
 import socket
 import sys
 import threading
@@ -270,16 +271,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     never handed out to outgoing connections, so only another listener can take them. Ports
     already returned by this process are not returned again.
     """
-    import random
-
     low, high = _ephemeral_range()
     candidates = [(10_000, low)] if low > 11_000 else []
     if high < 64_000:
         candidates.append((high + 1, 65_536))
-    rng = random.Random()
     for start, stop in candidates:
         for _ in range(64):
-            port = rng.randrange(start, stop)
+            port = random.randrange(start, stop)
             if port in _handed_out:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

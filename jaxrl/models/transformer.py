@@ -121,7 +121,7 @@ class Attention(nnx.Module):
         elif c.attention_impl != "cudnn" and _host_form():
             # Whole-sequence self-attention or cached prefill on the CPU.
             out = _host_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
-        else:  # cached prefill: the XLA kernel (pallas is TPU self-attention)
+        else:  # accelerators: the XLA or cuDNN kernel (pallas: its cached prefill)
             impl = "xla" if c.attention_impl == "pallas" else c.attention_impl
             out = jax.nn.dot_product_attention(
                 q,
