@@ -43,11 +43,16 @@ def test_a_continued_row_samples_as_a_fresh_request_with_the_whole_prompt(model)
     first = engine.generate(params, [Request(7, [1, 5, 9, 11], 2, plain, keep_cache=True)], key)[0]
     assert len(engine.kept_rows) == 2  # both samples' rows hold their slots
     histories = [[1, 5, 9, 11, *first.tokens_gn[g].tolist(), 40 + g, 41] for g in range(2)]
+    calls = engine.stats.decode_calls  # another request decodes while the kept rows wait
+    engine.generate(params, [Request(8, [1, 2], 1, plain)], key)
+    waited = engine.stats.decode_calls - calls
+    assert waited >= 1 and engine.stats.continued_rows == 0
     prefill_before = engine.stats.prefill_tokens
     requests = [Request(20 + g, h, 1, plain, continues=(7, g)) for g, h in enumerate(histories)]
     continued = engine.generate(params, requests, key)
     assert engine.stats.prefill_tokens == prefill_before  # nothing prefilled again
     assert engine.stats.extend_tokens == 2 * 2  # per row: its last sampled token and 40 + g
+    assert engine.stats.continued_rows == 2 and engine.stats.kept_wait_calls == 2 * waited
     assert not engine.kept_rows  # taken over, then freed (no keep_cache on the continuations)
     fresh_engine, _ = _engine(model)
     fresh = fresh_engine.generate(

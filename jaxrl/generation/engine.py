@@ -565,6 +565,8 @@ class Engine(EngineDevice):
             self.reserve(len(request.prompt) + request.budget)
             config = request_config
             del self._kept[request.continues]
+            self.stats.continued_rows += 1
+            self.stats.kept_wait_calls += self.stats.decode_calls - row.since
             taken.append((request, row.slot, len(row.ids) - 1))
         self._queue = rest
         return taken, config

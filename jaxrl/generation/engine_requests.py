@@ -116,6 +116,9 @@ class EngineStats:
     moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
     extend_calls, extend_tokens: decode calls that also ran continued rows' new tokens
       (`Request.continues`; the new part of each prompt) through the model, and those tokens.
+    continued_rows: kept rows continued in their own slots. kept_wait_calls: decode calls that
+      ran while such a row waited for its continuation, summed over those rows (0: each
+      continuation joined the call right after the one its row stopped in).
     """
 
     prefill_tokens: int = 0
@@ -130,6 +133,8 @@ class EngineStats:
     moved_rows: int = 0
     extend_calls: int = 0
     extend_tokens: int = 0
+    continued_rows: int = 0
+    kept_wait_calls: int = 0
 
     @property
     def utilisation(self) -> float:
