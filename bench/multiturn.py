@@ -28,6 +28,14 @@ nothing to decode for tools.
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
     python -m bench.multiturn --smoke    # seconds: bench/results/multiturn_smoke.*
+    python -m bench.multiturn --extension_cost   # a decode call with 0-32 continued rows
+
+From the instrumented run also: host seconds (its wall time less the device calls and the
+driver's waits for tools) and how many decode calls continued rows waited for their
+continuation in all (`EngineStats.kept_wait_calls`; 0 when every tool reply joined the next
+call). `--extension_cost` times one decode call of each model at its random init (32 active
+slots, span 32, `--steps_per_call` steps) plain and with 8, 16 and 32 continued rows of 8 new
+tokens each: what a turn boundary adds to the call its continuation joins.
 """
 
 from __future__ import annotations
@@ -335,8 +343,11 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         before = dataclasses.asdict(engine.stats)
         waited["s"] = 0.0
         with Timed(engine) as timed:
+            start = time.perf_counter()
             fn()
+            wall = time.perf_counter() - start
         stats = _stats_delta(engine, before)
+        device = sum(timed.seconds.values())
         return {
             "prefill_s": round(timed.seconds.get("prefill", 0.0), 3),
             "extend_s": round(timed.seconds.get("extend", 0.0), 3),
@@ -349,6 +360,9 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "extend_tokens": stats.get("extend_tokens", 0),
             "utilisation": round(stats["kept_tokens"] / max(stats["slot_steps"], 1), 3),
             "tool_wait_s": round(waited["s"], 3),
+            "host_s": round(wall - device - waited["s"], 3),
+            "continued_rows": stats["continued_rows"],
+            "kept_wait_calls": stats["kept_wait_calls"],
         }
 
     single_tps = {kind: sampled[kind] / statistics.median(times[kind]) for kind in singles}
@@ -397,6 +411,52 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     return rows
 
 
+def extension_cost(preset: str, args) -> list[dict]:
+    """Median seconds of one decode call plain and with continued rows (module docstring)."""
+    tokenizer = build_arithmetic_tokenizer()
+    config = PRESETS[preset](-(-len(tokenizer) // 8) * 8, tokenizer)  # as `sft_policy`'s
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    engine, params = Engine.for_model(
+        model, num_slots=args.slots, steps_per_call=args.steps_per_call, max_total_len=64
+    )
+    programs, active, span, width = engine.programs, args.slots, 32, 8
+    sampling = engine._static_sampling(SamplingConfig(16, temperature=1.0, stop_ids=(3,)))
+    cache = programs.new_cache(engine.capacity)
+    state = [np.full(active, 5, np.int32), np.full(active, 12, np.int32),
+             np.zeros(active, np.int32), np.full(active, 16, np.int32), np.ones(active, bool),
+             np.arange(active, dtype=np.int32), np.zeros(active, np.int32)]  # fmt: skip
+    key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
+    cases = {0: ()}
+    for rows in (8, 16, 32):  # rows of `width` new tokens at positions 8.., slots 0..rows-1
+        slots = np.arange(rows, dtype=np.int32)
+        cases[rows] = ((np.full((rows, width), 5, np.int32), np.full(rows, 8, np.int32), slots),)
+    times = {rows: [] for rows in cases}
+    for repeat in range(2 + args.repeats * 10):
+        for rows, extend in cases.items():
+            start = time.perf_counter()
+            cache, *_ = jax.block_until_ready(programs.run(
+                "decode", params, cache, tuple(programs.place_rows(x) for x in state),
+                key_data, *extend, sampling=sampling, span=span, active=active,
+            ))  # fmt: skip
+            if repeat >= 2:  # the first two compile and warm up
+                times[rows].append(time.perf_counter() - start)
+    plain = statistics.median(times[0])
+    return [
+        {
+            "model": preset,
+            "params_m": round(config.num_params() / 1e6, 2),
+            "active": active,
+            "span": span,
+            "steps_per_call": args.steps_per_call,
+            "extended_rows": rows,
+            "extension_width": width if rows else 0,
+            "call_ms": round(1e3 * statistics.median(t), 2),
+            "vs_plain": round(statistics.median(t) / plain, 3),
+        }
+        for rows, t in times.items()
+    ]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds")
@@ -419,7 +479,21 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="arith_tiny,rlbench_tiny")
     parser.add_argument("--name", default=None, help="results file name (default multiturn)")
     parser.add_argument("--paths", default="slot,request", help="multi-turn paths to run")
+    parser.add_argument(
+        "--extension_cost", action="store_true",
+        help="time a decode call with 0, 8, 16, 32 continued rows instead (module docstring)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.extension_cost:
+        rows = [row for preset in args.models.split(",") for row in extension_cost(preset, args)]
+        columns = [("model", "model"), ("params_m", "params (M)"), ("active", "active slots"),
+                   ("span", "span"), ("steps_per_call", "steps / call"),
+                   ("extended_rows", "continued rows"), ("extension_width", "new tokens / row"),
+                   ("call_ms", "decode call ms"), ("vs_plain", "vs no continuation")]  # fmt: skip
+        load = "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+        print(write_results(args.name or "multiturn_extension", rows, columns,
+                            f"`{command()}` on {machine()}, {load}"))  # fmt: skip
+        return
     if args.smoke:
         args.prompts, args.slots, args.repeats, args.sft_steps = 4, 16, 1, 30
         args.models = "arith_tiny"
@@ -447,6 +521,8 @@ def main(argv=None) -> None:
         ("prefill_s", "prefill s"),
         ("decode_s", "decode s"),
         ("tool_wait_s", "tool wait s"),
+        ("host_s", "host s"),
+        ("kept_wait_calls", "calls continuations waited"),
         ("utilisation", "slot utilisation"),
     ]
     name = args.name or ("multiturn_smoke" if args.smoke else "multiturn")
