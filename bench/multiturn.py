@@ -457,6 +457,12 @@ def extension_cost(preset: str, args) -> list[dict]:
     ]
 
 
+def _note() -> str:
+    """The results files' note: the command, the machine and its load."""
+    load = "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    return f"`{command()}` on {machine()}, {load}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds")
@@ -490,9 +496,7 @@ def main(argv=None) -> None:
                    ("span", "span"), ("steps_per_call", "steps / call"),
                    ("extended_rows", "continued rows"), ("extension_width", "new tokens / row"),
                    ("call_ms", "decode call ms"), ("vs_plain", "vs no continuation")]  # fmt: skip
-        load = "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-        print(write_results(args.name or "multiturn_extension", rows, columns,
-                            f"`{command()}` on {machine()}, {load}"))  # fmt: skip
+        print(write_results(args.name or "multiturn_extension", rows, columns, _note()))
         return
     if args.smoke:
         args.prompts, args.slots, args.repeats, args.sft_steps = 4, 16, 1, 30
@@ -526,9 +530,7 @@ def main(argv=None) -> None:
         ("utilisation", "slot utilisation"),
     ]
     name = args.name or ("multiturn_smoke" if args.smoke else "multiturn")
-    load = "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-    note = f"`{command()}` on {machine()}, {load}"
-    print(write_results(name, rows, columns, note))
+    print(write_results(name, rows, columns, _note()))
 
 
 if __name__ == "__main__":
