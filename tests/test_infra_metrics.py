@@ -65,3 +65,26 @@ def test_progress_bar_disabled_is_a_no_op():
     bar.update(2)
     assert bar.n == 5
     bar.close()
+
+
+def test_two_launches_in_one_second_keep_both_event_files(tmp_path, monkeypatch):
+    """Regression: tensorboardX names an event file by the whole second and opens it 'wb', so a
+    run relaunched within the second of the last launch truncated that launch's events (CI: a
+    resumed run lost its steps 3 and 4 from TensorBoard)."""
+    from tensorboardX import event_file_writer
+
+    monkeypatch.setattr(event_file_writer.time, "time", lambda: 1_700_000_000.25)
+    with metrics_lib.MetricsWriter(tmp_path) as writer:
+        writer.write(3, {"loss": 3.0})
+    with metrics_lib.MetricsWriter(tmp_path) as writer:
+        writer.discard_after(3)
+        writer.write(4, {"loss": 4.0})
+    files = sorted((tmp_path / metrics_lib.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    steps = [
+        e.step
+        for path in files
+        for e in map(metrics_lib.event_of, metrics_lib.read_event_records(path))
+        if e.HasField("summary")
+    ]
+    assert sorted(steps) == [3, 4]

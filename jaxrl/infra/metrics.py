@@ -85,7 +85,13 @@ class MetricsWriter:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.workdir / METRICS_FILE, "a", encoding="utf-8")
         if tensorboard:
-            self._tb = _file_writer()(logdir=str(self.workdir / TENSORBOARD_DIR))
+            # tensorboardX names the file by the whole second and opens it "wb": without a
+            # suffix of its own, a run relaunched within that second would truncate the last
+            # launch's events. The process id and a nanosecond clock tell launches apart.
+            self._tb = _file_writer()(
+                logdir=str(self.workdir / TENSORBOARD_DIR),
+                filename_suffix=f".{os.getpid()}.{time.monotonic_ns()}",
+            )
             self._tb_flushed = time.monotonic()
 
     @property
