@@ -71,9 +71,12 @@ def test_two_launches_in_one_second_keep_both_event_files(tmp_path, monkeypatch)
     """Regression: tensorboardX names an event file by the whole second and opens it 'wb', so a
     run relaunched within the second of the last launch truncated that launch's events (CI: a
     resumed run lost its steps 3 and 4 from TensorBoard)."""
+    from types import SimpleNamespace
+
     from tensorboardX import event_file_writer
 
-    monkeypatch.setattr(event_file_writer.time, "time", lambda: 1_700_000_000.25)
+    # tensorboardX's module alone sees a frozen clock (its file names; its flush thread waits)
+    monkeypatch.setattr(event_file_writer, "time", SimpleNamespace(time=lambda: 1_700_000_000.25))
     with metrics_lib.MetricsWriter(tmp_path) as writer:
         writer.write(3, {"loss": 3.0})
     with metrics_lib.MetricsWriter(tmp_path) as writer:
