@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.infra.moved import moved_names
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, causal_mask, positions_from_mask
 
@@ -367,3 +368,20 @@ def save_peft(adapters: Params, lora: LoraConfig, path: str, base_model: str = "
 
 
 # --- the run's record of its adapters -------------------------------------------------------------
+
+
+# A run's adapter files moved to `jaxrl.workdir` in 0.2.0 (CHANGELOG.md); the old paths warn, and
+# go in 0.3.0.
+__getattr__ = moved_names(
+    __name__,
+    {
+        name: "jaxrl.workdir"
+        for name in (
+            "load_base",
+            "load_lora_policy",
+            "load_run_lora",
+            "restore_adapters",
+            "save_run_lora",
+        )
+    },
+)[0]

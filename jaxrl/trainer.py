@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxrl import lora as lora_lib
 from jaxrl.infra import sharding as ax
+from jaxrl.infra.moved import moved_names
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import RolloutBatch
@@ -320,3 +321,13 @@ class Trainer:
                 batch, self.pack_length, self._pack_groups(), share_prompts=self.share_prompts
             )
         return batch
+
+
+# Moved to `jaxrl.train_steps` in 0.2.0 (CHANGELOG.md); the old paths warn, and go in 0.3.0.
+__getattr__ = moved_names(
+    __name__,
+    {
+        name: "jaxrl.train_steps"
+        for name in ("completion_logprobs", "rl_loss", "sequence_mask", "sft_loss")
+    },
+)[0]

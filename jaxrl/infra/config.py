@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import gin
 
+from jaxrl.infra.moved import moved_names
 from jaxrl.infra.user_code import torch_hint
 
 T = TypeVar("T")
@@ -475,3 +476,16 @@ def without_gin_call_notes(error: BaseException) -> str:
 
 
 _GIN_CALL_NOTE = re.compile(r"^\s+In call to configurable '[^']*' \(<.*>\)$")
+
+
+# Moved out of this module in 0.2.0 (CHANGELOG.md); the old paths warn, and go in 0.3.0.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "keep_torch_out": "jaxrl.infra.user_code",
+        "import_user_callable": "jaxrl.infra.user_code",
+        "LaunchFlags": "jaxrl.infra.launcher",
+        "parse_flags": "jaxrl.infra.launcher",
+        "prepare_workdir": "jaxrl.infra.launcher",
+    },
+)[0]
