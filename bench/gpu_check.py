@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 
-from jaxrl.infra.gpu import quiet_jax_import
+from jaxrl.infra.platforms import quiet_jax_start, without_plugin_noise
 
 PROGRAMS = ("train_step", "prefill", "decode_step", "weight_push")
 
@@ -173,13 +173,13 @@ def _nbytes(shape, dtype) -> int:
 
 def main(argv=None) -> int:
     args, paths = parse_args(argv)
-    quiet_jax_import()
+    quiet_jax_start()
     import jax
     from jax.experimental import serialize_executable
 
     from jaxrl.infra import gpu
 
-    with gpu.without_driver_noise():  # starting the backends, on a machine without a driver
+    with without_plugin_noise():  # starting the backends, on a machine without a driver
         devices = jax.devices()
     if devices[0].platform != "gpu":
         print(

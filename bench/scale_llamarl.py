@@ -293,9 +293,9 @@ def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
 
 
 def main_compiled(names=("8B", "70B")) -> list[dict]:
-    from jaxrl.infra.gpu import quiet_jax_import
+    from jaxrl.infra.platforms import compile_only
 
-    quiet_jax_import()
+    compile_only()  # deviceless compiles only: JAX on the CPU unless JAX_PLATFORMS says
     from bench.common import write_results
 
     rows = []

@@ -12,7 +12,8 @@ A topology names its platform: a TPU slice ('v5p:2x2x2', `jaxrl.infra.tpu`) or a
 ('<system>:<nodes>x<gpus>', 'h100:1x8', 'h200:2x8', `jaxrl.infra.gpu`); both print the same
 tables. Everything is abstract (`jax.ShapeDtypeStruct`s with shardings): nothing is allocated,
 no checkpoint is read. Needs the libtpu wheel for TPUs and the CUDA plugin + ptxas wheels for
-GPUs (all in the `test` extra); runs with JAX_PLATFORMS=cpu. Exits 1 when a program does not
+GPUs (all in the `test` extra). It runs JAX on the CPU whatever the machine has, unless
+JAX_PLATFORMS says otherwise (`jaxrl.infra.platforms.compile_only`). Exits 1 when a program does not
 fit its device's memory, with the mesh change that would make it fit; 2 on a config error.
 `--serialize_to=DIR` writes each compiled program (`jax.experimental.serialize_executable`) for
 `bench/gpu_check.py` to load and run on a real device.
@@ -20,23 +21,19 @@ fit its device's memory, with the mesh change that would make it fit; 2 on a con
 
 from __future__ import annotations
 
-from jaxrl.infra.gpu import quiet_jax_import
+import argparse
+import dataclasses
+import math
+import os
+import pickle
+import sys
 
-quiet_jax_import()  # before anything imports JAX: no CUDA "no driver" lines on a CPU machine
+import gin
+import jax
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import pickle  # noqa: E402
-import sys  # noqa: E402
-
-import gin  # noqa: E402
-import jax  # noqa: E402
-
-from jaxrl.infra import gpu, tpu  # noqa: E402
-from jaxrl.infra.chips import ChipSpec, TopologyError  # noqa: E402
-from jaxrl.infra.config import (  # noqa: E402
+from jaxrl.infra import gpu, platforms, tpu
+from jaxrl.infra.chips import ChipSpec, TopologyError
+from jaxrl.infra.config import (
     ConfigError,
     build_config,
     parse_gin,
@@ -44,9 +41,9 @@ from jaxrl.infra.config import (  # noqa: E402
     resolve_bindings,
     without_gin_call_notes,
 )
-from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes  # noqa: E402
-from jaxrl.models.presets import PRESETS, preset  # noqa: E402
-from jaxrl.planning import (  # noqa: E402
+from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes
+from jaxrl.models.presets import PRESETS, preset
+from jaxrl.planning import (
     GiB,
     ProgramReport,
     generator_fix,
@@ -57,7 +54,7 @@ from jaxrl.planning import (  # noqa: E402
     roofline_seconds,
     trainer_fix,
 )
-from jaxrl.trainer import LossConfig, OptimizerConfig  # noqa: E402
+from jaxrl.trainer import LossConfig, OptimizerConfig
 
 ROLES = ("trainer", "generator", "push")
 
@@ -455,8 +452,9 @@ def main(argv=None) -> int:
             kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
         if args.serialize_to:
             kwargs["serialize_to"] = args.serialize_to
+        platforms.compile_only()
         # Backends start lazily (libtpu, the CUDA plugin): hold their "no driver" lines back.
-        with gpu.without_driver_noise():
+        with platforms.without_plugin_noise():
             return plan_main(**kwargs)
     except (ConfigError, TopologyError) as err:
         print(f"config error: {without_gin_call_notes(err)}", file=sys.stderr)

@@ -8,9 +8,11 @@ does not create one).
 
 import os
 
-from jaxrl.infra.xla_cpu import cpu_xla_flags  # noqa: E402 - imports no JAX
-
+# Before `jaxrl` is imported: importing it imports JAX, which reads JAX_PLATFORMS then.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxrl.infra.xla_cpu import cpu_xla_flags  # noqa: E402
+
 # 8 devices unless a count is set, and the CPU code-generation guard (jaxrl/infra/xla_cpu.py);
 # subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), devices=8)

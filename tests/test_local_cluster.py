@@ -121,3 +121,27 @@ def test_timeout_stops_everything():
 def test_bad_flags():
     result = _launch("pass", "--num_processes", "0", "--devices_per_process", "1")
     assert result.returncode == 2 and "must both be >= 1" in result.stderr
+
+
+def test_a_launcher_starts_jax_without_plugin_noise_on_a_cpu_machine():
+    """Regression: with the `test` extra's CUDA plugin and libtpu installed and JAX_PLATFORMS
+    unset, every launcher printed about 25 lines before its own (three "Could not find cuda
+    drivers" pairs when importing JAX, a CUDA plugin traceback and libtpu errors when starting a
+    backend). Importing a launcher settles the platform (cpu) and holds those lines back; the
+    flag and allocator settings of CPU runs still apply."""
+    from jaxrl.infra.platforms import accelerator_attached
+
+    if accelerator_attached():
+        return  # a GPU user sees the driver's lines: they are real there
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    snippet = (
+        "import os, launch.eval, jax; "
+        "print(jax.devices()[0].platform, os.environ['JAX_PLATFORMS'], os.environ['XLA_FLAGS'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["cpu", "cpu", CPU_SCHEDULER_FLAG], result.stdout
+    for noise in ("cuda drivers", "absl::InitializeLog", "plugin configuration", "TPU_WORKER"):
+        assert noise not in result.stderr, result.stderr

@@ -156,3 +156,46 @@ def test_gpu_check_arguments_on_a_machine_without_a_gpu(tmp_path, capsys):
     assert "--steps=0 must be >= 1" in capsys.readouterr().err
     assert gpu_check.main(["--aot_dir", str(tmp_path)]) == 2
     assert "bench.gpu_check needs a GPU; this machine runs JAX on cpu" in capsys.readouterr().err
+
+
+# What the CUDA plugin and libtpu print on a machine without their devices (never a user's
+# concern there), and the error the GPU plan gave when JAX_PLATFORMS was unset.
+PLUGIN_NOISE = (
+    "Could not find cuda drivers",
+    "absl::InitializeLog()",
+    "Jax plugin configuration error",
+    "Unable to load CUDA",
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_ACCELERATOR_TYPE",
+    "topology not implemented",
+)
+
+
+def test_readme_gpu_plan_runs_as_typed_without_jax_platforms(tmp_path):
+    """Regression: with JAX_PLATFORMS unset (the README's command as typed, on this CPU machine
+    with the CUDA plugin installed) JAX validated the plugin, found no CUDA runtime and left it
+    unregistered: `launch.plan` for H100 exited 2 ("topology not implemented for cuda") after a
+    plugin traceback and TPU errors. The README's config, shrunk to the tiny model."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxrl.infra.platforms import accelerator_attached
+
+    if accelerator_attached():
+        pytest.skip("checks a machine without a GPU or TPU")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    command = [
+        sys.executable, "-m", "launch.plan", "--gin_file=configs/plan/llama3_8b_grpo_h100.gin",
+        '--gin_param=PlanConfig.model="rlbench_tiny"', "--gin_param=PlanConfig.prompts=2",
+        "--gin_param=PlanConfig.samples=2", "--gin_param=PlanConfig.prompt_len=64",
+        "--gin_param=PlanConfig.completion_len=64", "--gin_param=PlanConfig.grad_accum_steps=1",
+        "--gin_param=PlanConfig.roles=('generator',)",
+    ]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("verdict: fits"), result.stdout
+    assert "h100:1x8 (h100, 8 devices)" in result.stdout
+    for line in PLUGIN_NOISE:
+        assert line not in result.stderr + result.stdout, result.stderr

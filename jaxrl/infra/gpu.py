@@ -29,15 +29,13 @@ bandwidth per GPU.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import os
 import re
 import shutil
-import sys
-import tempfile
 
+from jaxrl.infra import platforms
 from jaxrl.infra.chips import ChipSpec, TopologyError
 
 GiB = 1024**3
@@ -167,53 +165,15 @@ def ptxas_path() -> str:
     )
 
 
-_NOISE = ("Could not find cuda drivers", "All log messages before absl::InitializeLog()")
-
-
-@contextlib.contextmanager
-def without_driver_noise():
-    """Holds back the CUDA plugin's "no driver" log lines written inside the block.
-
-    On a machine without an NVIDIA driver, loading the plugin (when JAX starts) and describing a
-    topology log "Could not find cuda drivers on your machine, GPU will not be used.", each
-    after an absl "All log messages before absl::InitializeLog()" warning, straight to file
-    descriptor 2, below Python. This captures fd 2 for the block and writes back every other
-    line.
-    """
-    sys.stderr.flush()
-    fd = 2  # the process's stderr, whatever object sys.stderr is (a test's capture has no fd)
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), fd)
-        try:
-            yield
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)
-            held.seek(0)
-            text = held.read().decode(errors="replace")
-            kept = text.splitlines(keepends=True)
-            sys.stderr.write("".join(x for x in kept if not any(n in x for n in _NOISE)))
-
-
-def quiet_jax_import() -> None:
-    """Imports JAX (which loads the installed PJRT plugins) without the CUDA plugin's "no
-    driver" lines; call it before anything imports JAX. A no-op once JAX is imported."""
-    if "jax" in sys.modules:
-        return
-    with without_driver_noise():
-        import jax._src.xla_bridge  # noqa: F401  (loads the plugins)
-
-
 def topology_devices(name: str) -> list:
     """The devices of GPU topology `name` (no GPU needed; needs the CUDA plugin and ptxas)."""
     system, nodes, gpus = parse_topology(name)
     ptxas_path()
-    quiet_jax_import()
+    platforms.quiet_jax_start()
     try:
         from jax.experimental import topologies
 
-        with without_driver_noise():
+        with platforms.without_plugin_noise():
             topology = topologies.get_topology_desc(
                 platform="cuda",
                 topology=f"1x{nodes}x{gpus}",
@@ -222,11 +182,26 @@ def topology_devices(name: str) -> list:
         return list(topology.devices)
     except Exception as err:  # the plugin missing surfaces as RuntimeError / ValueError
         text = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-        raise TopologyError(
-            f"cannot describe GPU topology {name!r}: {text}. Ahead-of-time GPU compilation "
-            "needs the CUDA plugin: `pip install jax-cuda12-plugin==0.10.2 "
-            "jax-cuda12-pjrt==0.10.2` (or `pip install -e '.[test]'`)."
-        ) from err
+        raise TopologyError(f"cannot describe GPU topology {name!r}: {text}. {_cause()}") from err
+
+
+def _cause() -> str:
+    """Why the CUDA plugin gave no topology, and the fix."""
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return (
+            "Ahead-of-time GPU compilation needs the CUDA plugin: `pip install "
+            "jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2` (or `pip install -e '.[test]'`)."
+        )
+    import jax
+
+    value = jax.config.jax_platforms  # what JAX started with, whatever the variable says now
+    asked = f"JAX platforms {value!r}" if value else "JAX_PLATFORMS unset"
+    return (
+        f"The CUDA plugin is installed but did not register with JAX: with {asked} it checks "
+        "for a CUDA runtime first ('Unable to load CUDA' above) and this machine has none. "
+        "A deviceless compile needs no GPU: run it with JAX_PLATFORMS=cpu, set before JAX is "
+        "imported (`launch.plan` and importing `jaxrl` set it where JAX_PLATFORMS is unset)."
+    )
 
 
 def device_spec(devices) -> ChipSpec:

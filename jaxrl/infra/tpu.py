@@ -21,7 +21,7 @@ import re
 from typing import TYPE_CHECKING
 
 from jaxrl.infra.chips import ChipSpec, GiB, TopologyError
-from jaxrl.infra.xla_cpu import tpu_attached
+from jaxrl.infra.platforms import tpu_attached, without_plugin_noise
 
 if TYPE_CHECKING:  # for annotations only: this module imports without JAX
     import jax
@@ -85,9 +85,7 @@ def topology_devices(name: str) -> list[jax.Device]:
     try:
         from jax.experimental import topologies
 
-        from jaxrl.infra.gpu import without_driver_noise  # the CUDA plugin, when installed
-
-        with without_driver_noise():
+        with without_plugin_noise():  # the CUDA plugin's, when installed
             topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
         return list(topology.devices)
     except Exception as err:  # libtpu missing surfaces as RuntimeError / ValueError from PJRT

@@ -14,10 +14,10 @@ clusters, the demo, and any `python -m launch.<job>` on a machine without a GPU 
 from __future__ import annotations
 
 import ctypes
-import glob
-import importlib.util
 import os
 from collections.abc import MutableMapping
+
+from jaxrl.infra.platforms import accelerator_attached
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CPU_SCHEDULER_FLAG = "--xla_backend_extra_options=-pre-RA-sched=fast"
@@ -42,25 +42,13 @@ def cpu_xla_flags(flags: str, devices: int | None = None) -> str:
 
 def cpu_only(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Whether JAX will run on the CPU, judged before it starts a backend (XLA reads XLA_FLAGS
-    then): JAX_PLATFORMS names only cpu, or it is unset and neither a GPU plugin for JAX
-    (`jax_plugins`) nor a TPU (a Google PCI device, as JAX itself looks for one) is there."""
+    then): JAX_PLATFORMS names only cpu, or it is unset and no GPU or TPU is attached
+    (`jaxrl.infra.platforms.accelerator_attached`; an installed plugin without its device, as
+    the `test` extra's CUDA plugin on a CPU machine, runs nothing)."""
     platforms = environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return {p.strip() for p in platforms.split(",")} == {"cpu"}
-    return importlib.util.find_spec("jax_plugins") is None and not tpu_attached()
-
-
-def tpu_attached() -> bool:
-    """Whether this machine has a TPU: a PCI device of Google's vendor id, which is how JAX
-    looks for one (`jax._src.hardware_utils`)."""
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            with open(vendor) as f:
-                if f.read().strip() == "0x1ae0":
-                    return True
-        except OSError:
-            continue
-    return False
+    return not accelerator_attached()
 
 
 def add_xla_flag(flag: str, environ: MutableMapping[str, str] = os.environ) -> None:
