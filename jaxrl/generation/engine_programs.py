@@ -302,7 +302,9 @@ class EnginePrograms:
         )
 
     def grow_cache(self, cache, extra: int):
-        """`cache` (donated) with `extra` more zero positions per slot."""
+        """`cache` with `extra` more zero positions per slot. Not donated: the grown cache has
+        another shape, so XLA cannot write it into the old buffers (a donation would be refused
+        with a warning and copied anyway); the old cache is freed when the caller drops it."""
         axis = 2 if self.model_config.scan_layers else 1  # [L,] S, C, K, D
 
         def pad(cache):
@@ -310,7 +312,7 @@ class EnginePrograms:
             widths[axis] = (0, extra)
             return jnp.pad(cache, widths)
 
-        grow = jax.jit(lambda c: constrain_cache(jax.tree.map(pad, c)), donate_argnums=0)
+        grow = jax.jit(lambda c: constrain_cache(jax.tree.map(pad, c)))
         return self.call_on_mesh(grow, cache)
 
     def _prefill_impl(self, params, cache, tokens_pt, valid_pt, dest_s, src_s):
