@@ -1,11 +1,17 @@
 """`make demo`: the main job on its embedded default, on 8 simulated CPU devices.
 
 Runs `launch.rl` with `configs/rl/arith_tiny.gin` (SFT warm start, then async LlamaRL-style RL
-with AIPO on 1-2 digit addition, a 0.4M-parameter Llama: the trainer on devices 0-3, the generator
-on devices 4-7, two policy versions behind) into `runs/demo`, with a shorter RL schedule so it ends
-in a few minutes, then prints where the metrics, the plot and the checkpoints are. Rerunning
-resumes (or, when finished, only reports). `--sync` runs the colocated sync baseline instead
-(`configs/rl/arith_tiny_sync.gin`).
+with AIPO on 1-2 digit addition, a 0.4M-parameter Llama: the trainer on devices 0-3, two policy
+versions behind) into `runs/demo`, with a shorter RL schedule so it ends in a few minutes and the
+generator on device 4 alone, then prints where the metrics, the plot and the checkpoints are.
+Rerunning resumes (or, when finished, only reports).
+
+The generator is one device because XLA:CPU runs one multi-device program of a process at a time:
+the config's 4-device generator would wait for each 4-device train step to end, so the roles would
+take turns instead of overlapping (`jaxrl.infra.mesh.cpu_overlap_note`, which `launch.rl` prints for
+that layout). On GPUs and TPUs the config's layout runs both roles at once.
+
+`--sync` runs the colocated sync baseline instead (`configs/rl/arith_tiny_sync.gin`).
 
     python -m launch.demo [--workdir runs/demo] [--rl_steps 400] [--sync]
 """
@@ -19,6 +25,11 @@ import time
 from jaxrl.infra.xla_cpu import cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The generator on device 4 alone: it runs beside the trainer's 4-device programs on CPU devices.
+ONE_DEVICE_GENERATOR = (
+    "generator/MeshConfig.axis_sizes = (1, 1)",
+    "generator/MeshConfig.num_devices = 1",
+)
 
 
 def main(argv=None) -> None:
@@ -28,7 +39,6 @@ def main(argv=None) -> None:
     parser.add_argument("--rl_steps", type=int, default=400)
     parser.add_argument("--sync", action="store_true", help="the colocated sync baseline")
     args = parser.parse_args(argv)
-    config = "arith_tiny_sync.gin" if args.sync else "arith_tiny.gin"
 
     import jax
 
@@ -38,17 +48,25 @@ def main(argv=None) -> None:
     devices = jax.devices()
     print(f"JAX {jax.__version__}: {len(devices)} {devices[0].platform} devices")
     start = time.perf_counter()
-    every = max(args.rl_steps // 4, 1)
+    result = launch(rl_main, demo_flags(args.workdir, args.rl_steps, args.sync))
+    print(f"demo finished in {time.perf_counter() - start:.0f}s (workdir {result['workdir']})")
+    print(summary(os.path.join(result["workdir"], "metrics.jsonl")))
+
+
+def demo_flags(workdir: str, rl_steps: int, sync: bool) -> list[str]:
+    """The `launch.rl` command line of the demo."""
+    config = "arith_tiny_sync.gin" if sync else "arith_tiny.gin"
+    every = max(rl_steps // 4, 1)
     flags = [
         "--gin_file", os.path.join(REPO, "configs", "rl", config),
-        "--workdir", args.workdir,
-        "--gin_param", f"RLConfig.total_steps = {args.rl_steps}",
+        "--workdir", workdir,
+        "--gin_param", f"RLConfig.total_steps = {rl_steps}",
         "--gin_param", f"RLConfig.eval_every_steps = {every}",
         "--gin_param", f"RLConfig.save_every_steps = {every}",
     ]  # fmt: skip
-    result = launch(rl_main, flags)
-    print(f"demo finished in {time.perf_counter() - start:.0f}s (workdir {result['workdir']})")
-    print(summary(os.path.join(result["workdir"], "metrics.jsonl")))
+    if not sync:
+        flags += [f"--gin_param={param}" for param in ONE_DEVICE_GENERATOR]
+    return flags
 
 
 def summary(metrics_path: str) -> str:
