@@ -35,6 +35,7 @@ from flax import nnx
 
 from jaxrl.generation.engine import Engine
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra import platforms
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, decode_attention_form
@@ -105,6 +106,9 @@ class ProgramReport:
     parts: dict[str, int]
     error: str | None = None  # the compiler's out-of-memory message when it refused
     compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # XLA's own memory estimates logged while compiling (`XlaMemoryNotes`), None if it logged
+    # none.
+    xla_notes: XlaMemoryNotes | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -122,16 +126,69 @@ class ProgramReport:
         return self.argument_bytes - sum(self.parts.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class XlaMemoryNotes:
+    """Memory estimates XLA:GPU logs while it compiles, before buffer assignment.
+
+    remat_bytes / remat_limit_bytes: the rematerialization pass's "Can't reduce memory use below
+    <limit> by rematerialization; only reduced to <remat>". The pass adds the program's outputs
+    to the peak of its own schedule: where the outputs overwrite donated inputs (a train step's
+    new weights and optimizer state), those bytes count twice. `launch.plan`'s Llama 3 70B step
+    on h100:4x8: 105.34 GiB = 80.69 GiB peak + 24.65 GiB outputs, where the buffer assignment
+    (`memory_analysis()`, the buffers the program allocates) is 73.14 GiB.
+    io_bytes / io_limit_bytes: the GPU scheduler's "The byte size of input/output arguments
+    (<io>) exceeds the base limit (<limit>)": the arguments and the outputs not aliased to them
+    leave it no memory budget to schedule in.
+    lines: the log lines themselves.
+    """
+
+    remat_bytes: int | None = None
+    remat_limit_bytes: int | None = None
+    io_bytes: int | None = None
+    io_limit_bytes: int | None = None
+    lines: tuple[str, ...] = ()
+
+
+_REMAT = re.compile(
+    r"Can't reduce memory use below [\d.]+\w+ \((\d+) bytes\) by rematerialization; only "
+    r"reduced to [\d.]+\w+ \((\d+) bytes\)"
+)
+_IO = re.compile(r"byte size of input/output arguments \((\d+)\) exceeds the base limit \((\d+)\)")
+
+
+def xla_memory_notes(lines: list[str]) -> tuple[XlaMemoryNotes | None, list[str]]:
+    """Splits compiler log `lines` into XLA's memory estimates and the other lines."""
+    fields: dict[str, int] = {}
+    kept, rest = [], []
+    for line in lines:
+        if match := _REMAT.search(line):
+            fields["remat_limit_bytes"], fields["remat_bytes"] = map(int, match.groups())
+        elif match := _IO.search(line):
+            fields["io_bytes"], fields["io_limit_bytes"] = map(int, match.groups())
+        else:
+            rest.append(line)
+            continue
+        kept.append(line.strip())
+    return (XlaMemoryNotes(**fields, lines=tuple(kept)) if kept else None), rest
+
+
 def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramReport, Any]:
-    """Compiles `lowered` and reads its memory and cost analyses; returns (report, compiled)."""
+    """Compiles `lowered` and reads its memory and cost analyses; returns (report, compiled).
+    XLA's memory estimates logged while compiling go to the report (`XlaMemoryNotes`); the
+    compiler's other log lines pass through to stderr."""
     start = time.perf_counter()
+    log: list[str] = []
     try:
-        compiled = lowered.compile()
+        with platforms.stderr_lines() as log:
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
+        platforms.write_stderr([x for x in log if not platforms.is_plugin_noise(x)])
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         return _out_of_memory(name, str(err), parts, time.perf_counter() - start), None
     seconds = time.perf_counter() - start
+    notes, rest = xla_memory_notes(log)
+    platforms.write_stderr([x for x in rest if not platforms.is_plugin_noise(x)])
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or cost_from_hlo(compiled)
     if isinstance(cost, list):  # older JAX: one dict per program
@@ -148,6 +205,7 @@ def compile_report(name: str, lowered, parts: dict[str, int]) -> tuple[ProgramRe
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         parts=dict(parts),
         compiled=compiled,
+        xla_notes=notes,
     )
     return report, compiled
 
@@ -435,7 +493,27 @@ def fmt_gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerFix:
+    """The layout that makes a train step fit: `devices` in a mesh ('fsdp', 'tp') = (fsdp, tp),
+    with `grad_accum_steps` micro-batches; `text` says it in words (None where activations
+    still do not fit: then `text` names what else to change)."""
+
+    text: str
+    devices: int
+    fsdp: int
+    tp: int
+    grad_accum_steps: int | None
+
+
 def trainer_fix(report: ProgramReport, mesh, hbm: int, rows: int, micro_batches: int) -> str:
+    """`trainer_fix_layout(...).text`."""
+    return trainer_fix_layout(report, mesh, hbm, rows, micro_batches).text
+
+
+def trainer_fix_layout(
+    report: ProgramReport, mesh, hbm: int, rows: int, micro_batches: int
+) -> TrainerFix:
     """The mesh change (and, if activations still do not fit, the micro-batching) that makes the
     train step fit `hbm` bytes per device; estimates from the report's parts.
 
@@ -465,17 +543,20 @@ def trainer_fix(report: ProgramReport, mesh, hbm: int, rows: int, micro_batches:
     )
     state_dev = state_total / devices
     split = devices // tp  # the batch is split over fsdp
+    layout = dict(devices=devices, fsdp=devices // tp, tp=tp)
     for m in [k for k in range(micro_batches, rows + 1) if rows % k == 0]:
         if (rows // m) % split:
             continue
         act_dev = act_row * (rows // m // split)
         if state_dev + act_dev <= budget:
             accum = "" if m == micro_batches else f", and grad_accum_steps={m}"
-            return f"{where}{accum} (about {fmt_gib(state_dev + act_dev)} per device)"
-    return (
+            text = f"{where}{accum} (about {fmt_gib(state_dev + act_dev)} per device)"
+            return TrainerFix(text, grad_accum_steps=m, **layout)
+    text = (
         f"{where}; activations still do not fit: use attention_impl='pallas' (no [S, S] score "
         "matrices) or shorter sequences"
     )
+    return TrainerFix(text, grad_accum_steps=None, **layout)
 
 
 def generator_fix(decode: ProgramReport, num_slots: int, hbm: int, mesh) -> str:

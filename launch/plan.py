@@ -52,7 +52,7 @@ from jaxrl.planning import (
     plan_weight_push,
     probe_per_step,
     roofline_seconds,
-    trainer_fix,
+    trainer_fix_layout,
 )
 from jaxrl.trainer import LossConfig, OptimizerConfig
 
@@ -247,6 +247,90 @@ def _memory_fraction_note(reports: list[ProgramReport], spec: ChipSpec, devices)
         )
 
 
+def _xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
+    """What XLA's memory lines logged while compiling `report`'s program mean for the verdict.
+
+    The verdict reads the buffer assignment (`memory_analysis()`: the buffers the program
+    allocates); XLA:GPU also logs estimates of its own made before that, which can disagree
+    (`jaxrl.planning.XlaMemoryNotes` says how they count)."""
+    notes = report.xla_notes
+    if notes is None:
+        return
+    total, fits = report.total_bytes, report.total_bytes <= spec.hbm_bytes
+    if notes.remat_bytes is not None and abs(notes.remat_bytes - total) <= 0.01 * total:
+        print(
+            f"  XLA's rematerialization pass could not bring {report.name} under its limit of "
+            f"{notes.remat_limit_bytes / GiB:.2f} GiB either (it reached "
+            f"{notes.remat_bytes / GiB:.2f} GiB)."
+        )
+    elif notes.remat_bytes is not None:
+        print(
+            f"  XLA's rematerialization pass estimated {notes.remat_bytes / GiB:.2f} GiB for "
+            f"{report.name} (over its limit of {notes.remat_limit_bytes / GiB:.2f} GiB); the "
+            f"buffers the compiled program allocates total {total / GiB:.2f} GiB, and the "
+            "verdict reads those. The pass adds the outputs "
+            f"({report.output_bytes / GiB:.2f} GiB, {report.alias_bytes / GiB:.2f} GiB of them "
+            "written over donated inputs) to the peak of its own schedule, before buffers "
+            "are assigned."
+        )
+    if notes.io_bytes is not None:
+        then = (
+            "the program does not fit, as the table says"
+            if not fits
+            else "the buffer assignment fits all the same"
+        )
+        print(
+            f"  XLA's GPU scheduler: the arguments and outputs of {report.name} take "
+            f"{notes.io_bytes / GiB:.2f} GiB, over its limit of {notes.io_limit_bytes / GiB:.2f}"
+            f" GiB, so it scheduled without a memory budget; {then}."
+        )
+
+
+def _config_lines(config: PlanConfig, fix) -> list[str]:
+    """The gin lines that plan the trainer with `fix` (a `TrainerFix`), and a config file of
+    `configs/plan/` that holds them already, if one does."""
+    topology = config.trainer_topology
+    if gpu.is_gpu_topology(topology):
+        target = gpu.topology_with(gpu.parse_topology(topology)[0], fix.devices)
+    else:
+        target = tpu.slice_with(tpu.parse_topology(topology)[0], fix.devices)
+    lines = []
+    if target and target != topology:
+        lines.append(f'PlanConfig.trainer_topology = "{target}"')
+    if tuple(config.trainer_axes) == ("fsdp", "tp"):
+        lines.append(f"PlanConfig.trainer_axis_sizes = ({fix.fsdp}, {fix.tp})")
+    else:
+        lines.append('PlanConfig.trainer_axes = ("fsdp", "tp")')
+        lines.append(f"PlanConfig.trainer_axis_sizes = ({fix.fsdp}, {fix.tp})")
+    if fix.grad_accum_steps and fix.grad_accum_steps != config.grad_accum_steps:
+        lines.append(f"PlanConfig.grad_accum_steps = {fix.grad_accum_steps}")
+    return lines
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def ready_config(model: str, lines: list[str]) -> str | None:
+    """A file of configs/plan/ that sets every one of `lines` for `model` (itself or through a
+    file it includes), as a path relative to the repository; None if there is none."""
+    folder = os.path.join(CONFIG_DIR, "plan")
+    if not os.path.isdir(folder):
+        return None
+    model_line = f'PlanConfig.model = "{model}"'
+    for name in sorted(os.listdir(folder)):
+        text = open(os.path.join(folder, name), encoding="utf-8").read()
+        if not all(line in text for line in lines):
+            continue
+        included = [
+            open(os.path.join(os.path.dirname(CONFIG_DIR), inc), encoding="utf-8").read()
+            for inc in (x.split("'")[1] for x in text.splitlines() if x.startswith("include '"))
+            if os.path.isfile(os.path.join(os.path.dirname(CONFIG_DIR), inc))
+        ]
+        if any(model_line in t for t in (text, *included)):
+            return f"configs/plan/{name}"
+    return None
+
+
 def _where(topology: str, spec: ChipSpec, devices, mesh) -> str:
     return f"{topology} ({spec.name}, {len(devices)} devices), mesh {dict(mesh.shape)}"
 
@@ -285,13 +369,19 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     )
     print_table(title, [_row(report, spec, step_cost)])
     _memory_fraction_note([report], spec, devices)
+    _xla_notes(report, spec)
     if report.error:
         print(f"  the compiler refused: {report.error}")
     if report.total_bytes > spec.hbm_bytes:
+        fix = trainer_fix_layout(report, mesh, spec.hbm_bytes, rows, config.grad_accum_steps)
+        lines = _config_lines(config, fix)
+        ready = ready_config(config.model, lines)
         problems.append(
             f"trainer: the RL step needs {report.total_bytes / GiB:.2f} GiB per device, "
-            f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
-            f"fix: {trainer_fix(report, mesh, spec.hbm_bytes, rows, config.grad_accum_steps)}"
+            f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; fix: {fix.text}\n"
+            "  plan it with these lines (in your config, or as --gin_param='...'):\n"
+            + "".join(f"    {line}\n" for line in lines)
+            + (f"  or: python -m launch.plan --gin_file={ready}" if ready else "").rstrip()
         )
     return [report]
 
@@ -337,6 +427,8 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     print_table(title, rows)
     _memory_fraction_note([prefill, decode], spec, devices)
     for r in (prefill, decode):
+        _xla_notes(r, spec)
+    for r in (prefill, decode):
         if r.error:
             print(f"  the compiler refused {r.name}: {r.error}")
     worst = max((prefill, decode), key=lambda r: r.total_bytes)
@@ -368,6 +460,7 @@ def _push(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     )
     print_table(title, [_row(push.report, spec, None)])
     _memory_fraction_note([push.report], spec, devices)
+    _xla_notes(push.report, spec)
     print(
         f"  memory: the largest of the {push.chunks} chunk(s) weight_sync pushes one at a time "
         f"({push.peak_extra_bytes / GiB:.2f} GiB extra on a device); FLOPs / bytes: all of "

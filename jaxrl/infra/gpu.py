@@ -147,6 +147,15 @@ def parse_topology(name: str) -> tuple[str, int, int]:
     return system, nodes, gpus
 
 
+def topology_with(system: str, devices: int) -> str | None:
+    """A topology of `devices` GPUs of `system`: one node, or whole nodes ("h100", 32 ->
+    "h100:4x8"); None where there is none."""
+    per_node = SYSTEMS[system].gpus_per_node
+    if devices <= per_node:
+        return f"{system}:1x{devices}"
+    return None if devices % per_node else f"{system}:{devices // per_node}x{per_node}"
+
+
 def ptxas_path() -> str:
     """The ptxas XLA:GPU will use: the `nvidia-cuda-nvcc-cu12` wheel's, else one on PATH."""
     spec = importlib.util.find_spec("nvidia")

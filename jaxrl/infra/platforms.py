@@ -23,6 +23,7 @@ level.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import sys
@@ -60,6 +61,7 @@ def gpu_attached() -> bool:
     return any(os.path.exists(p) for p in _GPU_NODES) or _NVIDIA_VENDOR in _pci_vendors()
 
 
+@functools.cache
 def accelerator_attached() -> bool:
     """Whether JAX could run on something other than the CPU here."""
     return tpu_attached() or gpu_attached()
@@ -82,32 +84,55 @@ def default_to_cpu(environ: MutableMapping[str, str] = os.environ) -> bool:
 
 
 @contextlib.contextmanager
-def without_plugin_noise():
-    """Holds back the CUDA plugin's "no driver" lines written to the process's stderr inside
-    the block, and writes back every other line.
-
-    The plugin's libraries log them with absl, straight to file descriptor 2, below Python: this
-    points fd 2 at a temporary file for the block. A no-op where an accelerator is attached
-    (there the lines would be real errors).
-    """
-    if accelerator_attached():
-        yield
-        return
+def stderr_lines():
+    """Captures what is written to the process's stderr (file descriptor 2, where XLA's C++
+    logging goes, below Python) inside the block; yields a list that holds those lines once the
+    block ends. Nothing is written back: the caller decides."""
     sys.stderr.flush()
     fd = 2  # the process's stderr, whatever object sys.stderr is (a test's capture has no fd)
     saved = os.dup(fd)
+    lines: list[str] = []
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), fd)
         try:
-            yield
+            yield lines
         finally:
             os.dup2(saved, fd)
             os.close(saved)
             held.seek(0)
-            text = held.read().decode(errors="replace")
-            kept = text.splitlines(keepends=True)
-            sys.stderr.write("".join(x for x in kept if not any(n in x for n in NOISE)))
-            sys.stderr.flush()
+            lines += held.read().decode(errors="replace").splitlines(keepends=True)
+
+
+def write_stderr(lines) -> None:
+    """Writes captured `lines` (from `stderr_lines`) back to stderr."""
+    if lines:
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+
+
+def is_plugin_noise(line: str) -> bool:
+    """A CUDA plugin "no driver" line (or its absl preamble) on a machine without a GPU or TPU."""
+    return any(n in line for n in NOISE) and not accelerator_attached()
+
+
+@contextlib.contextmanager
+def without_plugin_noise():
+    """Holds back the CUDA plugin's "no driver" lines written to the process's stderr inside
+    the block, and writes back every other line.
+
+    The plugin's libraries log them with absl, straight to file descriptor 2, below Python
+    (`stderr_lines`). A no-op where an accelerator is attached (there the lines would be real
+    errors).
+    """
+    if accelerator_attached():
+        yield
+        return
+    lines: list[str] = []
+    try:
+        with stderr_lines() as lines:
+            yield
+    finally:
+        write_stderr([x for x in lines if not is_plugin_noise(x)])
 
 
 def quiet_jax_start() -> None:

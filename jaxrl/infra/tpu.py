@@ -69,6 +69,20 @@ def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
     return chip, dims
 
 
+def slice_with(chip: str, devices: int) -> str | None:
+    """A whole-host slice of `chip` with `devices` devices, e.g. ("v5p", 32) -> "v5p:2x4x4"
+    (a v4 chip is two devices); None where there is none."""
+    per_chip = 2 if chip == "v4" else 1
+    chips, rest = divmod(devices, per_chip)
+    dims = [*HOST_CHIPS] if chip in ("v4", "v5p") else [*HOST_CHIPS[:2]]
+    while math.prod(dims) < chips:
+        low = min(dims)
+        dims[len(dims) - 1 - dims[::-1].index(low)] *= 2  # the last of the smallest grows
+    if rest or math.prod(dims) != chips:
+        return None
+    return f"{chip}:" + "x".join(map(str, dims))
+
+
 def topology_devices(name: str) -> list[jax.Device]:
     """The devices of TPU topology `name` (no TPU needed; needs the libtpu wheel)."""
     parse_topology(name)
