@@ -11,3 +11,6 @@ train      one checkpointed, resumable training run; the teacher's step; evaluat
 study      teacher -> cached logits -> cross-fitted saliency -> students per method x seed
 report     means, standard errors, paired comparisons, the results table and plot
 """
+
+# Settles JAX's platform before any module here imports JAX (`jaxrl.infra.platforms`).
+import jaxrl  # noqa: E402, F401
