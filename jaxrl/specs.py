@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import jaxrl.env.calculator  # noqa: F401  (registers the "calculator" task)
 import jaxrl.env.chat_calculator  # noqa: F401  (registers the "calculator_chat" task)
+from jaxrl.infra.paths import user_path
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
 from jaxrl.models.config import DTYPES as MODEL_DTYPES
@@ -81,6 +82,10 @@ class PolicySpec:
     remat_policy: what the backward pass keeps of each layer (`jaxrl.models.remat`).
     """
 
+    # Fields that name files: `~` expanded here; stored absolute in a run's config.gin
+    # (`jaxrl.infra.config.parse_gin`), so the run finds them from any working directory.
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("init_from",)
+
     preset: str = "arith_tiny"
     init_from: str = ""
     param_dtype: str = "float32"
@@ -89,11 +94,19 @@ class PolicySpec:
     scan_layers: bool | None = None
     remat_policy: str = "none"
 
+    def __post_init__(self):
+        _expand_paths(self)
+
     def validate(self) -> None:
         if not self.init_from and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r}; known presets: {sorted(PRESETS)}")
         if self.init_from and not os.path.isdir(self.init_from):
-            raise ValueError(f"init_from={self.init_from!r} is not a directory")
+            exists = os.path.exists(self.init_from)
+            what = "is a file, not a directory" if exists else "does not exist"
+            raise ValueError(
+                f"init_from={self.init_from!r} {what} (a save_pretrained directory or a run's "
+                "workdir)"
+            )
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple={self.vocab_multiple} must be >= 1")
         if self.remat_policy not in REMAT_POLICIES:
@@ -134,6 +147,8 @@ class TaskSpec:
       its value (a control: tool use then gains nothing); SFT demonstrations are unchanged.
     """
 
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("train_path", "eval_path")  # as PolicySpec's
+
     name: str = "arithmetic"
     min_digits: int = 1
     max_digits: int = 2
@@ -152,6 +167,9 @@ class TaskSpec:
     heldout_size: int = 1024
     tool_disabled: bool = False
 
+    def __post_init__(self):
+        _expand_paths(self)
+
     def validate(self) -> None:
         try:
             get_task(self.name)
@@ -159,9 +177,11 @@ class TaskSpec:
             raise ValueError(str(e).strip('"')) from None
         if self.name == "math_jsonl" and not self.train_path:
             raise ValueError("task math_jsonl needs train_path (a jsonl of question/answer)")
-        for path in (self.train_path, self.eval_path):
+        for field in self.PATH_FIELDS:
+            path = getattr(self, field)
             if path and not os.path.isfile(path):
-                raise ValueError(f"{path!r}: no such file")
+                what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+                raise ValueError(f"{field}={path!r} {what}")
         if self.name == "arithmetic":
             ArithmeticTask(
                 min_digits=self.min_digits, max_digits=self.max_digits, operators=self.operators
@@ -186,6 +206,14 @@ class TaskSpec:
                 get_reward(self.reward)
             except (KeyError, TypeError) as e:
                 raise ValueError(str(e).strip("\"'")) from None
+
+
+def _expand_paths(spec) -> None:
+    """Expands `~` in the path fields of a frozen spec (`PATH_FIELDS`)."""
+    for field in spec.PATH_FIELDS:
+        value = getattr(spec, field)
+        if isinstance(value, str) and value.startswith("~"):
+            object.__setattr__(spec, field, user_path(value))
 
 
 def build_tokenizer(policy: PolicySpec, task: TaskSpec):

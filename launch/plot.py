@@ -12,6 +12,7 @@ import argparse
 import os
 
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.infra.paths import user_path
 
 
 def _series(records, key):
@@ -107,8 +108,8 @@ def write_plot(workdir: str, out: str | None = None) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workdir")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("workdir", type=user_path)
+    parser.add_argument("--out", default=None, type=user_path)
     args = parser.parse_args(argv)
     try:
         print(write_plot(args.workdir, args.out))

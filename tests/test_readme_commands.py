@@ -25,7 +25,7 @@ import gin
 import pytest
 from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 
-from jaxrl.infra.launcher import launch
+from jaxrl.infra.launcher import launch, parse_flags
 from jaxrl.infra.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -406,7 +406,8 @@ def test_the_your_model_your_data_recipe_runs_as_written(recipe):
     assert jobs == ["launch.rl", "launch.eval", "launch.export", "launch.generate"]
     run = root / "runs" / "mine"
     assert "my_rewards:score" in (run / "config.gin").read_text()
-    assert "starting from the HF checkpoint my_model" in _output(outputs, "launch.rl")
+    # init_from as the run stored it: absolute (issue 57), so the run reads it from anywhere
+    assert f"starting from the HF checkpoint {root / 'my_model'}" in _output(outputs, "launch.rl")
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records if r["step"] > 0] == [1, 2]
     assert all("reward/mean" in r for r in records if r["step"] > 0)
@@ -418,3 +419,68 @@ def test_the_your_model_your_data_recipe_runs_as_written(recipe):
         assert (exported / name).exists(), name
     (record,) = [json.loads(x) for x in (root / "out.jsonl").read_text().splitlines()]
     assert record["prompt"].startswith("tom has 3 apples") and record["completion_ids"]
+
+
+def test_the_recipe_run_is_read_from_another_directory(recipe, tmp_path, monkeypatch, capsys):
+    """Issue 57, point 5: the run stored its data paths as typed ('my_prompts.jsonl'), so
+    `launch.eval --workdir=<absolute>` from another directory failed ("TaskSpec:
+    'my_prompts.jsonl': no such file"), and needed the training file at all. The run's
+    config.gin holds absolute paths now, and eval reads only the held-out file."""
+    from launch import eval as eval_launch
+
+    root, _ = recipe
+    run = root / "runs" / "mine"
+    config = " ".join((run / "config.gin").read_text().replace("\\\n", " ").split())
+    assert f"TaskSpec.train_path = '{root / 'my_prompts.jsonl'}'" in config
+    assert f"TaskSpec.eval_path = '{root / 'my_eval.jsonl'}'" in config
+    assert f"PolicySpec.init_from = '{root / 'my_model'}'" in config
+    train, moved = root / "my_prompts.jsonl", tmp_path / "moved.jsonl"
+    monkeypatch.chdir(tmp_path)
+    train.rename(moved)  # eval needs no training file
+    try:
+        assert eval_launch.main([f"--workdir={run}"]) == 0
+    finally:
+        moved.rename(train)
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["step"] == 2 and evaluated["eval/num_prompts"] == 2
+
+
+SMOLLM2 = "A pretrained model: SmolLM2-135M-Instruct from the package index"
+
+
+def test_the_smollm2_commands_take_tilde_paths_as_written(tmp_path, monkeypatch):
+    """Issue 57, point 2: the README's `--hf_dir=~/.cache/jaxrl/smollm2-135m-instruct` reaches
+    the program with its `~` (bash expands it only at a word's start) and failed ("has no
+    config.json"). With a HOME of its own that holds a tiny model where `launch.fetch` puts
+    SmolLM2, the section's generate command runs as written, and its RL command (run by
+    bench/smollm2_learning.py) parses and binds its init_from to that directory. The fetch and
+    import lines download or need a GGUF; the eval and export lines need the run."""
+    import runpy
+
+    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from launch import fetch
+    from launch.rl import rl_main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    model = home / ".cache" / "jaxrl" / "smollm2-135m-instruct"
+    assert fetch.cache_dir() == str(model.parent)  # where the README's fetch line puts it
+    tiny = runpy.run_path(os.path.join(REPO, "examples", "tiny_hf_model.py"))["tiny_hf_model"]
+    tiny(str(model))
+    os.symlink(os.path.join(REPO, "configs"), tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands(SMOLLM2)
+    (generate,) = [c for c in commands if "launch.generate" in c]
+    assert "--hf_dir=~/.cache/jaxrl/smollm2-135m-instruct" in generate
+    (record,) = [json.loads(x) for x in run_command(generate).splitlines()]
+    assert record["prompt"] == "What is the capital of France?" and record["completion_ids"]
+    (rl,) = [c for c in commands if "launch.rl" in c]
+    argv = shlex.split(rl)
+    assert argv[:3] == ["XLA_FLAGS=--xla_force_host_platform_device_count=2", "python", "-m"]
+    flags = parse_flags(argv[4:])
+    try:
+        parse_gin(flags.gin_files, flags.gin_params)
+        policy = resolve_bindings(rl_main)["policy"]
+    finally:
+        gin.clear_config()
+    assert policy.init_from == str(model)

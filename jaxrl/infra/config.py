@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import gin
 
 from jaxrl.infra.moved import moved_names
+from jaxrl.infra.paths import run_path, user_path
 from jaxrl.infra.user_code import torch_hint
 
 T = TypeVar("T")
@@ -234,8 +235,12 @@ def _suggestion(message: str) -> str:
 def parse_gin(
     gin_files: Sequence[str], gin_params: Sequence[str], search_paths: Sequence[str] = ()
 ) -> None:
-    """Clears gin, then parses the files and the extra bindings (later ones win)."""
+    """Clears gin, then parses the files and the extra bindings (later ones win). Paths are
+    taken as users type them (`~` expanded), and the path fields of registered configs
+    (`PATH_FIELDS`, e.g. `TaskSpec.train_path`) are bound absolute (`_absolute_path_bindings`)."""
     gin.clear_config()
+    gin_files = [user_path(f) for f in gin_files]
+    search_paths = [user_path(p) for p in search_paths]
     for prefix in search_paths:
         gin.add_config_file_search_path(prefix)
     for path in gin_files:
@@ -263,6 +268,20 @@ def parse_gin(
         raise ConfigError(
             _unquoted_string_fix(err) or f"gin: {err}{_suggestion(str(err))}"
         ) from err
+    _absolute_path_bindings()
+
+
+def _absolute_path_bindings() -> None:
+    """Rebinds every path field of a registered config (a class's `PATH_FIELDS`) to its
+    absolute, `~`-expanded form (`jaxrl.infra.paths.run_path`), in every scope. The launcher
+    writes the bindings as the run's `config.gin`, which the run's later jobs (eval, generate,
+    a relaunch) read from whatever directory they start in."""
+    for (_, selector), bindings in gin.config._CONFIG.items():  # no public way to rebind
+        cls = _CONFIGS.get(selector)
+        for field in getattr(cls, "PATH_FIELDS", ()):
+            value = bindings.get(field)
+            if isinstance(value, str) and value:
+                bindings[field] = run_path(value)
 
 
 def _parses(binding: str) -> bool:

@@ -29,6 +29,7 @@ from jaxrl.infra.config import (
     without_gin_call_notes,
 )
 from jaxrl.infra.errors import DataError
+from jaxrl.infra.paths import user_path
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ def parse_flags(
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--workdir", required=True, help="Run directory: checkpoints, metrics.")
+    parser.add_argument(
+        "--workdir", required=True, type=user_path, help="Run directory: checkpoints, metrics."
+    )
     parser.add_argument("--gin_file", action="append", default=[], help="Gin file (repeatable).")
     parser.add_argument(
         "--gin_param", action="append", default=[], help="Gin binding, e.g. 'A.b = 1' (repeatable)."

@@ -22,10 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.infra.paths import missing_dir_message, user_path
 from jaxrl.models.config import ModelConfig, UnsupportedModelError
 from jaxrl.models.safetensors_io import SafetensorsReader
 from jaxrl.models.transformer import Transformer
 
+SAVE_PRETRAINED = "a save_pretrained directory: config.json, *.safetensors, the tokenizer files"
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -132,8 +134,9 @@ def param_map(config: ModelConfig) -> dict[tuple, TensorMap]:
 
 def check_weights_dir(path: str) -> None:
     """Raises a clear error unless `path` is a directory with safetensors weights."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    missing = missing_dir_message(path, SAVE_PRETRAINED)
+    if missing:
+        raise FileNotFoundError(missing)
     if glob.glob(os.path.join(path, "*.safetensors")):
         return
     pickles = [os.path.basename(p) for pat in _PICKLE_PATTERNS for p in glob.glob(f"{path}/{pat}")]
@@ -151,6 +154,10 @@ def load_config(path: str, **overrides: Any) -> ModelConfig:
     """Reads `config.json` through `transformers.AutoConfig` (never `trust_remote_code`)."""
     import transformers
 
+    path = user_path(path)
+    missing = missing_dir_message(path, SAVE_PRETRAINED)
+    if missing:
+        raise FileNotFoundError(missing)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has no config.json; is it a save_pretrained directory?")
     try:
@@ -165,6 +172,10 @@ def load_tokenizer(path: str):
     """The tokenizer saved next to the weights, through `AutoTokenizer` (local files only)."""
     import transformers
 
+    path = user_path(path)
+    missing = missing_dir_message(path, SAVE_PRETRAINED)
+    if missing:
+        raise FileNotFoundError(missing)
     return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
@@ -181,6 +192,7 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
     the default device. Host memory peaks at about two copies of the largest tensor (the bytes
     read and their transformed layout) on top of what was placed.
     """
+    path = user_path(path)
     check_weights_dir(path)
     reader = SafetensorsReader(path)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
@@ -274,6 +286,7 @@ def load_model(
     `config_overrides` set what HF configs do not carry, e.g. `param_dtype="bfloat16"`,
     `dtype="bfloat16"`, `attention_impl="cudnn"`.
     """
+    path = user_path(path)
     config = load_config(path, **config_overrides)
     graphdef, abstract_state = nnx.split(
         nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))

@@ -1,0 +1,87 @@
+"""Issue 57, a new user's own model through the README (SmolLM2-135M-Instruct as "my model"):
+paths typed with `~`, the chat template of an instruct model in `launch.generate`, the completion
+budget of `launch.eval --hf_dir` and the share of completions it cuts, a config that needs a
+pretrained model, and which limit an episode's prompt runs into. Tiny models and stubs only;
+`tests/test_readme_commands.py` runs the README's own commands (a run read from another
+directory, a `HOME` of its own) and `tests/test_loop_metrics.py` RL's `completion/truncated`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gin
+import pytest
+from flax import nnx
+
+from jaxrl.models import hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# An instruct-style template the raw text cannot be mistaken for: the reply starts after "==".
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}=={% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny random Llama (context 128) whose tokenizer has `TEMPLATE` as its chat template."""
+    tokenizer = build_arithmetic_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    config = ModelConfig(
+        "llama", 56, 32, 64, 2, 4, 2, 8,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=128,
+    )  # fmt: skip
+    path = str(tmp_path_factory.mktemp("chat"))
+    hf.save_hf(Transformer(config, rngs=nnx.Rngs(0), init_std=0.3), path, tokenizer=tokenizer)
+    return path
+
+
+# Point 2: `~` in paths -------------------------------------------------------------------------
+
+
+def test_a_tilde_path_is_expanded_and_a_missing_one_does_not_exist(chat_dir, tmp_path, monkeypatch):
+    """`--hf_dir=~/...` (bash leaves the `~` after `=`) failed with "has no config.json; is it a
+    save_pretrained directory?" for a directory that did not exist; `PolicySpec.init_from =
+    '~/...'` failed the same way. Both are expanded now, a run's config.gin holds the absolute
+    path, and a missing directory "does not exist"."""
+    from jaxrl.infra.config import parse_gin, resolve_bindings
+    from jaxrl.specs import PolicySpec, TaskSpec
+    from launch.rl import rl_main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(chat_dir, tmp_path / "models" / "mine")
+    assert hf.load_config("~/models/mine").max_position_embeddings == 128
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path}/models/gone does not exist"):
+        hf.load_config("~/models/gone")
+    assert PolicySpec(init_from="~/models/mine").init_from == str(tmp_path / "models" / "mine")
+    assert TaskSpec(eval_path="~/e.jsonl").eval_path == str(tmp_path / "e.jsonl")
+    with pytest.raises(ValueError, match=r"init_from='.*/models/gone' does not exist"):
+        PolicySpec(init_from="~/models/gone").validate()
+    with pytest.raises(ValueError, match=r"train_path='nope.jsonl' does not exist"):
+        TaskSpec(name="math_jsonl", train_path="nope.jsonl").validate()
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    bindings = [
+        "rl_main.policy = @PolicySpec()",
+        "rl_main.task = @TaskSpec()",
+        "rl_main.rl = @RLConfig()",
+        "rl_main.optimizer = @OptimizerConfig()",
+        "PolicySpec.init_from = '~/models/mine'",
+        "TaskSpec.name = 'math_jsonl'",
+        "TaskSpec.train_path = 'p.jsonl'",
+    ]
+    try:
+        parse_gin([], bindings)
+        kwargs = resolve_bindings(rl_main)
+        stored = " ".join(gin.config_str().replace("\\\n", " ").split())  # long lines joined
+    finally:
+        gin.clear_config()
+    assert kwargs["policy"].init_from == str(tmp_path / "models" / "mine")
+    assert f"PolicySpec.init_from = '{tmp_path}/models/mine'" in stored
+    assert f"TaskSpec.train_path = '{tmp_path}/p.jsonl'" in stored
