@@ -7,12 +7,18 @@ Prompts: a text file with one prompt per line, or a `.jsonl` file of `{"prompt":
 `-` reads standard input. Each output line holds the prompt, the completion text, its token ids,
 their log-probs (under the distribution they were sampled from) and whether a stop token ended it.
 On several devices `--tp` / `--dp` lay the model out tensor-parallel with data-parallel replicas.
+
+Prompts go through the tokenizer's chat template as a user turn when a run's task formatted its
+prompts so (`--workdir`), or when a HF directory's tokenizer has a chat template (an instruct
+model); `--raw` (`--no_chat_template`) sends them as raw text, `--chat_template` always through
+the template. Paths may start with `~`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -91,6 +97,41 @@ def encode(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def use_chat_template(mode: str, tokenizer, workdir: str | None) -> bool:
+    """Whether prompts go through the chat template: `mode` "on" / "off" as said; "auto" as the
+    run in `workdir` formatted its task's prompts (its TaskSpec's source), else (a HF
+    directory, or a run whose task cannot be built here) when the tokenizer has a chat
+    template: an instruct model answers a bare text prompt with its end of turn at once."""
+    if mode != "auto":
+        return mode == "on"
+    chat = run_chat_formatted(workdir, tokenizer) if workdir else None
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        why = "the tokenizer has a chat template" if chat else "the tokenizer has no chat template"
+    else:
+        why = "as the run's task formatted its prompts"
+    how = "through the chat template (--raw for raw text)" if chat else "as raw text"
+    print(f"[generate] prompts {how}: {why}", file=sys.stderr)
+    return chat
+
+
+def run_chat_formatted(workdir: str, tokenizer) -> bool | None:
+    """Whether the task of the run in `workdir` renders its prompts with the chat template
+    (its source's `chat_formatted`), or None when the run's task cannot be built (a note)."""
+    from jaxrl.specs import build_source
+    from launch.eval import run_settings
+
+    try:
+        task, _ = run_settings(workdir)
+        if task.name == "math_jsonl" and not task.train_path:
+            task = dataclasses.replace(task, train_path=task.eval_path)
+        source = build_source(task, tokenizer)
+    except Exception as e:  # a task of the user's that fails here, a file that is gone
+        print(f"[generate] note: the run's task is not built here ({e})", file=sys.stderr)
+        return None
+    return bool(getattr(source, "chat_formatted", False))
+
+
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -167,7 +208,24 @@ def main(argv=None) -> int:
         help="the continuous-batching engine, or the static left-padded sampler",
     )
     p.add_argument("--num_slots", type=int, default=0, help="engine decode slots (0: --batch_size)")
-    p.add_argument("--chat_template", action="store_true", help="wrap prompts as a user turn")
+    p.add_argument(
+        "--chat_template",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="wrap each prompt as a user turn of the tokenizer's chat template. auto: as the "
+        "run's task formatted its prompts (--workdir), else when the tokenizer has a chat "
+        "template (an instruct model); --chat_template alone: on",
+    )
+    p.add_argument(
+        "--no_chat_template",
+        "--raw",
+        dest="chat_template",
+        action="store_const",
+        const="off",
+        help="prompts as raw text (the tokenizer adds its special tokens, e.g. BOS)",
+    )
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of long prompts")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
@@ -188,7 +246,8 @@ def main(argv=None) -> int:
         mesh=mesh,
         rules=rules,
     )
-    ids_all = [encode(tokenizer, q, args.chat_template) for q in prompts]
+    chat = use_chat_template(args.chat_template, tokenizer, args.workdir)
+    ids_all = [encode(tokenizer, q, chat) for q in prompts]
     max_new_tokens = completion_budget(
         args.max_new_tokens, sampler.max_total_len, max(map(len, ids_all)), args.truncate
     )

@@ -85,3 +85,37 @@ def test_a_tilde_path_is_expanded_and_a_missing_one_does_not_exist(chat_dir, tmp
     assert kwargs["policy"].init_from == str(tmp_path / "models" / "mine")
     assert f"PolicySpec.init_from = '{tmp_path}/models/mine'" in stored
     assert f"TaskSpec.train_path = '{tmp_path}/p.jsonl'" in stored
+
+
+# Point 3: the chat template in launch.generate --------------------------------------------------
+
+
+def _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, *flags) -> tuple[list[int], str]:
+    """The prompt ids `launch.generate` encodes for "1+1=" with `flags`, and its stderr."""
+    from launch import generate
+
+    seen = []
+    real = generate.encode
+    monkeypatch.setattr(generate, "encode", lambda *a: seen.append(real(*a)) or seen[-1])
+    (tmp_path / "p.txt").write_text("1+1=\n")
+    argv = [f"--hf_dir={chat_dir}", f"--prompts={tmp_path / 'p.txt'}", "--output=-"]
+    assert generate.main([*argv, "--max_new_tokens=2", "--greedy", *flags]) == 0
+    return seen[0], capsys.readouterr().err
+
+
+def test_generate_uses_an_instruct_models_chat_template_by_default(
+    chat_dir, tmp_path, monkeypatch, capsys
+):
+    """`launch.generate --hf_dir` sent raw text to an instruct model unless --chat_template was
+    given (SmolLM2 answered "" with its end of turn at once). A tokenizer with a chat template
+    now gets it by default; --raw / --no_chat_template send raw text."""
+    tokenizer = hf.load_tokenizer(chat_dir)
+    raw = tokenizer.encode("1+1=")
+    templated = tokenizer.encode("<bos>1+1===", add_special_tokens=False)
+    assert raw != templated
+    ids, err = _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path)
+    assert ids == templated
+    assert "prompts through the chat template (--raw for raw text)" in err
+    assert _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, "--chat_template")[0] == templated
+    for flag in ("--raw", "--no_chat_template", "--chat_template=off"):
+        assert _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, flag)[0] == raw, flag

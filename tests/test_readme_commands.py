@@ -445,6 +445,22 @@ def test_the_recipe_run_is_read_from_another_directory(recipe, tmp_path, monkeyp
     assert evaluated["step"] == 2 and evaluated["eval/num_prompts"] == 2
 
 
+def test_generate_formats_a_runs_prompts_as_its_task_did(recipe, tmp_path, monkeypatch, capsys):
+    """Issue 57, point 3: `launch.generate --workdir` of a run trained on chat-templated prompts
+    (math_jsonl) sent raw text. It formats prompts as the run's task did now, and says so."""
+    from launch import generate
+
+    root, _ = recipe
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.txt").write_text("tom has 3 apples. how many apples does he have?\n")
+    argv = ["--prompts=q.txt", "--output=out.jsonl", "--max_new_tokens=2"]
+    assert generate.main([f"--workdir={root / 'runs' / 'mine'}", *argv]) == 0
+    assert "[generate] prompts through the chat template (--raw for raw text): as the run's" in (
+        capsys.readouterr().err
+    )
+    assert json.loads((tmp_path / "out.jsonl").read_text())["prompt"].startswith("tom has 3")
+
+
 SMOLLM2 = "A pretrained model: SmolLM2-135M-Instruct from the package index"
 
 
