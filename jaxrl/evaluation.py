@@ -31,6 +31,24 @@ def _score(sampler, params, tokenizer, reward, items, prompt_ids, sampling, key,
     return np.concatenate(scores)
 
 
+class _StopCounter:
+    """A sampler that counts the completions it returns and those not ended by a stop token
+    (cut at `max_new_tokens`, or at the end of the sampler's context)."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler, self.rows, self.cut = sampler, 0, 0
+        self.eos_ids = tuple(getattr(sampler, "eos_ids", ()))
+
+    def generate(self, params, prompt_ids, sampling, key, *args, **kwargs):
+        out = self.sampler.generate(params, prompt_ids, sampling, key, *args, **kwargs)
+        stops = set(self.eos_ids) | set(sampling.stop_ids)
+        lengths = np.asarray(out.lengths_b)
+        for row, n in enumerate(lengths[: len(prompt_ids)]):
+            self.rows += 1
+            self.cut += bool(n == 0 or int(out.tokens_bn[row, n - 1]) not in stops)
+        return out
+
+
 def accuracy_key(temperature: float) -> str:
     """The metric name of sampled accuracy at `temperature`: "eval/accuracy_t1" at 1."""
     return f"eval/accuracy_t{temperature:g}"
@@ -55,12 +73,15 @@ def evaluate(
     eval/accuracy: greedy decoding. eval/accuracy_t1 (`accuracy_key`: eval/accuracy_t0.7 at
     temperature 0.7): mean correctness of `samples` draws at `temperature`. eval/pass_at_k:
     fraction of prompts with at least one correct draw among `samples` (k = samples; with n = k
-    draws the unbiased estimator is exactly this).
+    draws the unbiased estimator is exactly this). eval/truncated: the share of greedy
+    completions that no stop token ended (cut at `max_new_tokens`, or by the context): their
+    answers may be missing, and a high share means the budget is too small.
     """
     start = time.perf_counter()
     key = jax.random.fold_in(jax.random.key(seed), _EVAL_STREAM)
+    counter = _StopCounter(sampler)
     greedy = _score(
-        sampler,
+        counter,
         params,
         tokenizer,
         reward,
@@ -71,6 +92,8 @@ def evaluate(
         batch_size,
     )
     metrics = {"eval/accuracy": float(np.mean(greedy > 0.5))}
+    if counter.rows:
+        metrics["eval/truncated"] = counter.cut / counter.rows
     if samples > 0:
         repeated_items = [it for it in items for _ in range(samples)]
         repeated_ids = [p for p in prompt_ids for _ in range(samples)]

@@ -9,8 +9,11 @@
 
 --task takes any registered task (`jaxrl.tasks.source.list_tasks`) or "package.module:factory".
 
-A run is evaluated on its own task and settings (read from WORKDIR/config.gin). Prints one JSON
-line of metrics (eval/accuracy, eval/accuracy_t<temperature>, eval/pass_at_k).
+A run is evaluated on its own task and settings (read from WORKDIR/config.gin; of its files only
+the held-out one is read). A HF directory gets the task's completion budget (`task_budget`).
+Prints one JSON line of metrics (eval/accuracy, eval/accuracy_t<temperature>, eval/pass_at_k,
+eval/truncated: the share of greedy completions no stop token ended), and a warning on standard
+error when most were cut at max_new_tokens.
 """
 
 from __future__ import annotations
@@ -162,7 +165,8 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         help="with --hf_dir: default the task's longest completion where it knows it (chain_sum), "
-        f"else {DEFAULTS['max_new_tokens']}",
+        f"{CHAT_MAX_NEW_TOKENS} for a chat task (math_jsonl, reasoning_gym: within the model's "
+        f"context), else {DEFAULTS['max_new_tokens']}",
     )
     p.add_argument("--seed", type=int, default=None)
     args = p.parse_args(argv)
@@ -215,14 +219,14 @@ def main(argv=None) -> int:
         step, model, tokenizer = run_dir.load_policy(args.workdir, step=args.step)
     else:
         step, model = None, hf.load_model(args.hf_dir)
-    # A task whose completions are long (chain_sum: up to 52 tokens) says how long they get.
-    longest = getattr(getattr(source, "task", None), "max_completion_tokens", None)
-    if args.hf_dir and args.max_new_tokens is None and callable(longest):
-        settings["max_new_tokens"] = longest()
     items = source.eval_items(settings["eval_size"])
     if not items:
         raise SystemExit("no evaluation problems: pass --eval_path for a math_jsonl task")
     ids = encode_prompts(tokenizer, items, getattr(source, "chat_formatted", False))
+    if args.hf_dir and args.max_new_tokens is None:
+        settings["max_new_tokens"] = task_budget(
+            source, config.max_position_embeddings, max(map(len, ids))
+        )
     # The engine, as in the run: its noise does not depend on the slot count, so the sampled
     # metrics are the run's own.
     # A chat model's reply ends with its turn, also where config.json names another EOS only.
@@ -235,7 +239,38 @@ def main(argv=None) -> int:
     )  # fmt: skip
     metrics = {"step": step, **{k: round(v, 4) for k, v in metrics.items()}}
     print(json.dumps(metrics))
+    cut = metrics.get("eval/truncated", 0.0)
+    if cut > TRUNCATED_WARNING:
+        budget = f"max_new_tokens={settings['max_new_tokens']}"
+        if args.max_new_tokens is None:
+            budget += " (the run's)" if args.workdir else " (the task's default)"
+        print(
+            f"[eval] warning: {cut:.0%} of the greedy completions reached {budget} without a "
+            "stop token, so their answers may be cut off; rerun with a larger --max_new_tokens",
+            file=sys.stderr,
+        )
     return 0
+
+
+# eval/truncated above this share (most completions cut) is warned about.
+TRUNCATED_WARNING = 0.5
+# The completion budget of a chat task (free-text answers) with --hf_dir and no --max_new_tokens.
+CHAT_MAX_NEW_TOKENS = 256
+
+
+def task_budget(source, context: int, longest_prompt: int) -> int:
+    """The tokens to generate per prompt when no flag or run says: the task's longest completion
+    where it knows it (chain_sum: up to 52), `CHAT_MAX_NEW_TOKENS` for a chat task (reasoning
+    in free text; within the room the longest prompt leaves in the context), else
+    `DEFAULTS["max_new_tokens"]` (arithmetic answers)."""
+    longest = getattr(getattr(source, "task", None), "max_completion_tokens", None)
+    if callable(longest):
+        return longest()
+    if getattr(source, "chat_formatted", False):
+        budget = max(min(CHAT_MAX_NEW_TOKENS, context - longest_prompt), 1)
+        _note(f"max_new_tokens={budget}, the default of a chat task (--max_new_tokens to change)")
+        return budget
+    return DEFAULTS["max_new_tokens"]
 
 
 def _json_object(text: str) -> dict:

@@ -7,10 +7,13 @@ directory, a `HOME` of its own) and `tests/test_loop_metrics.py` RL's `completio
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import types
 
 import gin
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -119,3 +122,83 @@ def test_generate_uses_an_instruct_models_chat_template_by_default(
     assert _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, "--chat_template")[0] == templated
     for flag in ("--raw", "--no_chat_template", "--chat_template=off"):
         assert _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, flag)[0] == raw, flag
+
+
+# Point 4: launch.eval's completion budget and truncated completions -----------------------------
+
+
+def test_eval_of_a_chat_task_on_a_hf_dir_gets_room_to_answer(chat_dir, tmp_path, monkeypatch):
+    """`launch.eval --hf_dir --task=math_jsonl` gave every problem 6 new tokens (the arithmetic
+    default) and scored 0.0. A chat task now gets `CHAT_MAX_NEW_TOKENS`, within the room the
+    longest prompt leaves in the model's context (here 128 tokens)."""
+    from launch import eval as eval_launch
+
+    seen = {}
+    monkeypatch.setattr(
+        eval_launch,
+        "evaluate",
+        lambda *a, **settings: seen.update(ids=a[5], **settings) or {"eval/accuracy": 0.0},
+    )
+    problems = tmp_path / "eval.jsonl"
+    problems.write_text(
+        '{"question": "tom has 3 apples and buys 4.", "answer": "#### 7"}\n'
+        '{"question": "5+6?", "answer": "#### 11"}\n'
+    )
+    argv = [f"--hf_dir={chat_dir}", "--task=math_jsonl", f"--eval_path={problems}"]
+    assert eval_launch.main([*argv, "--instruction=", "--samples=0"]) == 0
+    longest = max(map(len, seen["ids"]))
+    assert seen["max_new_tokens"] == min(eval_launch.CHAT_MAX_NEW_TOKENS, 128 - longest) > 6
+    assert eval_launch.main([*argv, "--instruction=", "--max_new_tokens=9"]) == 0
+    assert seen["max_new_tokens"] == 9
+
+
+class _FixedSampler:
+    """Completions of 4 tokens each, the last a stop token (eos 2) on every 4th row only."""
+
+    eos_ids = (2,)
+
+    def generate(self, params, prompt_ids, sampling, key, **kwargs):
+        rows = len(prompt_ids)
+        tokens = np.full((rows, sampling.max_new_tokens), 5, np.int32)
+        tokens[::4, 3] = 2
+        return types.SimpleNamespace(
+            tokens_bn=tokens,
+            lengths_b=np.full(rows, 4),
+            logprobs_bn=np.zeros(tokens.shape, np.float32),
+        )
+
+
+def test_eval_reports_the_share_of_cut_completions_and_warns_when_most_are(
+    chat_dir, monkeypatch, capsys
+):
+    """A budget that cuts the answers scored 0.0 without a word. evaluate() reports
+    eval/truncated (greedy completions no stop token ended), and launch.eval warns on standard
+    error when it is above one half, naming the flag."""
+    from jaxrl.evaluation import evaluate
+    from jaxrl.tasks.source import PromptItem
+    from launch import eval as eval_launch
+
+    items = [PromptItem(f"{i}+1=", str(i + 1)) for i in range(8)]
+    metrics = evaluate(
+        _FixedSampler(), None, build_arithmetic_tokenizer(), "arithmetic_exact", items,
+        [[1, 5]] * 8, max_new_tokens=4, samples=2,
+    )  # fmt: skip
+    assert metrics["eval/truncated"] == 0.75  # rows 0 and 4 stopped
+
+    monkeypatch.setattr(
+        eval_launch, "evaluate", lambda *a, **k: {"eval/accuracy": 0.0, "eval/truncated": 0.75}
+    )
+    assert eval_launch.main([f"--hf_dir={chat_dir}", "--eval_size=4"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.splitlines()[-1])["eval/truncated"] == 0.75
+    assert (
+        "warning: 75% of the greedy completions reached max_new_tokens=6 (the task's default) "
+        "without a stop token"
+        in captured.err
+        and "larger --max_new_tokens" in captured.err
+    )
+    monkeypatch.setattr(
+        eval_launch, "evaluate", lambda *a, **k: {"eval/accuracy": 0.0, "eval/truncated": 0.5}
+    )
+    assert eval_launch.main([f"--hf_dir={chat_dir}", "--eval_size=4"]) == 0
+    assert "warning" not in capsys.readouterr().err
