@@ -80,6 +80,9 @@ class PolicySpec:
       deeper than `SCAN_LAYERS_ABOVE` layers (a Llama 3 8B has 32), unrolled for shallower
       ones and for LoRA runs (qwix cannot attach adapters inside `nnx.scan`).
     remat_policy: what the backward pass keeps of each layer (`jaxrl.models.remat`).
+    requires_init_from: set by a config written for a pretrained model: the model and where to
+      get it. A launch of that config without `init_from` is refused before any work (a preset
+      from random weights cannot read the config's chat prompts or fit its budgets).
     """
 
     # Fields that name files: `~` expanded here; stored absolute in a run's config.gin
@@ -93,11 +96,18 @@ class PolicySpec:
     vocab_multiple: int = 64
     scan_layers: bool | None = None
     remat_policy: str = "none"
+    requires_init_from: str = ""
 
     def __post_init__(self):
         _expand_paths(self)
 
     def validate(self) -> None:
+        if self.requires_init_from and not self.init_from:
+            raise ValueError(
+                f"init_from is not set, and this config starts from a pretrained model: "
+                f"{self.requires_init_from}. Add --gin_param=\"PolicySpec.init_from = 'DIR'\" "
+                "with its save_pretrained directory"
+            )
         if not self.init_from and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r}; known presets: {sorted(PRESETS)}")
         if self.init_from and not os.path.isdir(self.init_from):

@@ -37,6 +37,14 @@ def _launch_fn(path: str):
     raise AssertionError(f"{path}: no launcher known for configs/{kind}/")
 
 
+def _model_bindings(path: str) -> list[str]:
+    """A config written for a pretrained model refuses to bind without `PolicySpec.init_from`
+    (`PolicySpec.requires_init_from`): a directory stands in for the model here."""
+    if "PolicySpec.requires_init_from" in open(path).read():
+        return [f"PolicySpec.init_from = '{REPO}'"]
+    return []
+
+
 def test_there_are_configs():
     assert any("/rl/" in c for c in CONFIGS), CONFIGS
 
@@ -52,7 +60,7 @@ def test_config_parses_and_binds(path):
     ), f"{path}: the header must show its own run command"
     launch_fn = _launch_fn(path)
     try:
-        parse_gin([path], [])
+        parse_gin([path], _model_bindings(path))
         kwargs = resolve_bindings(launch_fn)
     finally:
         gin.clear_config()
@@ -73,7 +81,7 @@ def test_rl_settings_stay_out_of_the_sft_stage(path):
     from launch.sft import sft_main
 
     try:
-        parse_gin([path], [])
+        parse_gin([path], _model_bindings(path))
         sft = resolve_bindings(rl_main).get("sft")
         own = gin.get_bindings("sft/OptimizerConfig", inherit_scopes=False)
     finally:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl.infra.launcher import launch
 from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
@@ -202,3 +203,46 @@ def test_eval_reports_the_share_of_cut_completions_and_warns_when_most_are(
     )
     assert eval_launch.main([f"--hf_dir={chat_dir}", "--eval_size=4"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+# Point 6: a config for a pretrained model, and the limit an episode's prompt runs into ----------
+
+
+def test_a_config_for_a_pretrained_model_refuses_to_start_without_one(tmp_path):
+    """configs/rl/calc_smollm2.gin without `PolicySpec.init_from` started "from random weights"
+    (the arith_tiny preset) and died at its first episode. It is refused before any work now,
+    with the line to write."""
+    from launch.rl import rl_main
+
+    workdir = tmp_path / "run"
+    config = os.path.join(REPO, "configs", "rl", "calc_smollm2.gin")
+    try:
+        with pytest.raises(SystemExit) as refused:
+            launch(rl_main, ["--gin_file", config, "--workdir", str(workdir)])
+    finally:
+        gin.clear_config()
+    message = str(refused.value)
+    assert message.startswith("config error: PolicySpec: init_from is not set, and this config ")
+    assert "SmolLM2-135M-Instruct" in message and "launch.fetch smollm2-135m-instruct" in message
+    assert "--gin_param=\"PolicySpec.init_from = 'DIR'\"" in message
+    assert not workdir.exists()
+
+
+def test_the_episode_budget_error_names_the_limit_that_binds():
+    """ "a prompt of 266 tokens leaves no room in max_total_tokens=288 (engine context 64); raise
+    EpisodeBudget.max_total_tokens": raising it changed nothing, the engine's context was the
+    limit. The message names the limit that binds and the setting that raises it."""
+    from jaxrl.generation.episodes import binding_limit
+
+    def engine(capacity, grows, positions):
+        config = types.SimpleNamespace(max_position_embeddings=positions)
+        return types.SimpleNamespace(max_capacity=capacity, grows=grows, model_config=config)
+
+    model = binding_limit(288, engine(64, True, 64))
+    assert "the model's context, max_position_embeddings=64" in model
+    assert "PolicySpec.init_from" in model and "raise EpisodeBudget" not in model
+    generator = binding_limit(288, engine(128, False, 8192))
+    assert "GeneratorConfig.max_len (the model's max_position_embeddings is 8192)" in generator
+    assert generator.endswith("raise GeneratorConfig.max_len")
+    budget = binding_limit(100, engine(8192, True, 8192))
+    assert budget.endswith("raise EpisodeBudget.max_total_tokens")

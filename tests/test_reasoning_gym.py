@@ -286,6 +286,7 @@ def test_launch_refuses_an_unknown_dataset_before_the_workdir(tmp_path):
     )
     flags = ["--gin_file", config, "--workdir", str(workdir)]
     flags += ["--gin_param", "TaskSpec.dataset = 'basic_arithmatic'"]
+    flags += ["--gin_param", f"PolicySpec.init_from = '{tmp_path}'"]  # the config requires one
     try:
         with pytest.raises(SystemExit, match="config error: .*close names: \\['basic_arithmetic'"):
             launch(rl_main, flags)

@@ -91,6 +91,30 @@ class EpisodeBudget:
             raise ValueError(f"EpisodeBudget.tool_timeout_s={self.tool_timeout_s}; must be > 0")
 
 
+def binding_limit(max_total_tokens: int, engine) -> str:
+    """The limit on an episode's tokens that binds, and how to raise it: the budget
+    (`EpisodeBudget.max_total_tokens`), else the engine's context, which is
+    `GeneratorConfig.max_len` when set, else the model's `max_position_embeddings`."""
+    context = engine.max_capacity
+    if max_total_tokens <= context:
+        return (
+            f"EpisodeBudget.max_total_tokens={max_total_tokens} (the engine's context is "
+            f"{context}); raise EpisodeBudget.max_total_tokens"
+        )
+    model = getattr(getattr(engine, "model_config", None), "max_position_embeddings", None)
+    if getattr(engine, "grows", True) and model is not None:
+        return (
+            f"the model's context, max_position_embeddings={model} (below "
+            f"EpisodeBudget.max_total_tokens={max_total_tokens}): start from a model with a "
+            "longer context (PolicySpec.init_from), or shorten the prompt"
+        )
+    limit = f" (the model's max_position_embeddings is {model})" if model is not None else ""
+    return (
+        f"the engine's context of {context} tokens, GeneratorConfig.max_len{limit}, below "
+        f"EpisodeBudget.max_total_tokens={max_total_tokens}: raise GeneratorConfig.max_len"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class EpisodeGroup:
     """The G episodes of one prompt.
@@ -375,8 +399,7 @@ class EpisodeRunner:
         if room < 1:
             raise ValueError(
                 f"episode {group.episode}: a prompt of {len(prompt)} tokens leaves no room in "
-                f"max_total_tokens={b.max_total_tokens} (engine context "
-                f"{self.engine.max_capacity}); raise EpisodeBudget.max_total_tokens"
+                f"{binding_limit(b.max_total_tokens, self.engine)}"
             )
         group_id = group.episode if group.group_id is None else group.group_id
         trajectories = [Trajectory(group.episode, s, group_id, prompt) for s in range(g)]
