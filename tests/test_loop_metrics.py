@@ -45,6 +45,7 @@ CORE = {
     "data/prompts_trained",
     "data/prompts_sampled",
     "data/prompts_seen",
+    "completion/truncated",
 }
 
 
@@ -150,10 +151,16 @@ def _run(parts, mode: str, schedule: str = "fixed_lag", remote: bool = False) ->
     ],
     ids=["sync", "fixed_lag", "free_running", "streaming", "role_split"],
 )
-def test_every_mode_logs_the_core_metrics_with_one_meaning(parts, mode, schedule, remote):
+def test_every_mode_logs_the_core_metrics_with_one_meaning(parts, mode, schedule, remote, capsys):
     io = _run(parts, mode, schedule, remote)
     times = [t for t, _ in io.records]
     records = [r for _, r in io.records]
+    # `completion/truncated` (issue 57): the random model's samples run into max_new_tokens=4
+    # (it rarely samples its EOS), which the first step warns about, once, naming the setting.
+    assert all(r["completion/truncated"] > 0.5 for r in records)
+    warnings = [x for x in capsys.readouterr().err.splitlines() if "[rl] warning" in x]
+    assert len(warnings) == 1 and "max_new_tokens=4" in warnings[0], warnings
+    assert warnings[0].endswith("raise RLConfig.max_new_tokens")
     assert [r["policy_version"] for r in records] == [1.0, 2.0, 3.0]
     for step, record in enumerate(records, start=1):
         assert CORE <= set(record), sorted(CORE - set(record))

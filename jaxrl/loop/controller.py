@@ -22,6 +22,7 @@ resumed run continues exactly (fixed lag and sync: bit for bit).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,9 @@ from jaxrl.sync.store import GeneratorWeights
 from jaxrl.tasks.source import PromptSource, encode_prompts
 from jaxrl.train_state import Params, TrainState
 from jaxrl.trainer import Trainer
+
+# completion/truncated above this share at a launch's first step is warned about.
+TRUNCATED_WARNING = 0.5
 
 
 class Controller:
@@ -156,6 +160,7 @@ class Controller:
             clock=StepClock(feed.timeline),
         )
         report.start(step, state.params)  # evaluates the initial params of a fresh run
+        first = True  # this launch's first step: warned about a budget that cuts most samples
         try:
             feed.start(step, state.params, extra)
             while step < c.total_steps:
@@ -168,6 +173,8 @@ class Controller:
                 t2 = time.perf_counter()
                 step += 1
                 metrics = taken.metrics | train_metrics | feed.trained(step, state.params)
+                metrics |= self.truncation_metrics(taken.rollouts, metrics, warn=first)
+                first = False
                 metrics |= self.step_metrics(step, metrics["data/prompts_sampled"])
                 report.step(
                     step,
@@ -184,6 +191,29 @@ class Controller:
         feed.stop(failed=False)
         jax.block_until_ready(state.params)
         return state
+
+    def truncation_metrics(self, rollouts, metrics: dict, warn: bool) -> dict[str, float]:
+        """`completion/truncated`: the share of the trained single-turn samples that no stop
+        token ended (cut at `RLConfig.max_new_tokens`; multi-turn episodes report theirs as
+        `episode/truncated_fraction`). With `warn` (a launch's first step), a warning on
+        standard error when most were cut: their rewards score answers that were never finished."""
+        if any(k.startswith("episode/") for k in metrics) or not rollouts:
+            return {}
+        stops = set(self.generator.sampler.eos_ids) | set(self.generator.sampling.stop_ids)
+        cut = [
+            len(r.completion_ids) == 0 or int(r.completion_ids[-1]) not in stops for r in rollouts
+        ]
+        share = sum(cut) / len(cut)
+        if warn and share > TRUNCATED_WARNING and jax.process_index() == 0:
+            budget = self.config.max_new_tokens
+            print(
+                f"[rl] warning: {share:.0%} of the first step's samples reached "
+                f"max_new_tokens={budget} without a stop token, so their answers are cut off "
+                "(and most rewards score unfinished answers); raise RLConfig.max_new_tokens",
+                file=sys.stderr,
+                flush=True,
+            )
+        return {"completion/truncated": share}
 
     def step_metrics(self, step: int, sampled: float) -> dict[str, float]:
         """What every mode logs of step `step` besides its batch, train and timing figures:
