@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import warnings
 
 import gin
 import pytest
@@ -60,7 +61,10 @@ def test_config_parses_and_binds(path):
     ), f"{path}: the header must show its own run command"
     launch_fn = _launch_fn(path)
     try:
-        parse_gin([path], _model_bindings(path))
+        with warnings.catch_warnings():
+            # A gin string is a Python literal: "\d" parses with a warning (write "\\d").
+            warnings.filterwarnings("error", message="invalid escape sequence")
+            parse_gin([path], _model_bindings(path))
         kwargs = resolve_bindings(launch_fn)
     finally:
         gin.clear_config()

@@ -46,7 +46,7 @@ def _logits(config, params, adapters=None, lora=ALL):
         graphdef, _ = lora_lib.abstract_lora(config, lora)
         params = lora_lib.combine(params, adapters)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
-    return np.asarray(forward(params, tokens)), np.asarray(tokens)
+    return np.asarray(forward(params, tokens)), np.array(tokens)  # writable: torch takes it
 
 
 def _random_adapters(config, lora, seed=1):
