@@ -82,6 +82,8 @@ def _for_reading(eval_path: str | None) -> None:
     """Rebinds the parsed run config to what a job that reads the run needs (`run_settings`)."""
     import gin
 
+    from jaxrl.infra.config import ConfigError
+
     task = gin.get_bindings("TaskSpec")
     policy = gin.get_bindings("PolicySpec")
     with gin.unlock_config():
@@ -89,11 +91,14 @@ def _for_reading(eval_path: str | None) -> None:
             gin.bind_parameter("TaskSpec.eval_path", eval_path)
             task["eval_path"] = eval_path
         train, held_out = task.get("train_path", ""), task.get("eval_path", "")
+        if held_out and not os.path.isfile(held_out):
+            raise ConfigError(f"TaskSpec: eval_path={held_out!r} does not exist")
         if train and not os.path.isfile(train) and held_out:
             gin.bind_parameter("TaskSpec.train_path", held_out)
         init_from = policy.get("init_from", "")
         if init_from and not os.path.isdir(init_from):
             gin.bind_parameter("PolicySpec.init_from", "")
+            gin.bind_parameter("PolicySpec.requires_init_from", "")
 
 
 # Flags that default to the run's settings (--workdir) or to these (--hf_dir).

@@ -15,6 +15,7 @@ import types
 import gin
 import numpy as np
 import pytest
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 from flax import nnx
 
 from jaxrl.infra.launcher import launch
@@ -91,6 +92,39 @@ def test_a_tilde_path_is_expanded_and_a_missing_one_does_not_exist(chat_dir, tmp
     assert f"TaskSpec.train_path = '{tmp_path}/p.jsonl'" in stored
 
 
+def test_a_run_is_read_with_only_its_held_out_file(tmp_path):
+    """`launch.eval --workdir` needed the run's training file and its init_from directory, which
+    it never reads (the weights are the run's checkpoints). Only the held-out file is needed
+    now; one that is gone is named, with the flag that replaces it."""
+    from jaxrl.infra.config import ConfigError
+    from launch.eval import run_settings
+
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    (tmp_path / "run").mkdir()
+    config = [
+        "rl_main.policy = @PolicySpec()",
+        "rl_main.task = @TaskSpec()",
+        "rl_main.rl = @RLConfig()",
+        "rl_main.optimizer = @OptimizerConfig()",
+        f"PolicySpec.init_from = '{tmp_path / 'moved_model'}'",
+        "PolicySpec.requires_init_from = 'a model'",
+        "TaskSpec.name = 'math_jsonl'",
+        f"TaskSpec.train_path = '{tmp_path / 'gone.jsonl'}'",
+        f"TaskSpec.eval_path = '{held_out}'",
+        "RLConfig.max_new_tokens = 64",
+    ]
+    (tmp_path / "run" / "config.gin").write_text("\n".join(config) + "\n")
+    task, settings = run_settings(str(tmp_path / "run"))
+    assert task.eval_path == task.train_path == str(held_out)
+    assert settings["max_new_tokens"] == 64
+    held_out.unlink()
+    with pytest.raises(ConfigError, match=r"eval_path='.*eval.jsonl' does not exist.*--eval_path"):
+        run_settings(str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"--workdir .*/nowhere does not exist"):
+        run_settings(str(tmp_path / "nowhere"))
+
+
 # Point 3: the chat template in launch.generate --------------------------------------------------
 
 
@@ -108,7 +142,11 @@ def _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, *flags) -> tuple[list[i
 
 
 def test_generate_uses_an_instruct_models_chat_template_by_default(
-    chat_dir, tmp_path, monkeypatch, capsys
+    chat_dir,
+    tmp_path,
+    monkeypatch,
+    capsys,
+    jax_disk_cache,  # noqa: F811
 ):
     """`launch.generate --hf_dir` sent raw text to an instruct model unless --chat_template was
     given (SmolLM2 answered "" with its end of turn at once). A tokenizer with a chat template
@@ -121,7 +159,7 @@ def test_generate_uses_an_instruct_models_chat_template_by_default(
     assert ids == templated
     assert "prompts through the chat template (--raw for raw text)" in err
     assert _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, "--chat_template")[0] == templated
-    for flag in ("--raw", "--no_chat_template", "--chat_template=off"):
+    for flag in ("--raw", "--no_chat_template"):
         assert _prompt_ids(monkeypatch, capsys, chat_dir, tmp_path, flag)[0] == raw, flag
 
 
