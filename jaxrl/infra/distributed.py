@@ -64,7 +64,9 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+from jaxrl.infra.errors import UserError
 
 if TYPE_CHECKING:
     from jaxrl.infra.mesh import MeshConfig
@@ -93,8 +95,10 @@ class CoordinatorUnreachableError(DistributedError):
     """A process could not connect to the coordinator (process 0) in time."""
 
 
-class ProcessLayoutError(ValueError):
+class ProcessLayoutError(UserError, ValueError):
     """The processes and their devices do not fit the mesh configs."""
+
+    kind = "process layout error"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +354,9 @@ def _start_watchdog(config: DistributedConfig) -> threading.Timer:
 
 
 def _install_fail_fast(process_id: int) -> None:
+    global _FAIL_FAST
+    _FAIL_FAST = True
+
     def hook(kind, value, tb):
         traceback.print_exception(kind, value, tb)
         print(
@@ -365,6 +372,18 @@ def _install_fail_fast(process_id: int) -> None:
 
 
 _INFO: ProcessInfo | None = None
+_FAIL_FAST = False  # `_install_fail_fast` ran
+
+
+def exit_with(message: str) -> NoReturn:
+    """Ends the process with `message` on stderr and status 1: SystemExit, or in a multi-process
+    job that fails fast `os._exit` at once, since a clean exit would wait at JAX's shutdown
+    barrier for the other processes (module docstring)."""
+    if _FAIL_FAST and _INFO is not None and _INFO.process_count > 1:
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    raise SystemExit(message)
 
 
 def initialize(config: DistributedConfig | None = None) -> ProcessInfo:

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import logging
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,12 +29,15 @@ from jaxrl.infra.config import (
     resolve_bindings,
     without_gin_call_notes,
 )
-from jaxrl.infra.errors import DataError
+from jaxrl.infra.distributed import exit_with
+from jaxrl.infra.errors import UserError
 from jaxrl.infra.paths import user_path
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.gin"
+# Set to 1: a user error (`jaxrl.infra.errors.UserError`) ends the launch with its traceback.
+TRACEBACK_ENV = "JAXRL_TRACEBACK"
 T = TypeVar("T")
 
 
@@ -95,6 +99,18 @@ def _has_checkpoints(path: Path) -> bool:
     return any(any(p.iterdir()) for p in path.glob("**/checkpoints") if p.is_dir())
 
 
+def _continue_hint(path: Path, old_config: str) -> str:
+    """For an RL run: how a new run starts from its weights (`PolicySpec.init_from` takes a
+    run's workdir; launch.rl restores its newest checkpoint's params, with a fresh optimizer and
+    step count)."""
+    if "rl_main.policy" not in old_config or "rl_main.lora = @" in old_config:
+        return ""  # not an RL run, or a LoRA run's checkpoints (adapters only)
+    return (
+        "\nTo continue from this run's newest weights (a fresh optimizer and step 0), give a new "
+        f"--workdir and --gin_param=\"PolicySpec.init_from = '{path.absolute()}'\"."
+    )
+
+
 def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> bool:
     """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
 
@@ -119,7 +135,7 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
                 f"--workdir {path} holds a run with a different config:\n"
                 f"{_config_diff(old, config_text)}\n"
                 "Pass --overwrite to replace that run (deletes its checkpoints and metrics) or "
-                "use a new --workdir."
+                f"use a new --workdir.{_continue_hint(path, old)}"
             )
         else:
             logger.warning("--overwrite: deleting the previous run in %s", path)
@@ -134,6 +150,21 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
     tmp_path.write_text(config_text)
     tmp_path.replace(config_path)  # atomic: a reader never sees half a config
     return False
+
+
+def user_error_line(error: UserError) -> str:
+    """`kind: message` in one line: the message without gin's call notes, then where the run
+    raised it (its `[jaxrl]` notes); for an error in the user's own code, how to see its full
+    traceback."""
+    lines = without_gin_call_notes(error).splitlines()
+    parts = [" ".join(line.strip() for line in lines if line.strip())]
+    for note in getattr(error, "__notes__", ()):
+        if note.startswith("[jaxrl] "):
+            parts.append(note.removeprefix("[jaxrl] "))
+    line = f"{error.kind}: " + "; ".join(parts)
+    if getattr(error, "from_user_code", False):
+        line += f" ({TRACEBACK_ENV}=1 prints the full traceback)"
+    return line
 
 
 def launch(
@@ -165,8 +196,10 @@ def launch(
         raise SystemExit(f"config error: {without_gin_call_notes(err)}") from err
     try:
         return launch_fn(workdir=flags.workdir, **kwargs)
-    except DataError as err:
-        raise SystemExit(f"data error: {without_gin_call_notes(err)}") from None
+    except UserError as err:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        exit_with(user_error_line(err))
     except preemption.StopRequested as stop:
         print(f"[jaxrl] {without_gin_call_notes(stop)}", flush=True)
         raise SystemExit(0) from None

@@ -64,3 +64,25 @@ def torch_hint(error: BaseException) -> str:
             "would import it for nothing): set JAXRL_ALLOW_TORCH=1 if your code needs torch"
         )
     return ""
+
+
+def raised_at(error: BaseException) -> str:
+    """Where `error` was raised in the user's code, `FILE:LINE in FUNCTION: SOURCE`: the innermost
+    frame of its traceback outside this library, the standard library and installed packages
+    (the innermost frame when every frame is in one of them; "" without a traceback)."""
+    import sysconfig
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    library = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jaxrl
+    paths = sysconfig.get_paths()
+    outside = tuple(
+        os.path.join(os.path.abspath(p), "")
+        for p in (library, paths["stdlib"], paths["purelib"], paths["platlib"])
+    )
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(outside)]
+    frame = (user or frames)[-1]
+    where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return f"{where}: {frame.line}" if frame.line else where

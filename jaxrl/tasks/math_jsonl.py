@@ -68,9 +68,15 @@ def iter_math_jsonl(
                     raise JsonlFormatError(
                         f"{where}: missing field {key!r} (fields present: {sorted(record)})"
                     )
-                if not isinstance(record[key], str):
+                value = record[key]
+                if not isinstance(value, str):
+                    expected = ""
+                    if key == answer_key and type(value) in (int, float):
+                        # A bare number: the field is a worked solution ending in its answer.
+                        expected = f' (write "{key}": "... #### {value}")'
                     raise JsonlFormatError(
-                        f"{where}: field {key!r} must be a string, got {type(record[key]).__name__}"
+                        f"{where}: field {key!r} must be a string, got "
+                        f"{type(value).__name__}{expected}"
                     )
             reference = reference_answer(record[answer_key])
             if not reference:

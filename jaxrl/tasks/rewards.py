@@ -36,6 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxrl.infra.errors import UserError
 from jaxrl.tasks.answers import answers_match, extract_answer
 from jaxrl.tasks.arithmetic import arithmetic_reward
 from jaxrl.tasks.chain import chain_partial_reward, chain_reward
@@ -58,8 +59,10 @@ class RewardFunction(Protocol):
     ) -> Sequence[float] | np.ndarray: ...
 
 
-class RewardError(RuntimeError):
-    """A reward function returned something unusable."""
+class RewardError(UserError, RuntimeError):
+    """A reward function raised, or returned something unusable."""
+
+    kind = "reward error"
 
 
 @dataclasses.dataclass(frozen=True)
