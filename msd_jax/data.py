@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -333,6 +334,9 @@ class JsonlDataConfig:
       grayscale: read images as one channel ("L") instead of three ("RGB").
       max_text_len: T; longer texts are truncated, shorter ones padded (and masked).
     """
+
+    # `~` expanded and stored absolute in a run's config.gin (`jaxrl.infra.config.parse_gin`).
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("data_dir", "tokenizer_dir")
 
     data_dir: str
     tokenizer_dir: str

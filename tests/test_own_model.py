@@ -88,6 +88,13 @@ def test_a_tilde_path_is_expanded_and_a_missing_one_does_not_exist(chat_dir, tmp
     finally:
         gin.clear_config()
     assert kwargs["policy"].init_from == str(tmp_path / "models" / "mine")
+    import launch.msd_configs  # noqa: F401  (registers the MSD configs: data paths too)
+
+    try:
+        parse_gin([], ["JsonlDataConfig.data_dir = '~/memes'"])
+        assert gin.get_bindings("JsonlDataConfig")["data_dir"] == str(tmp_path / "memes")
+    finally:
+        gin.clear_config()
     assert f"PolicySpec.init_from = '{tmp_path}/models/mine'" in stored
     assert f"TaskSpec.train_path = '{tmp_path}/p.jsonl'" in stored
 
