@@ -132,6 +132,27 @@ def test_a_run_is_read_with_only_its_held_out_file(tmp_path):
         run_settings(str(tmp_path / "nowhere"))
 
 
+def test_a_run_that_stored_its_paths_as_typed_resumes(tmp_path, monkeypatch):
+    """A run launched before path fields were stored absolute has 'p.jsonl' in its config.gin;
+    relaunched from the same directory (the same file, now written absolute) it resumes, and
+    its config.gin is rewritten; another file is another config."""
+    import launch.configs  # noqa: F401  (registers TaskSpec)
+    from jaxrl.infra.config import ConfigError
+    from jaxrl.infra.launcher import prepare_workdir
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    (run / "config.gin").write_text(
+        "TaskSpec.name = 'math_jsonl'\nTaskSpec.train_path = 'p.jsonl'\n"
+    )
+    new = f"TaskSpec.name = 'math_jsonl'\nTaskSpec.train_path = \\\n    '{tmp_path / 'p.jsonl'}'\n"
+    assert prepare_workdir(run, new, overwrite=False) is True
+    assert (run / "config.gin").read_text() == new
+    with pytest.raises(ConfigError, match="holds a run with a different config"):
+        prepare_workdir(run, new.replace("p.jsonl", "q.jsonl"), overwrite=False)
+
+
 # Point 3: the chat template in launch.generate --------------------------------------------------
 
 

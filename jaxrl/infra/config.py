@@ -271,6 +271,25 @@ def parse_gin(
     _absolute_path_bindings()
 
 
+_PATH_LINE = re.compile(r"^((?:\w+/)*)(\w+)\.(\w+) = '([^'\\]*)'$")
+
+
+def with_absolute_paths(config_text: str) -> str:
+    """`config_text` (`gin.config_str()`) with its long lines joined and the relative values of
+    path fields made absolute (`run_path`): a run whose config.gin was written before path
+    fields were stored absolute compares equal to its relaunch from the same directory."""
+    short_names = {key.rsplit(".", 1)[-1]: cls for key, cls in _CONFIGS.items()}
+    lines = []
+    for line in config_text.replace(" \\\n    ", " ").splitlines():
+        match = _PATH_LINE.match(line)
+        if match:
+            scope, name, field, value = match.groups()
+            if field in getattr(short_names.get(name), "PATH_FIELDS", ()) and value:
+                line = f"{scope}{name}.{field} = {run_path(value)!r}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _absolute_path_bindings() -> None:
     """Rebinds every path field of a registered config (a class's `PATH_FIELDS`) to its
     absolute, `~`-expanded form (`jaxrl.infra.paths.run_path`), in every scope. The launcher

@@ -27,6 +27,7 @@ from jaxrl.infra.config import (
     no_gin_file_hint,
     parse_gin,
     resolve_bindings,
+    with_absolute_paths,
     without_gin_call_notes,
 )
 from jaxrl.infra.distributed import exit_with
@@ -114,7 +115,8 @@ def _continue_hint(path: Path, old_config: str) -> str:
 def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> bool:
     """Claims `workdir` for a run whose config is `config_text`; returns True when resuming.
 
-    Same config as the run already there: resume. A different one: ConfigError, unless
+    Same config as the run already there (also one that stored its path fields as typed, now
+    written absolute: `with_absolute_paths`): resume. A different one: ConfigError, unless
     `overwrite`, which deletes the old run's files, or the old run never saved a checkpoint
     (it failed early: its files are replaced without asking). A non-empty directory without a
     config.gin is not a run directory: refused either way. Process 0 of a job calls it.
@@ -125,6 +127,11 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
         old = config_path.read_text()
         if old == config_text:
             logger.info("resuming the run in %s (same config)", path)
+            return True
+        if with_absolute_paths(old) == with_absolute_paths(config_text):
+            # A run that stored its paths as typed: the same files, now written absolute.
+            logger.info("resuming the run in %s (same config, paths now absolute)", path)
+            _write_config(path, config_text)
             return True
         if not overwrite and not _has_checkpoints(path):
             # The earlier launch failed before its first checkpoint (a config fixed since):
@@ -146,10 +153,14 @@ def prepare_workdir(workdir: str | Path, config_text: str, overwrite: bool) -> b
             "directory; use a new --workdir (--overwrite never deletes such a directory)."
         )
     path.mkdir(parents=True, exist_ok=True)
+    _write_config(path, config_text)
+    return False
+
+
+def _write_config(path: Path, config_text: str) -> None:
     tmp_path = path / f".{CONFIG_FILE}.tmp"
     tmp_path.write_text(config_text)
-    tmp_path.replace(config_path)  # atomic: a reader never sees half a config
-    return False
+    tmp_path.replace(path / CONFIG_FILE)  # atomic: a reader never sees half a config
 
 
 def user_error_line(error: UserError) -> str:
