@@ -61,6 +61,7 @@ def main(argv=None) -> list[dict]:
         trainer = Trainer(
             model_config, mesh, TRAINER_RULES, rl_opt.make(args.rl_steps),
             loss=LossConfig(name="grpo"),
+            pack_length="auto",  # packed rows, each group's prompt once (from_hf's default)
         )  # fmt: skip
         state = trainer.init(state.params)  # fresh optimizer state
         first_item = args.sft_steps * 64  # RL prompts after the ones SFT trained on

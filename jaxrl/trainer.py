@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -25,7 +26,13 @@ from jaxrl.infra.moved import moved_names
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import RolloutBatch
-from jaxrl.rl.packing import PackedRolloutBatch, pack_rollout_batch, pack_sft_batch
+from jaxrl.rl.packing import (
+    AUTO,
+    PackedRolloutBatch,
+    auto_row_length,
+    pack_rollout_batch,
+    pack_sft_batch,
+)
 from jaxrl.train_state import (
     OptimizerConfig,
     Params,
@@ -46,7 +53,10 @@ class Trainer:
     Packing (`pack_length` > 0): each batch is packed on the host into rows of `pack_length`
     tokens with segment ids before it is placed (`jaxrl.rl.packing`: no FLOPs on padding, the
     loss unchanged), one packing group per micro-batch and data-parallel device; a sequence
-    longer than `pack_length` is an error.
+    longer than `pack_length` is an error. `pack_length="auto"` derives the rows from each
+    batch's shapes (`jaxrl.rl.packing.auto_row_length`: one GRPO group's prompt and full-length
+    completions, `P + G * T`, at most 4 padded rows; an SFT batch's own width): every sequence
+    fits, so it is exact for any batch. 0 trains padded batches.
 
     Shared prompts (`share_prompts`, packed batches only): the rollouts of a packing group with
     identical prompts (a GRPO group's samples) are packed as one `[prompt, c_1, ..., c_n]` unit,
@@ -54,7 +64,14 @@ class Trainer:
     (`jaxrl.rl.packing`): the loss and gradients of the repeated layout, with (G - 1) / G of the
     prompt tokens' FLOPs saved. None (the default) turns it on wherever packing is on. Packing is
     refused with `attention_impl="pallas"`, whose kernel takes a causal mask with key validity
-    only.
+    only ("auto" trains padded batches there).
+
+    Which to set: packed rows with shared prompts are the fast exact path for GRPO-style groups
+    (docs/peers.md: rlbench-tiny's step 0.343 s against 0.384 s padded); `Trainer.from_hf`
+    defaults to "auto". The constructor keeps 0 (padded) so that a layout is chosen explicitly
+    where the step is built by hand; set "auto" or a row length about one group's unit long
+    (longer rows cost more attention, which is dense over the row), or 0 where attention memory
+    binds (long completions) or for `attention_impl="pallas"`.
 
     LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
     optimizer state and checkpoints cover the adapters; the frozen base lives in
@@ -79,11 +96,16 @@ class Trainer:
         loss: LossConfig | None = None,
         vocab_chunk_size: int | None = None,
         lora: lora_lib.LoraConfig | None = None,
-        pack_length: int = 0,
+        pack_length: int | str = 0,
         share_prompts: bool | None = None,
     ):
-        if pack_length < 0:
-            raise ValueError(f"pack_length={pack_length}: use 0 (padded batches) or a row length")
+        if pack_length == AUTO and model_config.attention_impl == "pallas":
+            pack_length = 0  # the splash kernel cannot pack (below): padded batches
+        if pack_length != AUTO and (not isinstance(pack_length, int) or pack_length < 0):
+            raise ValueError(
+                f"pack_length={pack_length!r}: use 0 (padded batches), a row length, or "
+                f"{AUTO!r} (rows from each batch's shapes)"
+            )
         if pack_length and model_config.attention_impl == "pallas":
             # The splash kernel is given each key's validity only (`pallas_attention`): in a
             # packed row every sequence would attend to the sequences packed before it.
@@ -177,7 +199,7 @@ class Trainer:
         rules: ax.LogicalRules | None = None,
         loss: LossConfig | None = None,
         vocab_chunk_size: int | None = None,
-        pack_length: int = 0,
+        pack_length: int | str = AUTO,
         share_prompts: bool | None = None,
         **config_overrides: Any,
     ) -> tuple[Trainer, TrainState]:
@@ -186,8 +208,9 @@ class Trainer:
         The weights are read (safetensors only) straight into the trainer's parameter shardings,
         one tensor at a time. `mesh` defaults to every device on ("fsdp", "tp") = (n, 1), `rules`
         to `TRAINER_RULES`; `optimizer` is built for a run of `total_steps` optimizer steps.
-        `pack_length` / `share_prompts`: as for the constructor (packed batches, each GRPO
-        group's prompt trained on once).
+        `pack_length` / `share_prompts`: as for the constructor; the default "auto" trains
+        packed rows derived from each batch's shapes, each GRPO group's prompt once (the class
+        docstring: exact, and faster than padded batches; 0 for padded batches).
         `config_overrides` set what HF configs do not carry (`param_dtype="bfloat16"`,
         `dtype="bfloat16"`, `attention_impl="cudnn"`, ...). The tokenizer: `hf.load_tokenizer`.
 
@@ -300,7 +323,10 @@ class Trainer:
 
     def sft_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         if self.pack_length:
-            batch = pack_sft_batch(batch, self.pack_length, self._pack_groups())
+            length = self.pack_length
+            if length == AUTO:  # rows as wide as the batch's: every example fits
+                length = np.asarray(batch["tokens_bs"]).shape[1]
+            batch = pack_sft_batch(batch, length, self._pack_groups())
         with self._context():
             return self._sft(state, self.place_batch(batch), self._base())
 
@@ -317,8 +343,9 @@ class Trainer:
         """`batch` as `rl_step` trains on it: packed when the trainer packs (each group's prompt
         once when `share_prompts`), else unchanged."""
         if self.pack_length and isinstance(batch, RolloutBatch):
+            length = auto_row_length(batch) if self.pack_length == AUTO else self.pack_length
             return pack_rollout_batch(
-                batch, self.pack_length, self._pack_groups(), share_prompts=self.share_prompts
+                batch, length, self._pack_groups(), share_prompts=self.share_prompts
             )
         return batch
 

@@ -37,14 +37,15 @@ def tokenizer():
 
 
 def test_hf_dir_to_trainer_then_one_rl_step(tmp_path, tokenizer):
-    """`hf.load_model` output and `Trainer.from_hf` both give a state the trainer trains."""
+    """`hf.load_model` output and `Trainer.from_hf` both give a state the trainer trains; its
+    default, packed rows with each group's prompt once, trains what padded batches train."""
     config = build_model_config(PolicySpec(), tokenizer)
     path = str(tmp_path / "hf")
     hf.save_hf(Transformer(config, rngs=nnx.Rngs(3)), path, tokenizer=tokenizer)
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 1), num_devices=2))
     optimizer = OptimizerConfig(learning_rate=1e-2, max_grad_norm=None)
     trainer, state = Trainer.from_hf(
-        path, optimizer, total_steps=2, mesh=mesh, loss=LossConfig(name="grpo")
+        path, optimizer, total_steps=2, mesh=mesh, loss=LossConfig(name="grpo"), pack_length=0
     )
     for param, sharding in zip(
         jax.tree.leaves(state.params), jax.tree.leaves(trainer.param_shardings), strict=True
@@ -74,11 +75,13 @@ def test_hf_dir_to_trainer_then_one_rl_step(tmp_path, tokenizer):
         lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), state.params, before
     )
     assert max(jax.tree.leaves(moved)) > 1e-4
-    # Packed rows with each group's prompt once (`pack_length`): the padded batch's loss.
+    # The default: packed rows with each group's prompt once, as long as one group's prompt and
+    # completions (8 + 4 x 4 tokens): the padded batch's loss and gradient.
     packed, packed_state = Trainer.from_hf(
-        path, optimizer, total_steps=2, mesh=mesh, loss=LossConfig(name="grpo"), pack_length=32
+        path, optimizer, total_steps=2, mesh=mesh, loss=LossConfig(name="grpo")
     )
-    assert packed.pack_length == 32 and packed.share_prompts
+    assert packed.pack_length == "auto" and packed.share_prompts
+    assert packed.layout_batch(batch).tokens_rl.shape[1] == 24
     _, packed_metrics = packed.rl_step(packed_state, batch)
     # At the first step the policy is the sampler (ratio 1), so GRPO's loss is the batch's mean
     # advantage: zero up to rounding (~1e-8). Its gradient is not: compare both.

@@ -4,6 +4,8 @@ groups), attention never crosses a segment, and the packer's layout and errors."
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -17,6 +19,7 @@ from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.rl.packing import (
     PackedRolloutBatch,
+    auto_row_length,
     bucket_rows,
     first_fit_rows,
     pack_rollout_batch,
@@ -134,7 +137,8 @@ def test_packed_sft_step_equals_padded():
     print(f"SFT rows: padded {tokens.shape}, packed {packed['tokens_bs'].shape}")
     assert packed["tokens_bs"].size < tokens.size
     keys = ["loss", "token_confident_fraction"]
-    _assert_same(_step(trainer(0), "sft", batch), _step(trainer(16), "sft", batch), keys)
+    # "auto": rows as wide as the batch's, 16 tokens
+    _assert_same(_step(trainer(0), "sft", batch), _step(trainer("auto"), "sft", batch), keys)
 
 
 def test_attention_does_not_cross_segments():
@@ -176,11 +180,23 @@ def test_layout_and_errors():
         pack_rollout_batch(batch, 10)
     with pytest.raises(ValueError, match="does not split into 3 packing groups"):
         pack_rollout_batch(batch, 20, groups=3)
-    with pytest.raises(ValueError, match="pack_length=-1"):
-        Trainer(
-            CONFIG,
-            make_mesh(MeshConfig(("fsdp", "tp"), (1, 1))),
-            TRAINER_RULES,
-            optax.sgd(1.0),
-            pack_length=-1,
-        )
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1)))
+    for bad in (-1, "padded"):
+        with pytest.raises(ValueError, match=f"pack_length={bad!r}: use 0"):
+            Trainer(CONFIG, mesh, TRAINER_RULES, optax.sgd(1.0), pack_length=bad)
+
+
+def test_auto_rows_hold_one_group_at_full_length_at_most_four_padded_rows():
+    """`pack_length="auto"`: P + G * T for the batch's largest group (padding rows not counted),
+    capped at 4 x (P + T); the splash kernel cannot pack, so there "auto" trains padded."""
+    batch = _rollout_batch(batch_size=8, invalid=1)  # groups of 2: i // 2
+    assert auto_row_length(batch) == PROMPT_LEN + 2 * COMPLETION_LEN
+    wide = _rollout_batch(batch_size=16, invalid=1)
+    wide = dataclasses.replace(wide, group_id_b=np.zeros(16, np.int32))  # one group of 15
+    assert auto_row_length(wide) == 4 * (PROMPT_LEN + COMPLETION_LEN)
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1)))
+    trainer = Trainer(CONFIG, mesh, TRAINER_RULES, optax.sgd(1.0), pack_length="auto")
+    assert trainer.share_prompts and trainer.layout_batch(batch).tokens_rl.shape[1] == 22
+    pallas = dataclasses.replace(CONFIG, attention_impl="pallas")
+    trainer = Trainer(pallas, mesh, TRAINER_RULES, optax.sgd(1.0), pack_length="auto")
+    assert trainer.pack_length == 0 and not trainer.share_prompts

@@ -304,6 +304,27 @@ def pack_rollout_batch(
     )
 
 
+# `Trainer(pack_length=AUTO)`: a row length derived from each batch's shapes.
+AUTO = "auto"
+# A packed row's attention is dense over the row, so its cost grows with the row's length
+# (bench/shared_prompt.py: rows of 12 sequences made the step 6.5x the padded one): auto rows
+# are at most this many padded rows long.
+AUTO_MAX_ROWS = 4
+
+
+def auto_row_length(batch: RolloutBatch) -> int:
+    """The rows `pack_length="auto"` packs `batch` into: one GRPO group's `[prompt, c_1, ...,
+    c_G]` unit at full length, `P + G * T` (P and T the batch's padded prompt and completion
+    widths, G its largest group), at most `AUTO_MAX_ROWS * (P + T)`. Every rollout fits a row
+    (the packed step is the padded one's, exactly), a group's completions share one copy of its
+    prompt as far as the row allows, and the length is a function of the batch's shapes, so the
+    step compiles once per padded shape as before (rows per group are bucketed)."""
+    group_ids = np.asarray(batch.group_id_b)[np.asarray(batch.valid_b).astype(bool)]
+    largest = int(np.unique(group_ids, return_counts=True)[1].max()) if group_ids.size else 1
+    padded_row = batch.prompt_len + batch.completion_len
+    return min(batch.prompt_len + largest * batch.completion_len, AUTO_MAX_ROWS * padded_row)
+
+
 def pack_sft_batch(batch: dict, row_length: int, groups: int = 1) -> dict:
     """Packs a right-padded SFT batch (`tokens_bs`, `loss_mask_bs`) into rows of `row_length`.
 
