@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 
+from jaxrl.infra.paths import user_path
 from jaxrl.infra.platforms import quiet_jax_start, without_plugin_noise
 
 PROGRAMS = ("train_step", "prefill", "decode_step", "weight_push")
@@ -39,7 +40,9 @@ PROGRAMS = ("train_step", "prefill", "decode_step", "weight_push")
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--aot_dir", required=True, help="launch.plan --serialize_to's directory")
+    parser.add_argument(
+        "--aot_dir", required=True, type=user_path, help="launch.plan --serialize_to's directory"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed calls a program")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     parser.add_argument(

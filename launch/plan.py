@@ -42,6 +42,7 @@ from jaxrl.infra.config import (
     without_gin_call_notes,
 )
 from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes
+from jaxrl.infra.paths import user_path
 from jaxrl.models.presets import PRESETS, preset
 from jaxrl.planning import (
     GiB,
@@ -519,7 +520,7 @@ def plan_main(config: PlanConfig = PlanConfig(), serialize_to: str = "") -> int:
         if role in config.roles:
             reports += plan(config, problems)
     if serialize_to:
-        for path in serialize(reports, config, serialize_to):
+        for path in serialize(reports, config, user_path(serialize_to)):
             print(f"wrote {path}")
     print()
     if problems:
@@ -535,7 +536,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gin_file", action="append", default=[])
     parser.add_argument("--gin_param", action="append", default=[])
     parser.add_argument(
-        "--serialize_to", default="", help="write the compiled programs here (bench/gpu_check.py)"
+        "--serialize_to",
+        default="",
+        type=user_path,
+        help="write the compiled programs here (bench/gpu_check.py)",
     )
     args = parser.parse_args(argv)
     try:
