@@ -9,7 +9,12 @@ import jax
 import numpy as np
 
 from jaxrl.generation.sampling import Sampler, SamplingConfig
-from jaxrl.tasks.rewards import compute_rewards, decode_completions
+from jaxrl.tasks.rewards import (
+    RewardError,
+    compute_rewards,
+    decode_completions,
+    user_reward_error,
+)
 from jaxrl.tasks.source import PromptItem
 
 _EVAL_STREAM = 0xE7A1
@@ -25,9 +30,16 @@ def _score(sampler, params, tokenizer, reward, items, prompt_ids, sampling, key,
             tokenizer, [out.tokens_bn[i, : out.lengths_b[i]] for i in range(len(rows))]
         )
         chunk = items[start : start + batch_size]
-        scores.append(
-            compute_rewards(reward, [c.text for c in chunk], texts, [c.reference for c in chunk])
-        )
+        try:
+            scores.append(
+                compute_rewards(
+                    reward, [c.text for c in chunk], texts, [c.reference for c in chunk]
+                )
+            )
+        except RewardError:
+            raise
+        except Exception as e:  # a user reward's own failure: one line naming it, as in training
+            raise user_reward_error(reward, e, "evaluation") from e
     return np.concatenate(scores)
 
 

@@ -294,4 +294,6 @@ def _note(text: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxrl.infra.launcher import run_cli
+
+    run_cli(main)

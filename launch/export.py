@@ -111,4 +111,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxrl.infra.launcher import run_cli
+
+    run_cli(main)

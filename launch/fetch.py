@@ -163,7 +163,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxrl.infra.launcher import run_cli
     from jaxrl.infra.user_code import keep_torch_out
 
     keep_torch_out()
-    sys.exit(main())
+    run_cli(main)

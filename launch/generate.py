@@ -27,6 +27,7 @@ import jax
 
 from jaxrl.generation.engine_sampler import GENERATORS, make_sampler
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra.errors import DataError
 from jaxrl.infra.paths import user_path
 
 
@@ -43,16 +44,16 @@ def read_prompts(path: str) -> list[str]:
                     record = json.loads(line)
                     prompt = record["prompt"]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(
+                    raise DataError(
                         f'{path}:{number}: expected a JSON object with a "prompt" string ({e})'
                     ) from None
             else:
                 prompt = line
             if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{path}:{number}: empty prompt")
+                raise DataError(f"{path}:{number}: empty prompt")
             prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise DataError(f"{path}: no prompts")
     return prompts
 
 
@@ -301,4 +302,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxrl.infra.launcher import run_cli
+
+    run_cli(main)

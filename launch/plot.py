@@ -118,4 +118,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from jaxrl.infra.launcher import run_cli
+
+    run_cli(main)

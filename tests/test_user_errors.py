@@ -150,3 +150,60 @@ def test_the_model_cache_directory_is_documented(capsys):
         fetch.main(["--help"])
     assert "$JAXRL_CACHE/NAME" in " ".join(capsys.readouterr().out.split())
     assert "`$JAXRL_CACHE/<name>`" in open(os.path.join(REPO, "README.md")).read()
+
+
+def test_a_reward_that_raises_in_evaluation_is_named_in_one_line_too():
+    """Regression: the held-out evaluation scored with the user's reward outside the reward
+    executor, so a reward raising there came as a raw traceback (`launch.eval`, and a run's
+    evaluation at step 0)."""
+    from types import SimpleNamespace
+
+    from jaxrl.evaluation import _score
+    from jaxrl.generation.sampling import SamplingConfig
+    from jaxrl.tasks.source import PromptItem
+    from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
+
+    tokenizer = build_arithmetic_tokenizer()
+    tokens = np.array([tokenizer.encode("3")[-1:]] * 2)
+
+    class Sampler:
+        def generate(self, params, rows, sampling, key):
+            return SimpleNamespace(tokens_bn=tokens, lengths_b=np.array([1, 1]))
+
+    items = [PromptItem("1+2=", "3")] * 2
+    with pytest.raises(RewardError) as raised:
+        _score(Sampler(), None, tokenizer, bad_score, items, [[1], [1]],
+               SamplingConfig(max_new_tokens=1), __import__("jax").random.key(0), 2)  # fmt: skip
+    line = bad_score.__code__.co_firstlineno + 3
+    assert str(raised.value).startswith("reward 'bad_score' raised IndexError")
+    assert f"(evaluation) at {__file__}:{line} in bad_score" in str(raised.value)
+    assert raised.value.from_user_code
+
+
+def test_the_plain_flag_launchers_end_a_users_error_in_one_line(tmp_path, monkeypatch, capsys):
+    """Regression: `launch.generate` / `launch.eval` with a --hf_dir that is not there, or an
+    empty prompt file, ended in a traceback; they now end as the gin launchers do."""
+    from jaxrl.infra.launcher import run_cli
+    from launch import generate
+
+    missing = tmp_path / "my_model_rl"
+    argv = [f"--hf_dir={missing}", "--prompts=-", "--output=-"]
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("12+7=\n"))
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: generate.main(argv))
+    assert _one_line(exit_info) == (
+        f"error: {missing} does not exist (expected a save_pretrained directory: config.json, "
+        "*.safetensors, the tokenizer files)"
+    )
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: generate.main([f"--hf_dir={missing}", f"--prompts={empty}", "--output=-"]))
+    assert _one_line(exit_info) == f"data error: {empty}: no prompts"
+    monkeypatch.setenv("JAXRL_TRACEBACK", "1")
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("12+7=\n"))
+    with pytest.raises(FileNotFoundError):
+        run_cli(lambda: generate.main(argv))
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: 0)
+    assert exit_info.value.code == 0

@@ -178,6 +178,27 @@ def user_error_line(error: UserError) -> str:
     return line
 
 
+def run_cli(main: Callable[[], int | None]) -> None:
+    """`sys.exit(main())` for the launchers that take plain flags (generate, eval, export,
+    import_gguf, fetch, plot): what a user got wrong ends in one line, as in `launch`: a
+    `UserError` (a raising reward, bad data) as `user_error_line`, a config error, and a file
+    or directory a flag names that is not there (`FileNotFoundError`, its message names the
+    path). JAXRL_TRACEBACK=1 shows the traceback instead."""
+    import sys
+
+    try:
+        code = main()
+    except (UserError, ConfigError, FileNotFoundError) as err:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        if isinstance(err, UserError):
+            raise SystemExit(user_error_line(err)) from None
+        if isinstance(err, ConfigError):
+            raise SystemExit(f"config error: {without_gin_call_notes(err)}") from None
+        raise SystemExit(f"error: {err}") from None
+    sys.exit(code)
+
+
 def launch(
     launch_fn: Callable[..., T], argv: Sequence[str] | None = None, description: str | None = None
 ) -> T:

@@ -12,9 +12,13 @@ import time
 import numpy as np
 
 from jaxrl.generation.executor import GeneratedBatch
-from jaxrl.infra.user_code import raised_at
 from jaxrl.rl import Rollout
-from jaxrl.tasks.rewards import RewardError, compute_rewards, decode_completions
+from jaxrl.tasks.rewards import (
+    RewardError,
+    compute_rewards,
+    decode_completions,
+    user_reward_error,
+)
 
 
 class RewardExecutor:
@@ -37,15 +41,7 @@ class RewardExecutor:
         except RewardError:
             raise
         except Exception as e:  # a user reward's own failure: stop and say which reward
-            name = self.reward
-            if not isinstance(name, str):
-                name = getattr(name, "__name__", repr(name))
-            error = RewardError(
-                f"reward {name!r} raised {type(e).__name__}: {e} (batch {batch.batch_index}) "
-                f"at {raised_at(e)}"
-            )
-            error.from_user_code = True
-            raise error from e
+            raise user_reward_error(self.reward, e, f"batch {batch.batch_index}") from e
         raw_mean = float(rewards.mean())
         if self.shuffle_seed is not None:
             rewards = shuffled_rewards(rewards, self.shuffle_seed, batch.batch_index)

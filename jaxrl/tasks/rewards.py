@@ -120,6 +120,20 @@ def get_reward(name: str) -> RewardFunction:
     )
 
 
+def user_reward_error(reward, error: Exception, where: str) -> RewardError:
+    """The `RewardError` for a user's reward that raised `error` while scoring `where` (e.g.
+    "batch 3", "evaluation"): the reward's name, the exception and the user's line that raised
+    it, in one line (`jaxrl.infra.launcher.user_error_line`)."""
+    from jaxrl.infra.user_code import raised_at
+
+    name = reward if isinstance(reward, str) else getattr(reward, "__name__", repr(reward))
+    wrapped = RewardError(
+        f"reward {name!r} raised {type(error).__name__}: {error} ({where}) at {raised_at(error)}"
+    )
+    wrapped.from_user_code = True
+    return wrapped
+
+
 def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
