@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.models.gpu_attention import flash_attention
+from jaxrl.models.gpu_attention import block_visits, flash_attention
 from jaxrl.rl.packing import segment_mask
 
 B, T, H, K, D = 2, 64, 4, 2, 32
@@ -127,6 +127,26 @@ def test_unaligned_length_and_small_head_dim_are_padded_inside():
     print(f"T=50, D=8: max relative errors {errors}")
     assert max(errors.values()) < 1e-5, errors
     assert got(q, k, v, segment, segment, w)[0].shape == (B, t, H, d)
+
+
+def test_tiles_that_see_nothing_are_skipped():
+    """The tiles the kernels visit are the mask's non-empty tiles: fewer than the causal ones on
+    every test layout (so the exactness tests cover the skipping); a completion's q block skips
+    a block of its siblings, and a left-padded row its leading padding."""
+    for layout in (padded, packed, shared_prompt):
+        segment, prefix = layout()
+        visits = block_visits(segment, prefix, 16, 16)
+        tiles = segment_mask(segment, prefix).reshape(B, 4, 16, 4, 16).any(axis=(2, 4))
+        assert bool((visits == tiles).all())
+        causal = 4 * 5 // 2 * B
+        assert int(visits.sum()) < causal, layout.__name__
+    segment, prefix = shared_prompt()
+    visits = block_visits(segment, prefix, 16, 16)
+    # Row 0: prompt 0-11, completions 12-26, 27-36, 37-53: q block 3 (the last completion)
+    # sees the prompt's block 0 and its own blocks 2, 3, not block 1 (its siblings only).
+    assert visits[0, 3].tolist() == [True, False, True, True]
+    segment, prefix = padded()
+    assert not bool(block_visits(segment, prefix, 16, 16)[0, :, 0].any())
 
 
 def test_wrong_mask_fails_the_comparison():

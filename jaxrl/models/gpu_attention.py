@@ -28,17 +28,24 @@ Shapes: q `[B, T, H, D]`, key / value `[B, T, K, D]`, out `[B, T, H, D]` in q's 
 query attention indexes kv head h // G in the kernels' block index maps and loops; K / V are
 never repeated in memory.
 
-Kernels and blocks (powers of two, >= 16; defaults chosen for an H100 at D = 128):
+Kernels and blocks (powers of two, >= 16; defaults chosen for an H100 at D = 128, from the
+register counts ptxas reports for sm_90a: no spills, 8 warps from 64 x 64 tiles at D = 128):
 
-- forward, grid (B, H, T / block_q): a q block stays in registers and loops over the kv blocks of
-  size block_k up to its causal end (kv blocks entirely after the q block are not visited);
-  block_q = 128, block_k = 64.
+- forward, grid (B, H, T / block_q): a q block stays in registers and loops over its kv blocks
+  of size block_k; block_q = 128, block_k = 64.
 - dq, grid (B, H, T / block_q_bwd): the same loop, dq = scale sum_k ds[q, k] key[k] with
   ds = p (dp - delta), dp = dout . value, delta[q] = out[q] . dout[q] (computed outside, fp32).
 - dk / dv, grid (B, K, T / block_k_bwd): a kv block loops over the G query heads of its kv head
-  and, per head, over the q blocks from the causal start (q blocks entirely before the kv block
-  are not visited): dv = sum p^T dout, dk = scale sum ds^T q, summed over the G query heads in
-  registers (no atomics, no per-query-head copy of dk / dv). block_q_bwd = block_k_bwd = 64.
+  and, per head, over its q blocks: dv = sum p^T dout, dk = scale sum ds^T q, summed over the G
+  query heads in registers (no atomics, no per-query-head copy of dk / dv).
+  block_q_bwd = block_k_bwd = 64.
+
+Block skipping. A tile (q block, kv block) is visited only where the mask has a visible pair in
+it (`block_visits`: the mask reduced per tile, one fused XLA reduction over [B, T, T] compares,
+nothing of that size stored): kv blocks entirely after a q block (causal), blocks of padding,
+of other packed sequences, and a completion's siblings (shared prompts) are skipped. Each
+kernel reads, per q block (forward, dq) or kv block (dk / dv), the count of its tiles and their
+indices (`[B, n, 1 + m]` int32) and loops over those alone; a block with none writes zeros.
 
 Padding rule. T is padded inside the wrapper to a multiple of the largest block (tokens of
 segment 0 and prefix 0: never visible, their queries see nothing) and the output sliced back; a T
@@ -96,15 +103,17 @@ def _scores(q, k, q_pos, k_pos, seg_q, pre_q, seg_k, scale):
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, seg_q_ref, pre_q_ref, seg_ref, o_ref, lse_ref, *, scale, block_q, block_k
-):
+    visits_ref, q_ref, k_ref, v_ref, seg_q_ref, pre_q_ref, seg_ref, o_ref, lse_ref,
+    *, scale, block_q, block_k,
+):  # fmt: skip
     i = pl.program_id(2)
     q = q_ref[...]
     seg_q, pre_q = seg_q_ref[...], pre_q_ref[...]
     q_pos = i * block_q + jnp.arange(block_q)
 
-    def body(j, carry):
+    def body(n, carry):
         acc, m, total = carry
+        j = visits_ref[n + 1]
         keys = pl.ds(j * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         k_pos = j * block_k + jnp.arange(block_k)
@@ -119,8 +128,7 @@ def _forward_kernel(
     acc = jnp.zeros(q.shape, jnp.float32)
     m = jnp.full((block_q,), MASKED, jnp.float32)
     total = jnp.zeros((block_q,), jnp.float32)
-    causal_end = lax.div((i + 1) * block_q + block_k - 1, block_k)  # kv blocks not after q's
-    acc, m, total = lax.fori_loop(0, causal_end, body, (acc, m, total))
+    acc, m, total = lax.fori_loop(0, visits_ref[0], body, (acc, m, total))
     seen = total > 0.0
     total = jnp.where(seen, total, 1.0)
     o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
@@ -128,7 +136,8 @@ def _forward_kernel(
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_ref, dq_ref,
+    visits_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_ref,
+    dq_ref,
     *, scale, block_q, block_k,
 ):  # fmt: skip
     i = pl.program_id(2)
@@ -137,7 +146,8 @@ def _dq_kernel(
     seg_q, pre_q = seg_q_ref[...], pre_q_ref[...]
     q_pos = i * block_q + jnp.arange(block_q)
 
-    def body(j, dq):
+    def body(n, dq):
+        j = visits_ref[n + 1]
         keys = pl.ds(j * block_k, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         k_pos = j * block_k + jnp.arange(block_k)
@@ -146,26 +156,26 @@ def _dq_kernel(
         ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-    causal_end = lax.div((i + 1) * block_q + block_k - 1, block_k)
-    dq = lax.fori_loop(0, causal_end, body, jnp.zeros(q.shape, jnp.float32))
+    dq = lax.fori_loop(0, visits_ref[0], body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, pre_ref, seg_k_ref, dk_ref, dv_ref,
-    *, scale, block_q, block_k, groups, num_q_blocks,
+    visits_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, pre_ref, seg_k_ref,
+    dk_ref, dv_ref,
+    *, scale, block_q, block_k, groups,
 ):  # fmt: skip
     kv_head, j = pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     seg_k = seg_k_ref[...]
     k_pos = j * block_k + jnp.arange(block_k)
-    causal_start = lax.div(j * block_k, block_q)  # q blocks not entirely before this kv block
 
     def head(g, carry):
         h = kv_head * groups + g
 
-        def body(i, carry):
+        def body(n, carry):
             dk, dv = carry
+            i = visits_ref[n + 1]
             queries = pl.ds(i * block_q, block_q)
             q, do = q_ref[queries, h, :], do_ref[queries, h, :]
             lse, delta = lse_ref[h, queries], delta_ref[h, queries]
@@ -177,7 +187,7 @@ def _dkdv_kernel(
             dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
-        return lax.fori_loop(causal_start, num_q_blocks, body, carry)
+        return lax.fori_loop(0, visits_ref[0], body, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -186,8 +196,29 @@ def _dkdv_kernel(
 
 
 def _params(cfg: _Config, block_a: int, block_b: int, d: int):
-    warps = cfg.num_warps or (8 if block_a * block_b * d >= 128 * 64 * 128 else 4)
+    warps = cfg.num_warps or (8 if block_a * block_b * d >= 64 * 64 * 128 else 4)
     return plgpu.CompilerParams(num_warps=warps, num_stages=cfg.num_stages)
+
+
+def block_visits(segment, prefix, block_q: int, block_k: int) -> jax.Array:
+    """`visits[b, i, j]`: does some query of q block i see some key of kv block j (bool
+    `[B, T / block_q, T / block_k]`, the mask reduced over each tile; one fused XLA reduction)."""
+    b, t = segment.shape
+    nq, nk = t // block_q, t // block_k
+    pos = jnp.arange(t)
+    seg_q, pre_q = (x.reshape(b, nq, block_q, 1, 1) for x in (segment, prefix))
+    seg_k = segment.reshape(b, 1, 1, nk, block_k)
+    causal = pos.reshape(1, 1, 1, nk, block_k) <= pos.reshape(1, nq, block_q, 1, 1)
+    visible = causal & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
+    return visible.any(axis=(2, 4))
+
+
+def _visit_lists(visits) -> jax.Array:
+    """`[..., 1 + M]` int32 from `visits [..., M]`: the count of visited blocks, then their
+    indices in increasing order (the unvisited after them, never read)."""
+    order = jnp.argsort(~visits, axis=-1, stable=True).astype(jnp.int32)
+    count = visits.sum(axis=-1, keepdims=True, dtype=jnp.int32)
+    return jnp.concatenate([count, order], axis=-1)
 
 
 def _forward(q, k, v, segment, prefix, cfg: _Config):
@@ -195,11 +226,13 @@ def _forward(q, k, v, segment, prefix, cfg: _Config):
     kv = k.shape[2]
     groups = h // kv
     bq, bk = cfg.block_q, cfg.block_k
+    visits = _visit_lists(block_visits(segment, prefix, bq, bk))
     kernel = functools.partial(_forward_kernel, scale=cfg.scale, block_q=bq, block_k=bk)
     return pl.pallas_call(
         kernel,
         grid=(b, h, t // bq),
         in_specs=[
+            pl.BlockSpec((None, None, 1 + t // bk), lambda b, h, i: (b, i, 0)),
             pl.BlockSpec((None, bq, None, d), lambda b, h, i: (b, i, h, 0)),
             pl.BlockSpec((None, t, None, d), lambda b, h, i: (b, 0, h // groups, 0)),
             pl.BlockSpec((None, t, None, d), lambda b, h, i: (b, 0, h // groups, 0)),
@@ -218,7 +251,7 @@ def _forward(q, k, v, segment, prefix, cfg: _Config):
         compiler_params=_params(cfg, bq, bk, d),
         interpret=cfg.interpret,
         name="flash_attention_forward",
-    )(q, k, v, segment, prefix, segment)
+    )(visits, q, k, v, segment, prefix, segment)
 
 
 def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
@@ -228,11 +261,14 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     do = do.astype(q.dtype)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    visits = block_visits(segment, prefix, bq, bk)
+    kv_lists, q_lists = _visit_lists(visits), _visit_lists(visits.transpose(0, 2, 1))
 
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=cfg.scale, block_q=bq, block_k=bk),
         grid=(b, h, t // bq),
         in_specs=[
+            pl.BlockSpec((None, None, 1 + t // bk), lambda b, h, i: (b, i, 0)),
             pl.BlockSpec((None, bq, None, d), lambda b, h, i: (b, i, h, 0)),
             pl.BlockSpec((None, t, None, d), lambda b, h, i: (b, 0, h // groups, 0)),
             pl.BlockSpec((None, t, None, d), lambda b, h, i: (b, 0, h // groups, 0)),
@@ -248,15 +284,14 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
         compiler_params=_params(cfg, bq, bk, d),
         interpret=cfg.interpret,
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta, segment, prefix, segment)
+    )(kv_lists, q, k, v, do, lse, delta, segment, prefix, segment)
 
-    kernel = functools.partial(
-        _dkdv_kernel, scale=cfg.scale, block_q=bq, block_k=bk, groups=groups, num_q_blocks=t // bq
-    )
+    kernel = functools.partial(_dkdv_kernel, scale=cfg.scale, block_q=bq, block_k=bk, groups=groups)
     dk, dv = pl.pallas_call(
         kernel,
         grid=(b, kv, t // bk),
         in_specs=[
+            pl.BlockSpec((None, None, 1 + t // bq), lambda b, g, j: (b, j, 0)),
             pl.BlockSpec((None, t, h, d), lambda b, g, j: (b, 0, 0, 0)),
             pl.BlockSpec((None, bk, None, d), lambda b, g, j: (b, j, g, 0)),
             pl.BlockSpec((None, bk, None, d), lambda b, g, j: (b, j, g, 0)),
@@ -278,7 +313,7 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
         compiler_params=_params(cfg, bq, bk, d),
         interpret=cfg.interpret,
         name="flash_attention_dkdv",
-    )(q, k, v, do, lse, delta, segment, prefix, segment)
+    )(q_lists, q, k, v, do, lse, delta, segment, prefix, segment)
     return dq, dk, dv
 
 
