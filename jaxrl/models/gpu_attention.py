@@ -54,6 +54,10 @@ power of two >= 16 (Triton's dot needs dims >= 16; zero columns change no score,
 1 / sqrt(D) of the real D) and sliced back; D > 256 is refused. JAX differentiates the pads and
 slices, so the gradients are those of the unpadded call.
 
+Precision: the dots take the inputs' dtype (bf16 in training; p and ds are rounded to it before
+their dots) and accumulate in fp32; fp32 inputs multiply in TF32 on the GPU (Triton's default
+precision, as XLA's), exactly in interpret mode.
+
 `interpret=True` runs the same kernels in Pallas interpret mode (any backend: how the CPU tests
 check them against a dense reference).
 """
