@@ -368,9 +368,9 @@ def plan_generator(
     common = {"params": sharded_bytes(params, floor), "kv_cache": cache_bytes}
     prompts = max(num_slots // samples, 1)
     # Decode attention is traced in the target's form (this process's default backend may be
-    # the CPU while the mesh is a TPU topology).
+    # the CPU while the mesh is a TPU or GPU topology): on GPUs the in-place decode kernel.
     target = mesh.devices.flat[0].platform
-    with decode_attention_form("host" if target == "cpu" else "xla"):
+    with decode_attention_form({"cpu": "host", "gpu": "pallas_gpu"}.get(target, "xla")):
         prefill, _ = compile_report(
             "prefill",
             engine.lower_prefill(params, prompts, prompt_len),
@@ -559,13 +559,14 @@ def trainer_fix_layout(
     return TrainerFix(text, grad_accum_steps=None, **layout)
 
 
-def generator_fix(decode: ProgramReport, num_slots: int, hbm: int, mesh) -> str:
-    """The change that makes the generator fit: more tp for the weights, fewer slots for the KV
-    cache (the cache and the decode temporaries, which hold a working copy of it, scale with the
-    slots)."""
-    params = decode.parts["params"]
-    per_slot = (decode.parts["kv_cache"] + decode.temp_bytes) / num_slots
-    fixed = decode.total_bytes - params - per_slot * num_slots
+def generator_fix(program: ProgramReport, num_slots: int, hbm: int, mesh) -> str:
+    """The change that makes the generator's largest `program` (prefill or decode) fit: more tp
+    for the weights, fewer slots for the KV cache (the cache and the program's temporaries scale
+    with the slots: the decode step's hold a working copy of the cache off GPU, the prefill's the
+    prompts' fresh cache, one prompt per `samples` slots)."""
+    params = program.parts["params"]
+    per_slot = (program.parts["kv_cache"] + program.temp_bytes) / num_slots
+    fixed = program.total_bytes - params - per_slot * num_slots
     budget = 0.9 * hbm
     tp = dict(mesh.shape).get("tp", 1)
     if params + fixed > budget / 2:
@@ -580,6 +581,6 @@ def generator_fix(decode: ProgramReport, num_slots: int, hbm: int, mesh) -> str:
     if slots < 1:
         return f"one slot per dp replica does not fit: raise tp above {tp}"
     return (
-        f"lower num_slots to {slots} ({fmt_gib(per_slot)} of KV cache and decode temporaries "
-        "per slot per device)"
+        f"lower num_slots to {slots} ({fmt_gib(per_slot)} of KV cache and {program.name} "
+        "temporaries per slot per device)"
     )

@@ -437,7 +437,7 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
         problems.append(
             f"generator: {worst.name} needs {worst.total_bytes / GiB:.2f} GiB per device, "
             f"{spec.name} has {spec.hbm_bytes / GiB:.0f} GiB; "
-            f"fix: {generator_fix(decode, config.slots, spec.hbm_bytes, mesh)}"
+            f"fix: {generator_fix(worst, config.slots, spec.hbm_bytes, mesh)}"
         )
     return [prefill, decode]
 

@@ -87,9 +87,10 @@ def _plan(capsys, *params: str) -> tuple[int, str]:
 
 def test_launcher_refuses_a_generator_over_h100_memory_and_its_fix_fits(capsys):
     """The tiny model's generator on one H100 with 65536 decode slots of 512 tokens:
-    XLA:GPU compiles it (no compile-time out-of-memory on GPU), the planner finds the KV cache
-    and its working copy over 80 GB, exits 1 with the numbers and a slot count; planned with
-    that count, the same GPU fits (exit 0)."""
+    XLA:GPU compiles it (no compile-time out-of-memory on GPU), the planner finds the prefill
+    (the KV cache and the prompts' fresh cache; the decode step, in place, holds no second copy)
+    over 80 GB, exits 1 with the numbers and a slot count; planned with that count, the same GPU
+    fits (exit 0)."""
     common = [
         'PlanConfig.model="rlbench_tiny"',
         'PlanConfig.generator_topology="h100:1x1"',
@@ -102,7 +103,7 @@ def test_launcher_refuses_a_generator_over_h100_memory_and_its_fix_fits(capsys):
     status, out = _plan(capsys, *common, "PlanConfig.prompts=8192", "PlanConfig.num_slots=65536")
     assert status == 1, out
     refusal = re.search(
-        r"DOES NOT FIT: generator: decode_step needs ([\d.]+) GiB per device, h100 has 80 GiB; "
+        r"DOES NOT FIT: generator: prefill needs ([\d.]+) GiB per device, h100 has 80 GiB; "
         r"fix: lower num_slots to (\d+) ",
         out,
     )

@@ -9,7 +9,9 @@ compilation, and the cache's placement on the mesh.
 * **decode** runs `steps_per_call` steps of the first `active` slots in a `fori_loop`, attending
   only over the cache prefix `[:span]` (sliced out at the start of the call, decoded into,
   written back at its end), so attention and the cache copy follow the longest live row, not the
-  capacity. Sample g of request r draws token t from one uniform keyed by
+  capacity. On a GPU (`transformer.decode_in_place`) nothing is sliced out: each step scatters its
+  keys / values into the donated cache and `decode_kernel` reads every row's own length there.
+  Sample g of request r draws token t from one uniform keyed by
   `fold_in(fold_in(fold_in(seed, r), g), t)` by inverse CDF (`inverse_cdf_tokens`), never from
   the slot index or the step count; its log-prob is `processed_logprobs` of the logits it was
   drawn from.
@@ -48,6 +50,7 @@ from jaxrl.models.transformer import (
     Transformer,
     causal_mask,
     constrain_cache,
+    decode_in_place,
     init_cache,
     positions_from_mask,
 )
@@ -412,7 +415,13 @@ class EnginePrograms:
             c = jax.lax.slice_in_dim(c, 0, active, axis=seq_axis - 1)
             return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
 
-        prefix = jax.tree.map(cut, cache)
+        # On a GPU (`decode_in_place`) the steps decode into the whole (donated) cache: each
+        # step scatters its keys / values in place and the kernel reads every row's own length,
+        # so nothing is sliced out, copied or written back. Elsewhere the first `active` slots'
+        # prefix `[:span]` is cut out, decoded into and written back at the end.
+        in_place = decode_in_place()
+        prefix = cache if in_place else jax.tree.map(cut, cache)
+        reach = jax.tree.leaves(cache)[0].shape[seq_axis] if in_place else span
         if extend is not None:
             prefix = self._extend_rows(params, prefix, *extend, span)
         stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
@@ -439,8 +448,8 @@ class EnginePrograms:
         def body(i, carry):
             prefix, state, outs = carry
             token_s, pos_s, index_s, budget_s, live_s, req_s, sample_s = state
-            write_s = jnp.minimum(pos_s, span - 1)  # idle slots may run past; keep them in range
-            mask_s1l = (jnp.arange(span)[None, :] <= write_s[:, None])[:, None, :]
+            write_s = jnp.minimum(pos_s, reach - 1)  # idle slots may run past; keep them in range
+            mask_s1l = (jnp.arange(reach)[None, :] <= write_s[:, None])[:, None, :]
             model: Transformer = nnx.merge(
                 self.graphdef, jax.tree.unflatten(params_def, param_leaves)
             )
@@ -474,6 +483,8 @@ class EnginePrograms:
             jnp.zeros((n, s_count), bool),
         )
         prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
+        if in_place:
+            return constrain_cache(prefix), state, outs
         cache = jax.tree.map(
             lambda c, p: jax.lax.dynamic_update_slice(c, p, (0,) * c.ndim), cache, prefix
         )

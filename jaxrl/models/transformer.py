@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
-from jaxrl.models import remat
+from jaxrl.models import decode_kernel, remat
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.pallas_attention import splash_self_attention
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -105,6 +105,15 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos_btd, sin_btd)
         k = apply_rope(k, cos_btd, sin_btd)
+        if cache is not None and q.shape[1] == 1 and _in_place_decode(c, cache, mask_bts):
+            # Decode on a GPU: the new keys / values land in the cache by one scatter and the
+            # kernel reads each row's keys where they lie (`decode_kernel`). A 3-tuple cache is
+            # the whole stacked cache and this layer's index (scanned layers).
+            layer = cache[2] if len(cache) == 3 else None
+            keys = decode_kernel.write_rows(cache[0], k, cache_index, layer)
+            values = decode_kernel.write_rows(cache[1], v, cache_index, layer)
+            out = decode_kernel.decode_attention(q, keys, values, mask_bts[:, 0, :], layer=layer)
+            return self._output(out), (keys, values, *cache[2:])
         if cache is not None:
             k = _write_cache(cache[0], k, cache_index)
             v = _write_cache(cache[1], v, cache_index)
@@ -130,12 +139,16 @@ class Attention(nnx.Module):
                 mask=mask_bts[:, None, :, :],
                 implementation=impl,
             )
-        out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
+        return self._output(out), cache
+
+    def _output(self, out_bthd: jax.Array) -> jax.Array:
+        c = self.config
+        out = ax.constrain(out_bthd, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         out = checkpoint_name(out, remat.ATTN_OUT)
         y = _matmul(out, self.o_kernel[...].astype(c.jnp_dtype), contract=2)
         if c.o_bias:
             y = y + self.o_bias[...].astype(c.jnp_dtype)
-        return y, cache
+        return y
 
 
 class MLP(nnx.Module):
@@ -234,6 +247,23 @@ class Transformer(nnx.Module):
 
         if self.config.remat_policy != "none":
             run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not self.config.scan_layers)
+        if self.config.scan_layers and _in_place_decode(self.config, cache, mask_bts):
+            # The stacked cache rides in the scan's carry with the layer index, so each layer
+            # writes and reads it in place (as scan inputs and outputs, every step would slice
+            # each layer's cache out and write it into a new stacked output).
+            def run_stacked(carry, layer):
+                x, keys, values, i = carry
+                x, (keys, values, _) = run_layer(x, layer, (keys, values, i))
+                return x, keys, values, i + 1
+
+            scan = nnx.scan(
+                run_stacked,
+                in_axes=(nnx.Carry, 0),
+                out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: ax.LAYERS},
+            )
+            x, keys, values, _ = scan((x, *cache, jnp.zeros((), jnp.int32)), self.layers)
+            return self.final_norm(x), (keys, values)
         if self.config.scan_layers:
             scan = nnx.scan(
                 run_layer,
@@ -289,17 +319,21 @@ def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> ja
 
 
 _DECODE_FORM = contextvars.ContextVar("decode_attention_form", default="auto")
-DECODE_FORMS = ("auto", "host", "xla")
+DECODE_FORMS = ("auto", "host", "xla", "pallas_gpu")
 
 
 @contextlib.contextmanager
 def decode_attention_form(form: str):
     """Which formulation attention traces to: "auto" (the CPU forms when the default backend is
-    the CPU, `jax.nn.dot_product_attention` otherwise), "host" or "xla". The CPU forms are
-    `_host_decode_attention` (one query per row) and `_host_attention` (training, prefill).
-    For programs traced on one backend for another: `launch.plan` compiles TPU programs
-    from a CPU process and asks for "xla". Read when a program is traced: one traced before
-    keeps its form (JAX caches traces per function)."""
+    the CPU, `jax.nn.dot_product_attention` otherwise), "host", "xla" or "pallas_gpu". The CPU
+    forms are `_host_decode_attention` (one query per row) and `_host_attention` (training,
+    prefill). "pallas_gpu" is the XLA form but for decode steps, which write the cache in place
+    and attend through `decode_kernel` (Pallas interpret mode off a GPU); the engine then
+    decodes over the whole cache instead of a copied prefix (`decode_in_place`). "auto" picks
+    it for GPU programs (a mesh of GPUs, or no mesh on a GPU backend). For programs traced on
+    one backend for another: `launch.plan` compiles TPU and GPU programs from a CPU process and
+    asks for "xla" and "pallas_gpu". Read when a program is traced: one traced before keeps its
+    form (JAX caches traces per function)."""
     if form not in DECODE_FORMS:
         raise ValueError(f"decode attention form {form!r}; use one of {DECODE_FORMS}")
     token = _DECODE_FORM.set(form)
@@ -313,6 +347,33 @@ def _host_form() -> bool:
     """Whether attention traces to the CPU forms (`decode_attention_form`)."""
     form = _DECODE_FORM.get()
     return form == "host" or (form == "auto" and jax.default_backend() == "cpu")
+
+
+def decode_in_place() -> bool:
+    """Whether decode steps traced now use the in-place GPU kernel form (`decode_attention_form`
+    "pallas_gpu", or "auto" for a GPU program: the installed mesh's devices are GPUs, or with no
+    mesh the default backend is)."""
+    form = _DECODE_FORM.get()
+    if form == "auto":
+        return decode_kernel.platform() == "gpu"
+    return form == "pallas_gpu"
+
+
+def _in_place_decode(config: ModelConfig, cache, mask_bts: jax.Array) -> bool:
+    """Whether a step against `cache` (one layer's, or stacked) runs `decode_kernel`: the
+    "pallas_gpu" form, one query per row, the XLA or default attention, a mask over the whole
+    cache, a cache the kernel can tile and a power-of-2 head dim."""
+    if cache is None or mask_bts.shape[1] != 1 or not decode_in_place():
+        return False
+    rows, length = cache[0].shape[-4:-2]
+    d = config.head_dim
+    return (
+        config.attention_impl in (None, "xla", "pallas")
+        and mask_bts.shape[-1] == length
+        and rows >= mask_bts.shape[0]
+        and decode_kernel.blocks_for(length) is not None
+        and d & (d - 1) == 0
+    )
 
 
 def _decode_attention(q_b1hd, k_bskd, v_bskd, mask_b1s, implementation) -> jax.Array:
