@@ -17,6 +17,8 @@ from flax import nnx
 
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra import sharding as ax
+from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.models import decode_kernel
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, decode_attention_form, init_cache
@@ -129,12 +131,45 @@ def test_scanned_layers_decode_the_stacked_cache_in_place():
         np.testing.assert_allclose(ours[i].logprobs_gn, xla[i].logprobs_gn, atol=1e-5)
 
 
+def _continued_on_mesh(model, form):
+    """Two kept rows continued (their new token through the extension, then decoded) on a 2 x 2
+    CPU mesh: rows split over dp, KV heads over tp (the kernel per device inside shard_map)."""
+    mesh = make_mesh(MeshConfig(("dp", "tp"), (2, 2), num_devices=4))
+    engine, params = Engine.for_model(
+        model, num_slots=4, steps_per_call=4, max_total_len=64, prompt_buckets=(16, 32),
+        keep_calls=2, mesh=mesh, rules=ax.GENERATOR_RULES,
+    )  # fmt: skip
+    greedy, key = SamplingConfig(6, greedy=True, ignore_eos=True), jax.random.key(3)
+    with decode_attention_form(form):
+        first = engine.generate(
+            params, [Request(7, [1, 5, 9, 11], 2, greedy, keep_cache=True)], key
+        )
+        histories = [[1, 5, 9, 11, *first[0].tokens_gn[g].tolist(), 40 + g] for g in range(2)]
+        requests = [
+            Request(20 + g, h, 1, greedy, continues=(7, g)) for g, h in enumerate(histories)
+        ]
+        continued = engine.generate(params, requests, key)
+    # One new token a row: the extension is itself a one-query step over the rows' views.
+    assert engine.stats.continued_rows == 2 and engine.stats.extend_tokens == 2
+    return [first[0], *continued]
+
+
+def test_kernel_form_on_a_mesh_with_continued_rows(gqa_model):
+    with jax.default_matmul_precision("highest"):
+        ours, xla = (
+            _continued_on_mesh(gqa_model, "pallas_gpu"),
+            _continued_on_mesh(gqa_model, "xla"),
+        )
+    for a, b in zip(ours, xla, strict=True):
+        np.testing.assert_array_equal(a.tokens_gn, b.tokens_gn)
+        np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-5)
+
+
 def test_compiled_h100_decode_step_reads_the_cache_in_place():
     """The engine's decode step compiled for one H100: the Pallas kernel reads the cache, and no
     transpose, copy or slice fusion produces a buffer of a cache layer's size."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="AOT GPU tests need jax-cuda12-plugin")
     from jaxrl.infra import gpu
-    from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.models.presets import rlbench_tiny
     from jaxrl.planning import plan_generator
 
