@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl import lora as lora_lib
+from jaxrl.models.masks import SegmentMask, sequence_mask  # noqa: F401
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import (
     PolicyLoss,
@@ -24,7 +25,7 @@ from jaxrl.rl import (
     make_loss,
 )
 from jaxrl.rl.logprobs import token_logprobs, token_logprobs_and_entropy
-from jaxrl.rl.packing import PackedRolloutBatch, segment_mask
+from jaxrl.rl.packing import PackedRolloutBatch
 from jaxrl.train_state import Params, TrainState, apply_gradients
 
 
@@ -84,12 +85,6 @@ class LossConfig:
         return getattr(self.make_loss(), "advantage", "group_mean")
 
 
-def sequence_mask(valid_bs: jax.Array) -> jax.Array:
-    """Causal attention mask `[B, S, S]` restricted to real tokens."""
-    s = valid_bs.shape[-1]
-    return jnp.tril(jnp.ones((s, s), bool))[None] & valid_bs[:, None, :].astype(bool)
-
-
 def _split_micro(tree: Any, num: int) -> Any:
     def split(x):
         if x.shape[0] % num:
@@ -134,10 +129,10 @@ def sft_loss(graphdef, params: Params, batch: dict, vocab_chunk_size: int | None
     model: Transformer = nnx.merge(graphdef, params)
     tokens, loss_mask = batch["tokens_bs"], batch["loss_mask_bs"]
     if "segment_bs" in batch:
-        mask_bss, positions = segment_mask(batch["segment_bs"]), batch["positions_bs"]
+        mask_bss, positions = SegmentMask(batch["segment_bs"]), batch["positions_bs"]
     else:  # every column is attended: right padding follows the targets
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        mask_bss = sequence_mask(tokens != -1)
+        mask_bss = SegmentMask.from_valid(tokens != -1)
     hidden, _ = model.hidden_states(tokens, positions, mask_bss)
     logprobs = token_logprobs(
         hidden[:, :-1], model.unembedding(), tokens[:, 1:], vocab_chunk_size=vocab_chunk_size
@@ -187,12 +182,12 @@ def completion_logprobs(
     """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`; a packed
     batch is gathered from its `pack_groups` groups (`jaxrl.rl.packing`)."""
     if isinstance(batch, PackedRolloutBatch):
-        mask_rll = segment_mask(batch.segment_rl, batch.prefix_rl)
+        mask_rll = SegmentMask(batch.segment_rl, batch.prefix_rl)
         hidden, _ = model.hidden_states(batch.tokens_rl, batch.positions_rl, mask_rll)
         hidden_btd = batch.completion_hidden(hidden, pack_groups)
     else:
         tokens, mask, positions = batch.sequence()
-        hidden, _ = model.hidden_states(tokens, positions, sequence_mask(mask))
+        hidden, _ = model.hidden_states(tokens, positions, SegmentMask.from_valid(mask))
         hidden_btd = batch.completion_hidden(hidden)
     chunk = loss.vocab_chunk_size or None
     if with_entropy:

@@ -99,14 +99,17 @@ class Trainer:
         pack_length: int | str = 0,
         share_prompts: bool | None = None,
     ):
-        if pack_length == AUTO and model_config.attention_impl == "pallas":
+        # "pallas" off a GPU is the TPU splash kernel, which sees key validity only; on GPUs it is
+        # the Triton kernel, which takes the packed rows' segments (`gpu_attention`).
+        splash = model_config.attention_impl == "pallas" and mesh.devices.flat[0].platform != "gpu"
+        if pack_length == AUTO and splash:
             pack_length = 0  # the splash kernel cannot pack (below): padded batches
         if pack_length != AUTO and (not isinstance(pack_length, int) or pack_length < 0):
             raise ValueError(
                 f"pack_length={pack_length!r}: use 0 (padded batches), a row length, or "
                 f"{AUTO!r} (rows from each batch's shapes)"
             )
-        if pack_length and model_config.attention_impl == "pallas":
+        if pack_length and splash:
             # The splash kernel is given each key's validity only (`pallas_attention`): in a
             # packed row every sequence would attend to the sequences packed before it.
             raise ValueError(

@@ -93,9 +93,10 @@ class PlanConfig:
     roles: which roles to plan, from `ROLES`: "trainer" (the RL step), "generator" (prefill
       and one decode step), "push" (the weight push from the trainer's layout to the
       generator's, compiled on the trainer devices).
-    Topologies: a TPU slice ('v5p:2x2x2') or a GPU system ('h100:1x8'); on GPUs attention_impl
-      must be "xla" (cuDNN attention needs the cuDNN wheel and does not serialize; "pallas" is
-      the TPU splash kernel).
+    Topologies: a TPU slice ('v5p:2x2x2') or a GPU system ('h100:1x8'). attention_impl as
+      `ModelConfig.attention_impl`: None, the platform's own (GPU: the Pallas Triton kernels;
+      TPU: XLA), "xla", "pallas" (TPU: splash); "cudnn" is refused (it needs the cuDNN wheel
+      and does not serialize).
     """
 
     model: str = "llama3_8b"
@@ -104,7 +105,7 @@ class PlanConfig:
     dtype: str = "bfloat16"
     remat_policy: str = "full"
     scan_layers: bool = True
-    attention_impl: str = "xla"
+    attention_impl: str | None = None
     trainer_topology: str = "v5p:2x2x2"
     trainer_axes: tuple[str, ...] = ("fsdp", "tp")
     trainer_axis_sizes: tuple[int, ...] = (-1, 1)
@@ -130,11 +131,11 @@ class PlanConfig:
         if unknown or not self.roles:
             raise ValueError(f"roles={self.roles}; use some of {ROLES}")
         on_gpu = [gpu.is_gpu_topology(t) for t in (self.trainer_topology, self.generator_topology)]
-        if any(on_gpu) and self.attention_impl != "xla":
+        if any(on_gpu) and self.attention_impl == "cudnn":
             raise ValueError(
-                f"attention_impl={self.attention_impl!r} on a GPU topology: plan with 'xla' "
-                "(cuDNN attention needs the ~2 GB nvidia-cudnn-cu12 wheel and its executables "
-                "do not serialize; 'pallas' is the TPU splash kernel)"
+                "attention_impl='cudnn' on a GPU topology: cuDNN attention needs the ~2 GB "
+                "nvidia-cudnn-cu12 wheel and its executables do not serialize; plan with None "
+                "(the GPU's Pallas Triton kernels, the default) or 'xla'"
             )
         for name in ("prompts", "samples", "prompt_len", "completion_len", "grad_accum_steps"):
             if getattr(self, name) < 1:

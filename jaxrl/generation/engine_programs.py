@@ -9,7 +9,7 @@ compilation, and the cache's placement on the mesh.
 * **decode** runs `steps_per_call` steps of the first `active` slots in a `fori_loop`, attending
   only over the cache prefix `[:span]` (sliced out at the start of the call, decoded into,
   written back at its end), so attention and the cache copy follow the longest live row, not the
-  capacity. On a GPU (`transformer.decode_in_place`) nothing is sliced out: each step scatters its
+  capacity. On a GPU (`transformer.gpu_kernels`) nothing is sliced out: each step scatters its
   keys / values into the donated cache and `decode_kernel` reads every row's own length there.
   Sample g of request r draws token t from one uniform keyed by
   `fold_in(fold_in(fold_in(seed, r), g), t)` by inverse CDF (`inverse_cdf_tokens`), never from
@@ -50,7 +50,7 @@ from jaxrl.models.transformer import (
     Transformer,
     causal_mask,
     constrain_cache,
-    decode_in_place,
+    gpu_kernels,
     init_cache,
     positions_from_mask,
 )
@@ -419,7 +419,7 @@ class EnginePrograms:
         # step scatters its keys / values in place and the kernel reads every row's own length,
         # so nothing is sliced out, copied or written back. Elsewhere the first `active` slots'
         # prefix `[:span]` is cut out, decoded into and written back at the end.
-        in_place = decode_in_place()
+        in_place = gpu_kernels(self.model_config)
         prefix = cache if in_place else jax.tree.map(cut, cache)
         reach = jax.tree.leaves(cache)[0].shape[seq_axis] if in_place else span
         if extend is not None:

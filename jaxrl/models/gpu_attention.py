@@ -70,9 +70,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax.core import spmd as flax_spmd
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxrl.infra import sharding as ax
 
 LOG2E = math.log2(math.e)
 MASKED = -1e30  # a masked score (base 2): finite, so exp2(MASKED - m) is 0 and never NaN
@@ -414,3 +417,35 @@ def flash_attention(
         pad(q_bthd), pad(k_btkd), pad(v_btkd), pad_ids(segment_bt), pad_ids(prefix_bt), cfg
     )
     return out[:, :t, :, :d]
+
+
+def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
+    """`flash_attention` under the installed sharding rules: each device runs the kernel on its
+    shard (the batch split as `act_batch` says, the query and kv heads as `act_heads` /
+    `act_kv_heads`, the sequence whole) inside `jax.shard_map`, since the partitioner cannot
+    split a kernel call. `mask`: a `jaxrl.models.masks.SegmentMask`. Interpret mode off a GPU
+    (`jaxrl.models.decode_kernel.platform`), which is how its numerics are tested on the CPU."""
+    from jaxrl.models.decode_kernel import platform
+
+    segment, prefix = mask.segment_bt, mask.prefix_bt
+    prefix = segment if prefix is None else prefix
+    local = functools.partial(_flash_local, interpret=platform() != "gpu")
+    rules = flax_spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return local(q_bthd, k_btkd, v_btkd, segment, prefix)
+    spec = lambda *axes: ax.logical_to_pspec(axes, rules)  # noqa: E731
+    q_spec = spec(ax.ACT_BATCH, None, ax.ACT_HEADS, None)
+    kv_spec = spec(ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)
+    ids_spec = spec(ax.ACT_BATCH, None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, ids_spec, ids_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_bthd, k_btkd, v_btkd, segment, prefix)
+
+
+def _flash_local(q, k, v, segment, prefix, *, interpret: bool) -> jax.Array:
+    return flash_attention(q, k, v, segment, prefix, interpret=interpret)

@@ -27,6 +27,8 @@ from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models import decode_kernel, remat
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.gpu_attention import flash_self_attention
+from jaxrl.models.masks import SegmentMask
 from jaxrl.models.pallas_attention import splash_self_attention
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -105,6 +107,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos_btd, sin_btd)
         k = apply_rope(k, cos_btd, sin_btd)
+        if isinstance(mask_bts, SegmentMask):
+            # Whole-sequence self-attention through the fused GPU kernel: `hidden_states` keeps
+            # the per-token mask only for it (`gpu_kernels`); no [B, H, T, T] scores.
+            out = flash_self_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
+            return self._output(out), cache
         if cache is not None and q.shape[1] == 1 and _in_place_decode(c, cache, mask_bts):
             # Decode on a GPU: the new keys / values land in the cache by one scatter and the
             # kernel reads each row's keys where they lie (`decode_kernel`). A 3-tuple cache is
@@ -118,8 +125,13 @@ class Attention(nnx.Module):
             k = _write_cache(cache[0], k, cache_index)
             v = _write_cache(cache[1], v, cache_index)
             cache = (k, v)
-        if c.attention_impl == "pallas" and q.shape[1] == k.shape[1] and q.shape[1] > 1:
-            # Whole-sequence self-attention (training, the engine's prefill). The mask is
+        if (
+            c.attention_impl == "pallas"
+            and not decode_in_place()
+            and q.shape[1] == k.shape[1]
+            and q.shape[1] > 1
+        ):
+            # Whole-sequence self-attention on TPU (training, the engine's prefill). The mask is
             # `causal & valid key` (`causal_mask`, `sequence_mask`): the last query row holds
             # every key's validity.
             out = splash_self_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts[:, -1, :])
@@ -236,7 +248,13 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Final-norm hidden states `[B, T, E]` and the updated cache (None without a cache)."""
+        """Final-norm hidden states `[B, T, E]` and the updated cache (None without a cache).
+
+        `mask_bts`: a dense `[B, T, S]` boolean mask, or a `SegmentMask` (self-attention without
+        a cache: training, `__call__`), which stays per-token for the fused GPU kernel
+        (`gpu_kernels`) and is made dense for every other attention form."""
+        if isinstance(mask_bts, SegmentMask) and not (cache is None and gpu_kernels(self.config)):
+            mask_bts = mask_bts.dense()
         x = self.embed(tokens_bt)
         inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope)
         cos, sin = rope_cos_sin(positions_bt, inv_freq, self.config.jnp_dtype)
@@ -293,7 +311,7 @@ class Transformer(nnx.Module):
         if valid_bt is None:
             valid_bt = jnp.ones(tokens_bt.shape, bool)
         hidden, _ = self.hidden_states(
-            tokens_bt, positions_from_mask(valid_bt), causal_mask(valid_bt)
+            tokens_bt, positions_from_mask(valid_bt), SegmentMask.from_valid(valid_bt)
         )
         return self.logits(hidden)
 
@@ -324,16 +342,23 @@ DECODE_FORMS = ("auto", "host", "xla", "pallas_gpu")
 
 @contextlib.contextmanager
 def decode_attention_form(form: str):
-    """Which formulation attention traces to: "auto" (the CPU forms when the default backend is
-    the CPU, `jax.nn.dot_product_attention` otherwise), "host", "xla" or "pallas_gpu". The CPU
-    forms are `_host_decode_attention` (one query per row) and `_host_attention` (training,
-    prefill). "pallas_gpu" is the XLA form but for decode steps, which write the cache in place
-    and attend through `decode_kernel` (Pallas interpret mode off a GPU); the engine then
-    decodes over the whole cache instead of a copied prefix (`decode_in_place`). "auto" picks
-    it for GPU programs (a mesh of GPUs, or no mesh on a GPU backend). For programs traced on
-    one backend for another: `launch.plan` compiles TPU and GPU programs from a CPU process and
-    asks for "xla" and "pallas_gpu". Read when a program is traced: one traced before keeps its
-    form (JAX caches traces per function)."""
+    """Which formulation attention traces to, for the programs traced inside the block:
+
+    - "auto" (the default): the platform the program is compiled for decides (its mesh's
+      devices, else the default backend; `decode_kernel.platform`): the CPU forms on a CPU,
+      "pallas_gpu" on a GPU, the XLA form on a TPU. Plans compile GPU and TPU programs from a
+      CPU process and get the target's form.
+    - "host": the CPU forms, `_host_attention` (training, prefill) and `_host_decode_attention`
+      (one query per row).
+    - "xla": `jax.nn.dot_product_attention`.
+    - "pallas_gpu": the Pallas Triton kernels (`gpu_kernels`): `gpu_attention`'s fused
+      self-attention over a `SegmentMask` (training) and `decode_kernel`'s decode steps, which
+      write the cache in place (the engine then decodes over the whole cache, not a copied
+      prefix); Pallas interpret mode off a GPU, which is how the tests check them on the CPU.
+
+    `ModelConfig.attention_impl` chooses within a platform ("xla", "cudnn", "pallas", None: the
+    platform's own). Read when a program is traced: one traced before keeps its form (JAX
+    caches traces per function)."""
     if form not in DECODE_FORMS:
         raise ValueError(f"decode attention form {form!r}; use one of {DECODE_FORMS}")
     token = _DECODE_FORM.set(form)
@@ -346,7 +371,9 @@ def decode_attention_form(form: str):
 def _host_form() -> bool:
     """Whether attention traces to the CPU forms (`decode_attention_form`)."""
     form = _DECODE_FORM.get()
-    return form == "host" or (form == "auto" and jax.default_backend() == "cpu")
+    # "auto": the platform the program is compiled for (its mesh's devices), not the process's
+    # default backend: plans compile TPU and GPU programs from a CPU process.
+    return form == "host" or (form == "auto" and decode_kernel.platform() == "cpu")
 
 
 def decode_in_place() -> bool:
@@ -359,17 +386,24 @@ def decode_in_place() -> bool:
     return form == "pallas_gpu"
 
 
+def gpu_kernels(config: ModelConfig) -> bool:
+    """Whether attention traced now runs the Pallas Triton kernels (`gpu_attention` for
+    whole-sequence self-attention, `decode_kernel` for decode steps): a GPU program, or the
+    "pallas_gpu" form (`decode_attention_form`; interpret mode off a GPU), with
+    `attention_impl` None (the platform's own) or "pallas"."""
+    return decode_in_place() and config.attention_impl in (None, "pallas")
+
+
 def _in_place_decode(config: ModelConfig, cache, mask_bts: jax.Array) -> bool:
     """Whether a step against `cache` (one layer's, or stacked) runs `decode_kernel`: the
     "pallas_gpu" form, one query per row, the XLA or default attention, a mask over the whole
     cache, a cache the kernel can tile and a power-of-2 head dim."""
-    if cache is None or mask_bts.shape[1] != 1 or not decode_in_place():
+    if cache is None or mask_bts.shape[1] != 1 or not gpu_kernels(config):
         return False
     rows, length = cache[0].shape[-4:-2]
     d = config.head_dim
     return (
-        config.attention_impl in (None, "xla", "pallas")
-        and mask_bts.shape[-1] == length
+        mask_bts.shape[-1] == length
         and rows >= mask_bts.shape[0]
         and decode_kernel.blocks_for(length) is not None
         and d & (d - 1) == 0

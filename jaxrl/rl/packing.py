@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxrl.models.masks import segment_mask  # noqa: F401  (the mask of these rows)
 from jaxrl.rl.rollout import RolloutBatch
 
 
@@ -99,17 +100,6 @@ class PackedRolloutBatch:
         index_gn = self.predict_index_bt.reshape(groups, (b // groups) * t)
         out = jax.vmap(lambda h, i: jnp.take(h, i, axis=0))(flat_gne, index_gn)
         return out.reshape(b, t, e)
-
-
-def segment_mask(segment_rl: jax.Array, prefix_rl: jax.Array | None = None) -> jax.Array:
-    """`mask[r, q, k]`: key k is not after query q, not on the unused tail, and in q's segment
-    or (with `prefix_rl`, shared prompts) in the segment of q's prompt, `prefix_rl[r, q]`."""
-    length = segment_rl.shape[-1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    visible = segment_rl[:, :, None] == segment_rl[:, None, :]
-    if prefix_rl is not None:
-        visible = visible | (prefix_rl[:, :, None] == segment_rl[:, None, :])
-    return causal[None] & visible & (segment_rl[:, None, :] > 0)
 
 
 def bucket_rows(n: int) -> int:
