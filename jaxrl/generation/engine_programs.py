@@ -46,9 +46,9 @@ from jaxrl.generation.engine_requests import EngineStats
 from jaxrl.generation.sampling import SamplingConfig, inverse_cdf_tokens, processed_logprobs
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.masks import SegmentMask
 from jaxrl.models.transformer import (
     Transformer,
-    causal_mask,
     constrain_cache,
     gpu_kernels,
     init_cache,
@@ -325,8 +325,10 @@ class EnginePrograms:
         model: Transformer = nnx.merge(self.graphdef, params)
         batch, width = tokens_pt.shape
         fresh = constrain_cache(init_cache(self.model_config, batch, width))
+        # A `SegmentMask` (dense `causal_mask(valid_pt)` off the GPU kernels): on a GPU the
+        # prefill's self-attention runs the fused kernel (`Transformer.hidden_states`).
         _, fresh = model.hidden_states(
-            tokens_pt, positions_from_mask(valid_pt), causal_mask(valid_pt), fresh, 0
+            tokens_pt, positions_from_mask(valid_pt), SegmentMask.from_valid(valid_pt), fresh, 0
         )
         axis = 1 if self.model_config.scan_layers else 0  # caches [L, B, C, K, D]: slots on 1
         return constrain_cache(

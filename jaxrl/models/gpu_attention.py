@@ -434,10 +434,22 @@ def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return local(q_bthd, k_btkd, v_btkd, segment, prefix)
-    spec = lambda *axes: ax.logical_to_pspec(axes, rules)  # noqa: E731
-    q_spec = spec(ax.ACT_BATCH, None, ax.ACT_HEADS, None)
-    kv_spec = spec(ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)
-    ids_spec = spec(ax.ACT_BATCH, None)
+
+    def split(logical, size):
+        """The mesh axes `logical` maps to, or None where they do not divide `size` (the
+        engine's prefill of one prompt on a dp mesh): that dimension stays whole."""
+        (mapped,) = ax.logical_to_pspec((logical,), rules)
+        names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+        return mapped if size % math.prod(mesh.shape[n] for n in names) == 0 else None
+
+    batch = split(ax.ACT_BATCH, q_bthd.shape[0])
+    heads = split(ax.ACT_HEADS, q_bthd.shape[2])
+    kv_heads = split(ax.ACT_KV_HEADS, k_btkd.shape[2])
+    if (heads is None) != (kv_heads is None):  # a query head's kv head must be on its device
+        heads = kv_heads = None
+    P = jax.sharding.PartitionSpec
+    q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, kv_heads, None)
+    ids_spec = P(batch)
     return jax.shard_map(
         local,
         mesh=mesh,

@@ -109,7 +109,13 @@ class Attention(nnx.Module):
         k = apply_rope(k, cos_btd, sin_btd)
         if isinstance(mask_bts, SegmentMask):
             # Whole-sequence self-attention through the fused GPU kernel: `hidden_states` keeps
-            # the per-token mask only for it (`gpu_kernels`); no [B, H, T, T] scores.
+            # the per-token mask only for it (`gpu_kernels`); no [B, H, T, T] scores. With a
+            # cache (the engine's prefill: a fresh cache as long as the prompts, written from 0)
+            # the keys and values are the cache's, as a decode step reads them.
+            if cache is not None:
+                k = _write_cache(cache[0], k, cache_index)
+                v = _write_cache(cache[1], v, cache_index)
+                cache = (k, v)
             out = flash_self_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
             return self._output(out), cache
         if cache is not None and q.shape[1] == 1 and _in_place_decode(c, cache, mask_bts):
@@ -253,7 +259,9 @@ class Transformer(nnx.Module):
         `mask_bts`: a dense `[B, T, S]` boolean mask, or a `SegmentMask` (self-attention without
         a cache: training, `__call__`), which stays per-token for the fused GPU kernel
         (`gpu_kernels`) and is made dense for every other attention form."""
-        if isinstance(mask_bts, SegmentMask) and not (cache is None and gpu_kernels(self.config)):
+        if isinstance(mask_bts, SegmentMask) and not (
+            gpu_kernels(self.config) and _fresh_cache(cache, cache_index, tokens_bt.shape[1])
+        ):
             mask_bts = mask_bts.dense()
         x = self.embed(tokens_bt)
         inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope)
@@ -384,6 +392,15 @@ def decode_in_place() -> bool:
     if form == "auto":
         return decode_kernel.platform() == "gpu"
     return form == "pallas_gpu"
+
+
+def _fresh_cache(cache, cache_index, length: int) -> bool:
+    """No cache, or one of exactly `length` positions written from position 0 (a prefill into a
+    fresh cache): whole-sequence self-attention either way."""
+    if cache is None:
+        return True
+    first = jax.tree.leaves(cache)[0]  # [L,] B, C, K, D
+    return isinstance(cache_index, int) and cache_index == 0 and first.shape[-3] == length
 
 
 def gpu_kernels(config: ModelConfig) -> bool:
