@@ -58,16 +58,7 @@ def main() -> None:
         )
         return jnp.tril(jnp.ones((t, t), bool))[None] & visible & (segment[:, None, :] > 0)
 
-    def reference(q, k, v, segment, prefix):
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-        mask = segment_mask(segment, prefix)
-        g = q.shape[2] // k.shape[2]
-        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(q.shape[-1])
-        seen = mask.any(-1)
-        s = jnp.where(mask[:, None] | ~seen[:, None, :, None], s, -jnp.inf)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v, precision="highest")
-        return jnp.where(seen[:, :, None, None], out, 0.0)
+    reference = ga.dense_reference
 
     def value_and_grads(attention):
         @jax.jit

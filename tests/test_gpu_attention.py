@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.models.gpu_attention import block_visits, flash_attention
+from jaxrl.models.gpu_attention import block_visits, dense_reference, flash_attention
 from jaxrl.rl.packing import segment_mask
 
 B, T, H, K, D = 2, 64, 4, 2, 32
@@ -19,16 +19,7 @@ B, T, H, K, D = 2, 64, 4, 2, 32
 BLOCKS = dict(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
 
 
-def reference(q, k, v, segment, prefix):
-    """Dense masked attention, fp32, K / V repeated per query head; rows that see no key: 0."""
-    mask_bqk = segment_mask(segment, prefix)
-    g = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(q.shape[-1])
-    seen_bq = mask_bqk.any(-1)
-    s = jnp.where(mask_bqk[:, None] | ~seen_bq[:, None, :, None], s, -jnp.inf)
-    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
-    return jnp.where(seen_bq[:, :, None, None], out, 0.0)
+reference = dense_reference
 
 
 def _value_and_grads(attention):

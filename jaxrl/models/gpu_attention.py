@@ -70,12 +70,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd as flax_spmd
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from jaxrl.infra import sharding as ax
 
 LOG2E = math.log2(math.e)
 MASKED = -1e30  # a masked score (base 2): finite, so exp2(MASKED - m) is 0 and never NaN
@@ -425,6 +422,9 @@ def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
     `act_kv_heads`, the sequence whole) inside `jax.shard_map`, since the partitioner cannot
     split a kernel call. `mask`: a `jaxrl.models.masks.SegmentMask`. Interpret mode off a GPU
     (`jaxrl.models.decode_kernel.platform`), which is how its numerics are tested on the CPU."""
+    from flax.core import spmd as flax_spmd  # here: bench/gpu_attention.py loads this file alone
+
+    from jaxrl.infra import sharding as ax
     from jaxrl.models.decode_kernel import platform
 
     segment, prefix = mask.segment_bt, mask.prefix_bt
@@ -461,3 +461,23 @@ def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
 
 def _flash_local(q, k, v, segment, prefix, *, interpret: bool) -> jax.Array:
     return flash_attention(q, k, v, segment, prefix, interpret=interpret)
+
+
+def dense_reference(q_bthd, k_btkd, v_btkd, segment_bt, prefix_bt=None) -> jax.Array:
+    """What `flash_attention` computes, densely: the `[B, H, T, T]` scores in fp32 under the
+    module docstring's mask, K / V repeated per query head, rows that see no key 0. For tests
+    and `bench/gpu_attention.py`."""
+    prefix_bt = segment_bt if prefix_bt is None else prefix_bt
+    q, k, v = (x.astype(jnp.float32) for x in (q_bthd, k_btkd, v_btkd))
+    t = segment_bt.shape[-1]
+    visible = (segment_bt[:, :, None] == segment_bt[:, None, :]) | (
+        prefix_bt[:, :, None] == segment_bt[:, None, :]
+    )
+    mask_bqk = jnp.tril(jnp.ones((t, t), bool))[None] & visible & (segment_bt[:, None, :] > 0)
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / math.sqrt(q.shape[-1])
+    seen_bq = mask_bqk.any(-1)
+    s = jnp.where(mask_bqk[:, None] | ~seen_bq[:, None, :, None], s, -jnp.inf)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+    return jnp.where(seen_bq[:, :, None, None], out, 0.0)
