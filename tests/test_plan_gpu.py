@@ -86,7 +86,7 @@ def _plan(capsys, *params: str) -> tuple[int, str]:
 
 
 def test_launcher_refuses_a_generator_over_h100_memory_and_its_fix_fits(capsys):
-    """The tiny model's generator on one H100 with 65536 decode slots of 512 tokens:
+    """The tiny model's generator on one H100 with 131072 decode slots of 512 tokens:
     XLA:GPU compiles it (no compile-time out-of-memory on GPU), the planner finds the prefill
     (the KV cache and the prompts' fresh cache; the decode step, in place, holds no second copy)
     over 80 GB, exits 1 with the numbers and a slot count; planned with that count, the same GPU
@@ -100,7 +100,7 @@ def test_launcher_refuses_a_generator_over_h100_memory_and_its_fix_fits(capsys):
         "PlanConfig.prompt_len=256",
         "PlanConfig.completion_len=256",
     ]
-    status, out = _plan(capsys, *common, "PlanConfig.prompts=8192", "PlanConfig.num_slots=65536")
+    status, out = _plan(capsys, *common, "PlanConfig.prompts=16384", "PlanConfig.num_slots=131072")
     assert status == 1, out
     refusal = re.search(
         r"DOES NOT FIT: generator: prefill needs ([\d.]+) GiB per device, h100 has 80 GiB; "
