@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import sys
+from pathlib import Path
 
 import gin
 import jax
@@ -315,21 +316,21 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 def ready_config(model: str, lines: list[str]) -> str | None:
     """A file of configs/plan/ that sets every one of `lines` for `model` (itself or through a
     file it includes), as a path relative to the repository; None if there is none."""
-    folder = os.path.join(CONFIG_DIR, "plan")
-    if not os.path.isdir(folder):
+    folder = Path(CONFIG_DIR) / "plan"
+    if not folder.is_dir():
         return None
+    repo = Path(CONFIG_DIR).parent
     model_line = f'PlanConfig.model = "{model}"'
-    for name in sorted(os.listdir(folder)):
-        text = open(os.path.join(folder, name), encoding="utf-8").read()
+    for path in sorted(folder.glob("*.gin")):
+        text = path.read_text(encoding="utf-8")
         if not all(line in text for line in lines):
             continue
-        included = [
-            open(os.path.join(os.path.dirname(CONFIG_DIR), inc), encoding="utf-8").read()
-            for inc in (x.split("'")[1] for x in text.splitlines() if x.startswith("include '"))
-            if os.path.isfile(os.path.join(os.path.dirname(CONFIG_DIR), inc))
+        includes = [x.split("'")[1] for x in text.splitlines() if x.startswith("include '")]
+        texts = [text] + [
+            (repo / i).read_text(encoding="utf-8") for i in includes if (repo / i).is_file()
         ]
-        if any(model_line in t for t in (text, *included)):
-            return f"configs/plan/{name}"
+        if any(model_line in t for t in texts):
+            return f"configs/plan/{path.name}"
     return None
 
 

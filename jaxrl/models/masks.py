@@ -32,10 +32,13 @@ def segment_mask(segment_rl: jax.Array, prefix_rl: jax.Array | None = None) -> j
     return causal[None] & visible & (segment_rl[:, None, :] > 0)
 
 
-def sequence_mask(valid_bs: jax.Array) -> jax.Array:
-    """Causal attention mask `[B, S, S]` restricted to real tokens."""
-    s = valid_bs.shape[-1]
-    return jnp.tril(jnp.ones((s, s), bool))[None] & valid_bs[:, None, :].astype(bool)
+def causal_mask(valid_bt: jax.Array) -> jax.Array:
+    """`mask[b, t, s]`: key s is a real token at or before query t (`[B, T, T]`)."""
+    t = valid_bt.shape[-1]
+    return jnp.tril(jnp.ones((t, t), bool))[None] & valid_bt[:, None, :].astype(bool)
+
+
+sequence_mask = causal_mask  # the train steps' name for it
 
 
 @struct.dataclass
@@ -60,5 +63,5 @@ class SegmentMask:
     def dense(self) -> jax.Array:
         """The `[B, T, T]` boolean mask the XLA and CPU attention forms take."""
         if self.padded:
-            return sequence_mask(self.segment_bt > 0)
+            return causal_mask(self.segment_bt > 0)
         return segment_mask(self.segment_bt, self.prefix_bt)

@@ -28,7 +28,7 @@ from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models import decode_kernel, remat
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpu_attention import flash_self_attention
-from jaxrl.models.masks import SegmentMask
+from jaxrl.models.masks import SegmentMask, causal_mask  # noqa: F401  (causal_mask: public here)
 from jaxrl.models.pallas_attention import splash_self_attention
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -506,13 +506,6 @@ def _write_cache(cache_bskd: jax.Array, x_btkd: jax.Array, index: jax.Array) -> 
 def positions_from_mask(valid_bt: jax.Array) -> jax.Array:
     """Token positions that skip padding: 0 at each row's first real token (left padding)."""
     return jnp.maximum(jnp.cumsum(valid_bt.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def causal_mask(valid_bt: jax.Array) -> jax.Array:
-    """`mask[b, t, s]`: key s is a real token at or before query t."""
-    t = valid_bt.shape[-1]
-    causal_ts = jnp.tril(jnp.ones((t, t), bool))
-    return causal_ts[None] & valid_bt[:, None, :].astype(bool)
 
 
 def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs, init_std: float) -> DecoderLayer:
