@@ -1,0 +1,586 @@
+"""Fused (flash) attention for TPUs: Pallas kernels on the Mosaic backend, forward and backward,
+over the library's segment / prefix masks (training and prefill). The TPU counterpart of
+`jaxrl.models.gpu_attention`, with the same public contract.
+
+Maths. For query head h (kv head h // G, G = H / K query heads per kv head), scale 1 / sqrt(D),
+
+    s[b, h, q, k]  = q[b, q, h] . key[b, k, h // G] / sqrt(D)
+    p[b, h, q, k]  = softmax_k(s | mask[b, q, k])                (fp32)
+    out[b, q, h]   = sum_k p[b, h, q, k] value[b, k, h // G]
+
+computed tile by tile with an online softmax (running row maximum m and sum l in VMEM scratch,
+rescaled by exp(m_old - m_new) at each kv block), so the `[B, H, T, T]` scores never exist in
+memory. The forward also returns lse = m + log l per query row (fp32), kept as `[B, H, T]`, the
+only residual besides q, key, value and the output. The backward recomputes p = exp(s - lse):
+
+    dv = sum_q p^T dout,   ds = p (dout . value^T - delta),   delta[q] = out[q] . dout[q]
+    dq = scale sum_k ds key,   dk = scale sum_q ds^T q
+
+Mask (`jaxrl.models.masks`), per token from two int32 arrays `[B, T]`:
+
+    segment[b, l]  >= 1 for the k-th sequence of row b, 0 on padding / the unused tail
+    prefix[b, l]   the segment of the prompt of token l's unit (== segment on plain layouts)
+    mask[b, q, k]  = k <= q and segment[b, k] > 0 and
+                     (segment[b, k] == segment[b, q] or segment[b, k] == prefix[b, q])
+
+A padded batch (left or right padding) is segment = prefix = valid, a packed row one segment per
+sequence, the shared-prompt layout a prompt segment and its completions with prefix = the
+prompt's segment (a completion sees its prompt and itself, never a sibling). A query that sees
+no key (padding) gets output 0, lse 0 and zero gradients: masked scores are a finite -1e30 and
+their probabilities are zeroed, so nothing is NaN.
+
+Shapes: q `[B, T, H, D]`, key / value `[B, T, K, D]`, out `[B, T, H, D]` in q's dtype. Inside
+the wrapper they are transposed to `[B, H, T, D]` / `[B, K, T, D]`, so that a block is a
+`(block, D)` tile of one head: its last dim is the whole head dim (any D satisfies Mosaic's
+(8, 128) tiling) and the sequence is on sublanes. Grouped query attention indexes kv head
+h // G in the block index maps; K / V are never repeated in memory. The per-token ids travel in
+the two layouts the tiles need: a column form `[B, T, 128]` (the id repeated over 128 lanes,
+read as a `(block, n)` block of q rows) and a row form `[B, 8, T]` (repeated over 8 sublanes,
+read as `(1, block)` of keys); lse and delta reach the kernels the same way.
+
+Kernels (grids in order; the last axes "arbitrary", accumulating in VMEM scratch):
+
+- forward, grid (B, H, T / block_q, T / block_k): a q block, m / l `(block_q, 128)` and the
+  fp32 output accumulator `(block_q, D)` in scratch, one kv block per step.
+- dq, grid (B, H, T / block_q_bwd, T / block_k_bwd): the same walk, an fp32 dq accumulator;
+  delta is computed in the kernel from its out and dout tiles.
+- dk / dv, grid (B, K, T / block_k_bwd, G, T / block_q_bwd): a kv block walks the G query
+  heads of its kv head and, per head, its q blocks, accumulating dk and dv in fp32 scratch
+  (summed over the G heads in place: no atomics, no per-query-head copy of dk / dv). It works
+  on the transposed tile s^T = key q^T `(block_k, block_q)`, so every matmul is a plain or
+  rhs-transposed one.
+
+Block skipping. A tile (q block, kv block) is visited only where the mask has a visible pair in
+it (`block_visits`: the mask reduced per tile, one fused XLA reduction over [B, T, T] compares,
+nothing of that size stored): kv blocks entirely after a q block (causal upper tiles), blocks of
+padding, of other packed sequences, and a completion's siblings (shared prompts) are skipped.
+The visited tiles' indices reach the kernels by scalar prefetch (`pltpu.PrefetchScalarGridSpec`,
+in SMEM: per q block, or per kv block for dk / dv, the count of its tiles then their indices,
+`[B, n, 1 + m]` int32). Grid step n works on the n-th visited tile; the steps past the count do
+no compute and their block index maps repeat the last visited tile, so Pallas fetches nothing
+for them (what remains of a skipped tile is a grid step's overhead). A block with no visited
+tile writes zeros. The lists take 4 (1 + T / block_k) T / block_q bytes of SMEM per row.
+
+Blocks: powers of two >= 8; the default 256 everywhere. Compiled for a TPU (not interpret
+mode), a block must be a multiple of 128 (the lane width: row-form ids and lse are read as
+`(8, block)` tiles) or cover the whole padded sequence.
+
+Padding rule. T is padded inside the wrapper to a multiple of the largest block (tokens of
+segment 0 and prefix 0: never visible, their queries see nothing) and the output sliced back; a
+T below a block shrinks the block to the next power of two >= 8. JAX differentiates the pads,
+slices and transposes, so the gradients are those of the unpadded call.
+
+Precision: the dots take the inputs' dtype (bf16 in training; p and ds are rounded to it before
+their dots) and accumulate in fp32 (`preferred_element_type`); softmax statistics, lse, delta
+and the dq / dk / dv accumulators are fp32; outputs and gradients are cast to the inputs' dtypes.
+
+`interpret=None` runs the kernels compiled by Mosaic when the program is compiled for a TPU
+(`jaxrl.models.decode_kernel.platform`) and in Pallas interpret mode elsewhere (how the CPU tests
+check them against `jaxrl.models.gpu_attention.dense_reference`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASKED = -1e30  # a masked score: finite, so exp(MASKED - m) is 0 and never NaN
+LANES, SUBLANES = 128, 8
+MIN_BLOCK = SUBLANES
+NT = (((1,), (1,)), ((), ()))  # dot_general: a b^T
+NN = (((1,), (0,)), ((), ()))  # dot_general: a b
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    interpret: bool
+
+
+def block_visits(segment, prefix, block_q: int, block_k: int) -> jax.Array:
+    """`visits[b, i, j]`: does some query of q block i see some key of kv block j (bool
+    `[B, T / block_q, T / block_k]`, the mask reduced over each tile; one fused XLA reduction)."""
+    b, t = segment.shape
+    nq, nk = t // block_q, t // block_k
+    pos = jnp.arange(t)
+    seg_q, pre_q = (x.reshape(b, nq, block_q, 1, 1) for x in (segment, prefix))
+    seg_k = segment.reshape(b, 1, 1, nk, block_k)
+    causal = pos.reshape(1, 1, 1, nk, block_k) <= pos.reshape(1, nq, block_q, 1, 1)
+    visible = causal & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
+    return visible.any(axis=(2, 4))
+
+
+def _visit_lists(visits) -> jax.Array:
+    """Flat int32 from `visits [B, N, M]`: per (b, n), the count of visited blocks, then their
+    indices in increasing order (the unvisited after them), i.e. `[B, N, 1 + M]` flattened
+    (SMEM holds 1-D arrays without padding)."""
+    order = jnp.argsort(~visits, axis=-1, stable=True).astype(jnp.int32)
+    count = visits.sum(axis=-1, keepdims=True, dtype=jnp.int32)
+    return jnp.concatenate([count, order], axis=-1).reshape(-1)
+
+
+def _visited(lists, b, n, step, per_row: int, width: int):
+    """(is step a visited tile, its block index) of block n of row b; past the count, the last
+    visited tile's index (so the pipeline fetches nothing new) or 0 where none is."""
+    base = (b * per_row + n) * (1 + width)
+    count = lists[base]
+    last = jnp.maximum(jnp.minimum(step, count - 1), 0)
+    return step < count, lists[base + 1 + last]
+
+
+def _lanes(x, n: int):
+    """`(rows, n)` from `(rows, 128)` whose lanes are all equal."""
+    if n <= LANES:
+        return x[:, :n]
+    if n % LANES == 0:
+        return jnp.tile(x, (1, n // LANES))
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+
+
+def _forward_kernel(
+    lists_ref, q_ref, k_ref, v_ref, seg_q_ref, pre_q_ref, seg_k_ref, o_ref, lse_ref,
+    m_ref, l_ref, acc_ref,
+    *, scale, block_q, block_k, num_q, num_k,
+):  # fmt: skip
+    b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    run, j = _visited(lists_ref, b, i, step, num_q, num_k)
+
+    @pl.when(step == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(run)
+    def _tile():
+        s = lax.dot_general(q_ref[...], k_ref[...], NT, preferred_element_type=jnp.float32)
+        s = s * scale
+        shape = (block_q, block_k)
+        q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
+        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
+        seg_k = seg_k_ref[:1, :]
+        seg_q, pre_q = _lanes(seg_q_ref[...], block_k), _lanes(pre_q_ref[...], block_k)
+        visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
+        s = jnp.where(visible, s, MASKED)
+        m_prev, l_prev = m_ref[...], l_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # (block_q, 128)
+        p = jnp.where(visible, jnp.exp(s - _lanes(m_next, block_k)), 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        l_ref[...] = alpha * l_prev + p.sum(axis=1, keepdims=True)
+        m_ref[...] = m_next
+        v = v_ref[...]
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        acc_ref[...] = _lanes(alpha, pv.shape[1]) * acc_ref[...] + pv
+
+    @pl.when(step == num_k - 1)
+    def _finish():
+        total = l_ref[...]
+        seen = total > 0.0
+        total = jnp.where(seen, total, 1.0)
+        o_ref[...] = (acc_ref[...] / _lanes(total, o_ref.shape[-1])).astype(o_ref.dtype)
+        lse = jnp.where(seen, m_ref[...] + jnp.log(total), 0.0)  # (block_q, 128), lanes equal
+        lse_ref[...] = lse.T[:SUBLANES, :]  # the row form the backward reads
+
+
+def _transposed_probabilities(
+    q, k, v, do, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_k_ref, i, j,
+    *, scale, block_q, block_k,
+):  # fmt: skip
+    """p^T and ds^T `(block_k, block_q)` of tile (q block i, kv block j): keys on sublanes,
+    queries on lanes, so lse, delta and the query ids are `(1, block_q)` rows."""
+    st = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
+    shape = (block_k, block_q)
+    k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 0)
+    q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 1)
+    seg_k = _lanes(seg_k_ref[...], block_q)
+    seg_q, pre_q = seg_q_ref[:1, :], pre_q_ref[:1, :]
+    visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
+    pt = jnp.where(visible, jnp.exp(st - lse_ref[:1, :]), 0.0)
+    dpt = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+    return pt, pt * (dpt - delta_ref[:1, :])
+
+
+def _dq_kernel(
+    lists_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_k_ref,
+    dq_ref,
+    acc_ref,
+    *, scale, block_q, block_k, num_q, num_k,
+):  # fmt: skip
+    b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    run, j = _visited(lists_ref, b, i, step, num_q, num_k)
+
+    @pl.when(step == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(run)
+    def _tile():
+        k = k_ref[...]
+        _, dst = _transposed_probabilities(
+            q_ref[...], k, v_ref[...], do_ref[...], lse_ref, delta_ref, seg_q_ref, pre_q_ref,
+            seg_k_ref, i, j, scale=scale, block_q=block_q, block_k=block_k,
+        )  # fmt: skip
+        acc_ref[...] += lax.dot_general(
+            dst.T.astype(k.dtype), k, NN, preferred_element_type=jnp.float32
+        )
+
+    @pl.when(step == num_k - 1)
+    def _finish():
+        dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(
+    lists_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_k_ref,
+    dk_ref, dv_ref,
+    dk_acc_ref, dv_acc_ref,
+    *, scale, block_q, block_k, num_q, num_k, groups,
+):  # fmt: skip
+    b, j, g, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    run, i = _visited(lists_ref, b, j, step, num_k, num_q)
+
+    @pl.when((g == 0) & (step == 0))
+    def _init():
+        dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
+        dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
+
+    @pl.when(run)
+    def _tile():
+        q, do = q_ref[...], do_ref[...]
+        pt, dst = _transposed_probabilities(
+            q, k_ref[...], v_ref[...], do, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_k_ref,
+            i, j, scale=scale, block_q=block_q, block_k=block_k,
+        )  # fmt: skip
+        dv_acc_ref[...] += lax.dot_general(
+            pt.astype(do.dtype), do, NN, preferred_element_type=jnp.float32
+        )
+        dk_acc_ref[...] += lax.dot_general(
+            dst.astype(q.dtype), q, NN, preferred_element_type=jnp.float32
+        )
+
+    @pl.when((g == groups - 1) & (step == num_q - 1))
+    def _finish():
+        dk_ref[...] = (dk_acc_ref[...] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+
+
+def _columns(ids_bt):
+    """`[B, T, 128]`: each id repeated over the lanes (read as a column of q rows)."""
+    return jnp.broadcast_to(ids_bt[:, :, None], (*ids_bt.shape, LANES))
+
+
+def _rows(x):
+    """`[..., 8, T]` from `[..., T]`: repeated over the sublanes (read as a row of keys)."""
+    return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], SUBLANES, x.shape[-1]))
+
+
+def _params(*semantics):
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _forward(q, k, v, segment, prefix, cfg: _Config):
+    """out `[B, H, T, D]`, lse `[B, H, T]` from q `[B, H, T, D]`, key / value `[B, K, T, D]`."""
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk = t // bq, t // bk
+    lists = _visit_lists(block_visits(segment, prefix, bq, bk))
+
+    def kv_map(b, h, i, n, lists):
+        return (b, h // groups, _visited(lists, b, i, n, nq, nk)[1], 0)
+
+    def ids_k_map(b, h, i, n, lists):
+        return (b, 0, _visited(lists, b, i, n, nq, nk)[1])
+
+    kernel = functools.partial(
+        _forward_kernel, scale=cfg.scale, block_q=bq, block_k=bk, num_q=nq, num_k=nk
+    )
+    out, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, h, nq, nk),
+            in_specs=[
+                pl.BlockSpec((None, None, bq, d), lambda b, h, i, n, lists: (b, h, i, 0)),
+                pl.BlockSpec((None, None, bk, d), kv_map),
+                pl.BlockSpec((None, None, bk, d), kv_map),
+                pl.BlockSpec((None, bq, LANES), lambda b, h, i, n, lists: (b, i, 0)),
+                pl.BlockSpec((None, bq, LANES), lambda b, h, i, n, lists: (b, i, 0)),
+                pl.BlockSpec((None, SUBLANES, bk), ids_k_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, bq, d), lambda b, h, i, n, lists: (b, h, i, 0)),
+                pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, n, lists: (b, h, 0, i)),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((bq, LANES), jnp.float32),
+                pltpu.VMEM((bq, LANES), jnp.float32),
+                pltpu.VMEM((bq, d), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, h, SUBLANES, t), jnp.float32),
+        ],
+        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        interpret=cfg.interpret,
+        name="tpu_flash_attention_forward",
+    )(lists, q, k, v, _columns(segment), _columns(prefix), _rows(segment))
+    return out, lse[:, :, 0]
+
+
+def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    groups = h // kv
+    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    nq, nk = t // bq, t // bk
+    do = do.astype(q.dtype)
+    visits = block_visits(segment, prefix, bq, bk)
+    kv_lists, q_lists = _visit_lists(visits), _visit_lists(visits.transpose(0, 2, 1))
+    delta = jnp.einsum("bhtd,bhtd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    # (q, k, v, do, lse, delta, segment, prefix, segment): q-side ids as rows, key ids as columns
+    operands = (q, k, v, do, _rows(lse), _rows(delta), _rows(segment), _rows(prefix))
+    operands += (_columns(segment),)
+
+    def kv_map(b, h, i, n, lists):
+        return (b, h // groups, _visited(lists, b, i, n, nq, nk)[1], 0)
+
+    def ids_k_map(b, h, i, n, lists):
+        return (b, _visited(lists, b, i, n, nq, nk)[1], 0)
+
+    q_tile = pl.BlockSpec((None, None, bq, d), lambda b, h, i, n, lists: (b, h, i, 0))
+    q_stat = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, n, lists: (b, h, 0, i))
+    q_ids = pl.BlockSpec((None, SUBLANES, bq), lambda b, h, i, n, lists: (b, 0, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=cfg.scale, block_q=bq, block_k=bk, num_q=nq, num_k=nk),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, h, nq, nk),
+            in_specs=[
+                q_tile,
+                pl.BlockSpec((None, None, bk, d), kv_map),
+                pl.BlockSpec((None, None, bk, d), kv_map),
+                q_tile,
+                q_stat,
+                q_stat,
+                q_ids,
+                q_ids,
+                pl.BlockSpec((None, bk, LANES), ids_k_map),
+            ],
+            out_specs=q_tile,
+            scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        interpret=cfg.interpret,
+        name="tpu_flash_attention_dq",
+    )(kv_lists, *operands)
+
+    def q_map(b, g, j, m, n, lists):
+        return (b, g * groups + m, _visited(lists, b, j, n, nk, nq)[1], 0)
+
+    def stat_map(b, g, j, m, n, lists):
+        return (b, g * groups + m, 0, _visited(lists, b, j, n, nk, nq)[1])
+
+    def ids_q_map(b, g, j, m, n, lists):
+        return (b, 0, _visited(lists, b, j, n, nk, nq)[1])
+
+    kv_tile = pl.BlockSpec((None, None, bk, d), lambda b, g, j, m, n, lists: (b, g, j, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(
+            _dkdv_kernel,
+            scale=cfg.scale,
+            block_q=bq,
+            block_k=bk,
+            num_q=nq,
+            num_k=nk,
+            groups=groups,
+        ),  # fmt: skip
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, kv, nk, groups, nq),
+            in_specs=[
+                pl.BlockSpec((None, None, bq, d), q_map),
+                kv_tile,
+                kv_tile,
+                pl.BlockSpec((None, None, bq, d), q_map),
+                pl.BlockSpec((None, None, SUBLANES, bq), stat_map),
+                pl.BlockSpec((None, None, SUBLANES, bq), stat_map),
+                pl.BlockSpec((None, SUBLANES, bq), ids_q_map),
+                pl.BlockSpec((None, SUBLANES, bq), ids_q_map),
+                pl.BlockSpec((None, bk, LANES), lambda b, g, j, m, n, lists: (b, j, 0)),
+            ],
+            out_specs=[kv_tile, kv_tile],
+            scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ],
+        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        interpret=cfg.interpret,
+        name="tpu_flash_attention_dkdv",
+    )(q_lists, *operands)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, segment, prefix, cfg: _Config):
+    return _forward(q, k, v, segment, prefix, cfg)[0]
+
+
+def _attention_fwd(q, k, v, segment, prefix, cfg: _Config):
+    out, lse = _forward(q, k, v, segment, prefix, cfg)
+    return out, (q, k, v, segment, prefix, out, lse)
+
+
+def _attention_bwd(cfg: _Config, residuals, do):
+    q, k, v, segment, prefix, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, segment, prefix, out, lse, do, cfg)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _check_block(name: str, block: int) -> None:
+    if block < MIN_BLOCK or block & (block - 1):
+        raise ValueError(
+            f"flash_attention: {name}={block} must be a power of two >= {MIN_BLOCK}; "
+            "pass e.g. 128 or 256"
+        )
+
+
+def flash_attention(
+    q_bthd: jax.Array,
+    k_btkd: jax.Array,
+    v_btkd: jax.Array,
+    segment_bt: jax.Array,
+    prefix_bt: jax.Array | None = None,
+    *,
+    interpret: bool | None = None,
+    block_q: int = 256,
+    block_k: int = 256,
+    block_q_bwd: int = 256,
+    block_k_bwd: int = 256,
+) -> jax.Array:
+    """Masked causal attention `[B, T, H, D]` of q `[B, T, H, D]` over key / value `[B, T, K, D]`
+    (H a multiple of K), the mask given by `segment_bt` and `prefix_bt` (int `[B, T]`; prefix
+    None means prefix = segment), differentiable in q, key and value (see the module docstring).
+    `interpret=None`: Mosaic when compiled for a TPU, interpret mode elsewhere."""
+    b, t, h, d = q_bthd.shape
+    if k_btkd.shape != v_btkd.shape or k_btkd.shape[:2] != (b, t) or k_btkd.shape[3] != d:
+        raise ValueError(
+            f"flash_attention: key {k_btkd.shape} and value {v_btkd.shape} must both be "
+            f"[B, T, K, D] = [{b}, {t}, K, {d}] for q {q_bthd.shape}"
+        )
+    kv = k_btkd.shape[2]
+    if h % kv:
+        raise ValueError(f"flash_attention: {h} query heads are not a multiple of {kv} kv heads")
+    if prefix_bt is None:
+        prefix_bt = segment_bt
+    if segment_bt.shape != (b, t) or prefix_bt.shape != (b, t):
+        raise ValueError(
+            f"flash_attention: segment {segment_bt.shape} and prefix {prefix_bt.shape} "
+            f"must be [B, T] = [{b}, {t}]"
+        )
+    names = ("block_q", "block_k", "block_q_bwd", "block_k_bwd")
+    requested = (block_q, block_k, block_q_bwd, block_k_bwd)
+    for name, block in zip(names, requested, strict=True):
+        _check_block(name, block)
+    if interpret is None:
+        from jaxrl.models.decode_kernel import platform
+
+        interpret = platform() != "tpu"
+
+    cap = max(MIN_BLOCK, _next_power_of_2(t))  # a short sequence shrinks the blocks
+    blocks = [min(block, cap) for block in requested]
+    t_pad = -(-t // max(blocks)) * max(blocks)
+    if not interpret:
+        for name, block in zip(names, blocks, strict=True):
+            if block % LANES and block != t_pad:
+                raise ValueError(
+                    f"flash_attention: {name}={block} must be a multiple of {LANES} on a TPU "
+                    f"(Mosaic's lane tiling) or cover the padded sequence ({t_pad})"
+                )
+    cfg = _Config(d**-0.5, *blocks, interpret)
+
+    def heads_first(x):
+        x = x if t_pad == t else jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+        return x.transpose(0, 2, 1, 3)
+
+    def pad_ids(x):
+        x = x.astype(jnp.int32)
+        return x if t_pad == t else jnp.pad(x, ((0, 0), (0, t_pad - t)))
+
+    out = _attention(
+        heads_first(q_bthd),
+        heads_first(k_btkd),
+        heads_first(v_btkd),
+        pad_ids(segment_bt),
+        pad_ids(prefix_bt),
+        cfg,
+    )
+    return out.transpose(0, 2, 1, 3)[:, :t]
+
+
+def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
+    """`flash_attention` under the installed sharding rules: each device runs the kernels on its
+    shard (the batch split as `act_batch` says, the query and kv heads as `act_heads` /
+    `act_kv_heads`, the sequence whole) inside `jax.shard_map`, since the partitioner cannot
+    split a kernel call. `mask`: a `jaxrl.models.masks.SegmentMask`. Interpret mode off a TPU
+    (`jaxrl.models.decode_kernel.platform`), which is how its numerics are tested on the CPU."""
+    from flax.core import spmd as flax_spmd
+
+    from jaxrl.infra import sharding as ax
+    from jaxrl.models.decode_kernel import platform
+
+    segment, prefix = mask.segment_bt, mask.prefix_bt
+    prefix = segment if prefix is None else prefix
+    local = functools.partial(_flash_local, interpret=platform() != "tpu")
+    rules = flax_spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return local(q_bthd, k_btkd, v_btkd, segment, prefix)
+
+    def split(logical, size):
+        """The mesh axes `logical` maps to, or None where they do not divide `size` (the
+        engine's prefill of one prompt on a dp mesh): that dimension stays whole."""
+        (mapped,) = ax.logical_to_pspec((logical,), rules)
+        names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+        return mapped if size % math.prod(mesh.shape[n] for n in names) == 0 else None
+
+    batch = split(ax.ACT_BATCH, q_bthd.shape[0])
+    heads = split(ax.ACT_HEADS, q_bthd.shape[2])
+    kv_heads = split(ax.ACT_KV_HEADS, k_btkd.shape[2])
+    if (heads is None) != (kv_heads is None):  # a query head's kv head must be on its device
+        heads = kv_heads = None
+    P = jax.sharding.PartitionSpec
+    q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, kv_heads, None)
+    ids_spec = P(batch)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, ids_spec, ids_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q_bthd, k_btkd, v_btkd, segment, prefix)
+
+
+def _flash_local(q, k, v, segment, prefix, *, interpret: bool) -> jax.Array:
+    return flash_attention(q, k, v, segment, prefix, interpret=interpret)
