@@ -148,6 +148,26 @@ def test_self_attention_sharded_on_cpu_mesh():
     assert rel_err(out, dense_reference(q, k, v, segment, prefix)) < 1e-5
 
 
+def test_batch_split_when_the_tile_lists_exceed_smem(monkeypatch):
+    """A batch whose visited-tile lists exceed the SMEM budget runs as one call per row (the
+    budget shrunk to one row's lists here): still exact; a row alone over it is refused."""
+    from jaxrl.models import tpu_attention
+
+    t = 64
+    per_row = 4 * max((t // 16) * (1 + t // 32), (t // 32) * (1 + t // 16))
+    monkeypatch.setattr(tpu_attention, "SMEM_LIST_BYTES", per_row)
+    run = _value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
+    q, k, v, w = _inputs(3)
+    segment, prefix = packed()
+    forward = jax.make_jaxpr(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
+    assert str(forward(q, k, v, segment, prefix)).count("pallas_call[") == B  # a call per row
+    errors = _errors(run(q, k, v, segment, prefix, w), reference_run(q, k, v, segment, prefix, w))
+    assert max(errors.values()) < 1e-5, errors
+    monkeypatch.setattr(tpu_attention, "SMEM_LIST_BYTES", per_row - 4)
+    with pytest.raises(ValueError, match="pass larger blocks"):
+        flash_attention(q, k, v, segment, prefix, interpret=True, **BLOCKS)
+
+
 def test_refusals_name_the_fix():
     q, k, v, _ = _inputs(0)
     segment, prefix = padded()

@@ -33,37 +33,47 @@ Shapes: q `[B, T, H, D]`, key / value `[B, T, K, D]`, out `[B, T, H, D]` in q's 
 the wrapper they are transposed to `[B, H, T, D]` / `[B, K, T, D]`, so that a block is a
 `(block, D)` tile of one head: its last dim is the whole head dim (any D satisfies Mosaic's
 (8, 128) tiling) and the sequence is on sublanes. Grouped query attention indexes kv head
-h // G in the block index maps; K / V are never repeated in memory. The per-token ids travel in
-the two layouts the tiles need: a column form `[B, T, 128]` (the id repeated over 128 lanes,
-read as a `(block, n)` block of q rows) and a row form `[B, 8, T]` (repeated over 8 sublanes,
-read as `(1, block)` of keys); lse and delta reach the kernels the same way.
+h // G in the block index maps; K / V are never repeated in memory. Per-token values (segment,
+prefix, lse, delta) travel in a row form `[..., 8, T]` (repeated over the 8 sublanes, 32 bytes a
+token) read as `(8, block)` tiles: a `(1, block)` row where keys (or, in the backward's
+transposed tiles, queries) lie on lanes, and transposed in the kernel into a `(block, 1)` column
+where they lie on sublanes (a column form in HBM would pad every token to 128 lanes).
 
-Kernels (grids in order; the last axes "arbitrary", accumulating in VMEM scratch):
+Kernels (grids in order; the leading axes "parallel", the last "arbitrary", accumulating in
+VMEM scratch):
 
 - forward, grid (B, H, T / block_q, T / block_k): a q block, m / l `(block_q, 128)` and the
-  fp32 output accumulator `(block_q, D)` in scratch, one kv block per step.
-- dq, grid (B, H, T / block_q_bwd, T / block_k_bwd): the same walk, an fp32 dq accumulator;
-  delta is computed in the kernel from its out and dout tiles.
+  fp32 output accumulator `(block_q, D)` in scratch, one kv block per step; at the last step
+  out = acc / l and lse, written as `(8, block_q)` rows (a transpose of the `(block_q, 128)`
+  statistics).
+- dq, grid (B, H, T / block_q_bwd, T / block_k_bwd): the same walk, an fp32 dq accumulator.
 - dk / dv, grid (B, K, T / block_k_bwd, G, T / block_q_bwd): a kv block walks the G query
   heads of its kv head and, per head, its q blocks, accumulating dk and dv in fp32 scratch
-  (summed over the G heads in place: no atomics, no per-query-head copy of dk / dv). It works
-  on the transposed tile s^T = key q^T `(block_k, block_q)`, so every matmul is a plain or
-  rhs-transposed one.
+  (summed over the G heads in place: no atomics, no per-query-head copy of dk / dv).
+
+Both backward kernels work on the transposed tile s^T = key q^T `(block_k, block_q)` (keys on
+sublanes, queries on lanes), so lse, delta (`[B, H, T]`, computed by XLA from out and dout) and
+the query ids are rows; dq takes ds^T back by one transpose per tile.
 
 Block skipping. A tile (q block, kv block) is visited only where the mask has a visible pair in
-it (`block_visits`: the mask reduced per tile, one fused XLA reduction over [B, T, T] compares,
-nothing of that size stored): kv blocks entirely after a q block (causal upper tiles), blocks of
-padding, of other packed sequences, and a completion's siblings (shared prompts) are skipped.
+it (`block_visits`: the mask reduced per tile in XLA, one q block of `[B, block_q, T]` compares
+at a time): kv blocks entirely after a q block (causal upper tiles), blocks of padding, of
+other packed sequences, and a completion's siblings (shared prompts) are skipped.
 The visited tiles' indices reach the kernels by scalar prefetch (`pltpu.PrefetchScalarGridSpec`,
 in SMEM: per q block, or per kv block for dk / dv, the count of its tiles then their indices,
 `[B, n, 1 + m]` int32). Grid step n works on the n-th visited tile; the steps past the count do
 no compute and their block index maps repeat the last visited tile, so Pallas fetches nothing
 for them (what remains of a skipped tile is a grid step's overhead). A block with no visited
-tile writes zeros. The lists take 4 (1 + T / block_k) T / block_q bytes of SMEM per row.
+tile writes zeros. The lists take 4 (1 + T / block_k) T / block_q bytes of SMEM per row (66 KiB
+at T = 32768 with 256 blocks); a batch whose lists exceed `SMEM_LIST_BYTES` runs as several
+kernel calls of fewer rows each (outputs concatenated), and a single row that exceeds it is
+refused (larger blocks fix it).
 
-Blocks: powers of two >= 8; the default 256 everywhere. Compiled for a TPU (not interpret
-mode), a block must be a multiple of 128 (the lane width: row-form ids and lse are read as
-`(8, block)` tiles) or cover the whole padded sequence.
+Blocks: powers of two >= 8; the default 256 everywhere (not tuned on a TPU: the largest that
+keeps the `(256, 256)` fp32 tiles of the backward well inside the default scoped VMEM, with 4x
+fewer grid steps and SMEM list entries than 128). Compiled for a TPU (not interpret mode), a
+block must be a multiple of 128 (the lane width: the row forms are read as `(8, block)` tiles)
+or cover the whole padded sequence.
 
 Padding rule. T is padded inside the wrapper to a multiple of the largest block (tokens of
 segment 0 and prefix 0: never visible, their queries see nothing) and the output sliced back; a
@@ -94,6 +104,7 @@ from jax.experimental.pallas import tpu as pltpu
 MASKED = -1e30  # a masked score: finite, so exp(MASKED - m) is 0 and never NaN
 LANES, SUBLANES = 128, 8
 MIN_BLOCK = SUBLANES
+SMEM_LIST_BYTES = 512 * 1024  # the visited-tile lists of one call (SMEM: 1 MiB on v5p)
 NT = (((1,), (1,)), ((), ()))  # dot_general: a b^T
 NN = (((1,), (0,)), ((), ()))  # dot_general: a b
 
@@ -110,15 +121,24 @@ class _Config:
 
 def block_visits(segment, prefix, block_q: int, block_k: int) -> jax.Array:
     """`visits[b, i, j]`: does some query of q block i see some key of kv block j (bool
-    `[B, T / block_q, T / block_k]`, the mask reduced over each tile; one fused XLA reduction)."""
+    `[B, T / block_q, T / block_k]`, the mask reduced over each tile). One q block at a time
+    (`lax.map`): the TPU compiler does not fuse the whole `[B, T, T]` reduction and would hold
+    a buffer of that order; per q block it holds `[B, block_q, T]` at most."""
     b, t = segment.shape
     nq, nk = t // block_q, t // block_k
-    pos = jnp.arange(t)
-    seg_q, pre_q = (x.reshape(b, nq, block_q, 1, 1) for x in (segment, prefix))
-    seg_k = segment.reshape(b, 1, 1, nk, block_k)
-    causal = pos.reshape(1, 1, 1, nk, block_k) <= pos.reshape(1, nq, block_q, 1, 1)
-    visible = causal & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
-    return visible.any(axis=(2, 4))
+    seg_k = segment.reshape(b, 1, nk, block_k)
+    k_pos = jnp.arange(t).reshape(1, 1, nk, block_k)
+
+    def q_block(i):
+        def rows(x):
+            return lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=1)[:, :, None, None]
+
+        seg_q, pre_q = rows(segment), rows(prefix)
+        q_pos = (i * block_q + jnp.arange(block_q)).reshape(1, block_q, 1, 1)
+        visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
+        return visible.any(axis=(1, 3))  # [B, nk]
+
+    return lax.map(q_block, jnp.arange(nq)).transpose(1, 0, 2)
 
 
 def _visit_lists(visits) -> jax.Array:
@@ -137,6 +157,12 @@ def _visited(lists, b, n, step, per_row: int, width: int):
     count = lists[base]
     last = jnp.maximum(jnp.minimum(step, count - 1), 0)
     return step < count, lists[base + 1 + last]
+
+
+def _column(ids_ref):
+    """`(block, 1)` ids from an `(8, block)` tile of the row form (a transpose in the kernel:
+    an id column in HBM would take 128 lanes a token)."""
+    return ids_ref[...].T[:, :1]
 
 
 def _lanes(x, n: int):
@@ -170,7 +196,7 @@ def _forward_kernel(
         q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
         seg_k = seg_k_ref[:1, :]
-        seg_q, pre_q = _lanes(seg_q_ref[...], block_k), _lanes(pre_q_ref[...], block_k)
+        seg_q, pre_q = _column(seg_q_ref), _column(pre_q_ref)
         visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
         s = jnp.where(visible, s, MASKED)
         m_prev, l_prev = m_ref[...], l_ref[...]
@@ -203,7 +229,7 @@ def _transposed_probabilities(
     shape = (block_k, block_q)
     k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 0)
     q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 1)
-    seg_k = _lanes(seg_k_ref[...], block_q)
+    seg_k = _column(seg_k_ref)
     seg_q, pre_q = seg_q_ref[:1, :], pre_q_ref[:1, :]
     visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
     pt = jnp.where(visible, jnp.exp(st - lse_ref[:1, :]), 0.0)
@@ -274,11 +300,6 @@ def _dkdv_kernel(
         dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
 
 
-def _columns(ids_bt):
-    """`[B, T, 128]`: each id repeated over the lanes (read as a column of q rows)."""
-    return jnp.broadcast_to(ids_bt[:, :, None], (*ids_bt.shape, LANES))
-
-
 def _rows(x):
     """`[..., 8, T]` from `[..., T]`: repeated over the sublanes (read as a row of keys)."""
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], SUBLANES, x.shape[-1]))
@@ -314,8 +335,8 @@ def _forward(q, k, v, segment, prefix, cfg: _Config):
                 pl.BlockSpec((None, None, bq, d), lambda b, h, i, n, lists: (b, h, i, 0)),
                 pl.BlockSpec((None, None, bk, d), kv_map),
                 pl.BlockSpec((None, None, bk, d), kv_map),
-                pl.BlockSpec((None, bq, LANES), lambda b, h, i, n, lists: (b, i, 0)),
-                pl.BlockSpec((None, bq, LANES), lambda b, h, i, n, lists: (b, i, 0)),
+                pl.BlockSpec((None, SUBLANES, bq), lambda b, h, i, n, lists: (b, 0, i)),
+                pl.BlockSpec((None, SUBLANES, bq), lambda b, h, i, n, lists: (b, 0, i)),
                 pl.BlockSpec((None, SUBLANES, bk), ids_k_map),
             ],
             out_specs=[
@@ -335,7 +356,7 @@ def _forward(q, k, v, segment, prefix, cfg: _Config):
         compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
         interpret=cfg.interpret,
         name="tpu_flash_attention_forward",
-    )(lists, q, k, v, _columns(segment), _columns(prefix), _rows(segment))
+    )(lists, q, k, v, _rows(segment), _rows(prefix), _rows(segment))
     return out, lse[:, :, 0]
 
 
@@ -349,15 +370,14 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
     visits = block_visits(segment, prefix, bq, bk)
     kv_lists, q_lists = _visit_lists(visits), _visit_lists(visits.transpose(0, 2, 1))
     delta = jnp.einsum("bhtd,bhtd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
-    # (q, k, v, do, lse, delta, segment, prefix, segment): q-side ids as rows, key ids as columns
-    operands = (q, k, v, do, _rows(lse), _rows(delta), _rows(segment), _rows(prefix))
-    operands += (_columns(segment),)
+    seg_rows = _rows(segment)
+    operands = (q, k, v, do, _rows(lse), _rows(delta), seg_rows, _rows(prefix), seg_rows)
 
     def kv_map(b, h, i, n, lists):
         return (b, h // groups, _visited(lists, b, i, n, nq, nk)[1], 0)
 
     def ids_k_map(b, h, i, n, lists):
-        return (b, _visited(lists, b, i, n, nq, nk)[1], 0)
+        return (b, 0, _visited(lists, b, i, n, nq, nk)[1])
 
     q_tile = pl.BlockSpec((None, None, bq, d), lambda b, h, i, n, lists: (b, h, i, 0))
     q_stat = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, n, lists: (b, h, 0, i))
@@ -376,7 +396,7 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
                 q_stat,
                 q_ids,
                 q_ids,
-                pl.BlockSpec((None, bk, LANES), ids_k_map),
+                pl.BlockSpec((None, SUBLANES, bk), ids_k_map),
             ],
             out_specs=q_tile,
             scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
@@ -419,7 +439,7 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
                 pl.BlockSpec((None, None, SUBLANES, bq), stat_map),
                 pl.BlockSpec((None, SUBLANES, bq), ids_q_map),
                 pl.BlockSpec((None, SUBLANES, bq), ids_q_map),
-                pl.BlockSpec((None, bk, LANES), lambda b, g, j, m, n, lists: (b, j, 0)),
+                pl.BlockSpec((None, SUBLANES, bk), lambda b, g, j, m, n, lists: (b, 0, j)),
             ],
             out_specs=[kv_tile, kv_tile],
             scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, d), jnp.float32)],
@@ -528,15 +548,32 @@ def flash_attention(
         x = x.astype(jnp.int32)
         return x if t_pad == t else jnp.pad(x, ((0, 0), (0, t_pad - t)))
 
-    out = _attention(
-        heads_first(q_bthd),
-        heads_first(k_btkd),
-        heads_first(v_btkd),
-        pad_ids(segment_bt),
-        pad_ids(prefix_bt),
-        cfg,
-    )
+    rows = _rows_per_call(t_pad, blocks)
+    if rows == 0:
+        raise ValueError(
+            f"flash_attention: the visited-tile lists of one row at T={t_pad} with blocks "
+            f"{dict(zip(names, blocks, strict=True))} exceed {SMEM_LIST_BYTES} bytes of SMEM; "
+            "pass larger blocks (e.g. 512)"
+        )
+    args = [heads_first(x) for x in (q_bthd, k_btkd, v_btkd)]
+    args += [pad_ids(segment_bt), pad_ids(prefix_bt)]
+    outs = [
+        _attention(*(x[start : start + rows] for x in args), cfg) for start in range(0, b, rows)
+    ]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
     return out.transpose(0, 2, 1, 3)[:, :t]
+
+
+def _rows_per_call(t: int, blocks) -> int:
+    """How many batch rows one kernel call takes: their visited-tile lists (scalar prefetch)
+    must fit `SMEM_LIST_BYTES`; a larger batch runs as several calls."""
+    block_q, block_k, block_q_bwd, block_k_bwd = blocks
+    per_row = 4 * max(
+        (t // block_q) * (1 + t // block_k),
+        (t // block_q_bwd) * (1 + t // block_k_bwd),
+        (t // block_k_bwd) * (1 + t // block_q_bwd),
+    )
+    return SMEM_LIST_BYTES // per_row
 
 
 def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
