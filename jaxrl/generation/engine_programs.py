@@ -9,8 +9,9 @@ compilation, and the cache's placement on the mesh.
 * **decode** runs `steps_per_call` steps of the first `active` slots in a `fori_loop`, attending
   only over the cache prefix `[:span]` (sliced out at the start of the call, decoded into,
   written back at its end), so attention and the cache copy follow the longest live row, not the
-  capacity. On a GPU (`transformer.gpu_kernels`) nothing is sliced out: each step scatters its
-  keys / values into the donated cache and `decode_kernel` reads every row's own length there.
+  capacity. On a GPU or TPU (`transformer.in_place_decode`) nothing is sliced out: each step
+  scatters its keys / values into the donated cache and the decode kernel (`decode_kernel`,
+  `decode_kernel_tpu`) reads every row's own length there.
   Sample g of request r draws token t from one uniform keyed by
   `fold_in(fold_in(fold_in(seed, r), g), t)` by inverse CDF (`inverse_cdf_tokens`), never from
   the slot index or the step count; its log-prob is `processed_logprobs` of the logits it was
@@ -50,7 +51,7 @@ from jaxrl.models.masks import SegmentMask
 from jaxrl.models.transformer import (
     Transformer,
     constrain_cache,
-    gpu_kernels,
+    in_place_decode,
     init_cache,
     positions_from_mask,
 )
@@ -417,13 +418,15 @@ class EnginePrograms:
             c = jax.lax.slice_in_dim(c, 0, active, axis=seq_axis - 1)
             return jax.lax.slice_in_dim(c, 0, span, axis=seq_axis)
 
-        # On a GPU (`decode_in_place`) the steps decode into the whole (donated) cache: each
-        # step scatters its keys / values in place and the kernel reads every row's own length,
-        # so nothing is sliced out, copied or written back. Elsewhere the first `active` slots'
-        # prefix `[:span]` is cut out, decoded into and written back at the end.
-        in_place = gpu_kernels(self.model_config)
+        # On a GPU or TPU (`in_place_decode`: a kernel form and a cache it tiles) the steps
+        # decode into the whole (donated) cache: each step scatters its keys / values in place
+        # and the kernel reads every row's own length, so nothing is sliced out, copied or
+        # written back. Elsewhere the first `active` slots' prefix `[:span]` is cut out, decoded
+        # into and written back at the end.
+        capacity = jax.tree.leaves(cache)[0].shape[seq_axis]
+        in_place = in_place_decode(self.model_config, capacity)
         prefix = cache if in_place else jax.tree.map(cut, cache)
-        reach = jax.tree.leaves(cache)[0].shape[seq_axis] if in_place else span
+        reach = capacity if in_place else span
         if extend is not None:
             prefix = self._extend_rows(params, prefix, *extend, span)
         stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
-from jaxrl.models import decode_kernel, remat
+from jaxrl.models import decode_kernel, decode_kernel_tpu, remat
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpu_attention import flash_self_attention
 from jaxrl.models.masks import SegmentMask, causal_mask  # noqa: F401  (causal_mask: public here)
@@ -119,13 +119,15 @@ class Attention(nnx.Module):
             out = flash_self_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
             return self._output(out), cache
         if cache is not None and q.shape[1] == 1 and _in_place_decode(c, cache, mask_bts):
-            # Decode on a GPU: the new keys / values land in the cache by one scatter and the
-            # kernel reads each row's keys where they lie (`decode_kernel`). A 3-tuple cache is
-            # the whole stacked cache and this layer's index (scanned layers).
+            # Decode on a GPU or TPU: the new keys / values land in the cache by one scatter and
+            # the kernel reads each row's keys where they lie (`decode_kernel`, Triton;
+            # `decode_kernel_tpu`, Mosaic). A 3-tuple cache is the whole stacked cache and this
+            # layer's index (scanned layers).
             layer = cache[2] if len(cache) == 3 else None
             keys = decode_kernel.write_rows(cache[0], k, cache_index, layer)
             values = decode_kernel.write_rows(cache[1], v, cache_index, layer)
-            out = decode_kernel.decode_attention(q, keys, values, mask_bts[:, 0, :], layer=layer)
+            kernel = decode_kernel if kernel_platform() == "gpu" else decode_kernel_tpu
+            out = kernel.decode_attention(q, keys, values, mask_bts[:, 0, :], layer=layer)
             return self._output(out), (keys, values, *cache[2:])
         if cache is not None:
             k = _write_cache(cache[0], k, cache_index)
@@ -133,7 +135,7 @@ class Attention(nnx.Module):
             cache = (k, v)
         if (
             c.attention_impl == "pallas"
-            and not decode_in_place()
+            and kernel_platform() != "gpu"
             and q.shape[1] == k.shape[1]
             and q.shape[1] > 1
         ):
@@ -345,7 +347,7 @@ def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> ja
 
 
 _DECODE_FORM = contextvars.ContextVar("decode_attention_form", default="auto")
-DECODE_FORMS = ("auto", "host", "xla", "pallas_gpu")
+DECODE_FORMS = ("auto", "host", "xla", "pallas_gpu", "pallas_tpu")
 
 
 @contextlib.contextmanager
@@ -354,7 +356,7 @@ def decode_attention_form(form: str):
 
     - "auto" (the default): the platform the program is compiled for decides (its mesh's
       devices, else the default backend; `decode_kernel.platform`): the CPU forms on a CPU,
-      "pallas_gpu" on a GPU, the XLA form on a TPU. Plans compile GPU and TPU programs from a
+      "pallas_gpu" on a GPU, "pallas_tpu" on a TPU. Plans compile GPU and TPU programs from a
       CPU process and get the target's form.
     - "host": the CPU forms, `_host_attention` (training, prefill) and `_host_decode_attention`
       (one query per row).
@@ -363,10 +365,14 @@ def decode_attention_form(form: str):
       self-attention over a `SegmentMask` (training) and `decode_kernel`'s decode steps, which
       write the cache in place (the engine then decodes over the whole cache, not a copied
       prefix); Pallas interpret mode off a GPU, which is how the tests check them on the CPU.
+    - "pallas_tpu": decode steps on `decode_kernel_tpu`'s Pallas Mosaic kernel, in place as on
+      a GPU (the engine decodes over the whole cache); whole-sequence attention keeps the TPU
+      forms (XLA, or splash with `attention_impl="pallas"`). Interpret mode off a TPU.
 
     `ModelConfig.attention_impl` chooses within a platform ("xla", "cudnn", "pallas", None: the
-    platform's own). Read when a program is traced: one traced before keeps its form (JAX
-    caches traces per function)."""
+    platform's own). The kernel forms apply with None or "pallas"; "xla" keeps the XLA forms
+    (a prefix of the cache copied out per call) on GPUs and TPUs alike. Read when a program is
+    traced: one traced before keeps its form (JAX caches traces per function)."""
     if form not in DECODE_FORMS:
         raise ValueError(f"decode attention form {form!r}; use one of {DECODE_FORMS}")
     token = _DECODE_FORM.set(form)
@@ -384,14 +390,21 @@ def _host_form() -> bool:
     return form == "host" or (form == "auto" and decode_kernel.platform() == "cpu")
 
 
-def decode_in_place() -> bool:
-    """Whether decode steps traced now use the in-place GPU kernel form (`decode_attention_form`
-    "pallas_gpu", or "auto" for a GPU program: the installed mesh's devices are GPUs, or with no
-    mesh the default backend is)."""
+def kernel_platform() -> str | None:
+    """The platform whose Pallas kernels attention traced now may use (`decode_attention_form`):
+    "gpu" for "pallas_gpu" or "auto" in a GPU program, "tpu" for "pallas_tpu" or "auto" in a TPU
+    program (the installed mesh's devices, or with no mesh the default backend), else None."""
     form = _DECODE_FORM.get()
     if form == "auto":
-        return decode_kernel.platform() == "gpu"
-    return form == "pallas_gpu"
+        target = decode_kernel.platform()
+        return target if target in ("gpu", "tpu") else None
+    return {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(form)
+
+
+def decode_in_place() -> bool:
+    """Whether decode steps traced now use an in-place kernel form: "pallas_gpu" or
+    "pallas_tpu", or "auto" in a GPU or TPU program (`kernel_platform`)."""
+    return kernel_platform() is not None
 
 
 def _fresh_cache(cache, cache_index, length: int) -> bool:
@@ -407,23 +420,36 @@ def gpu_kernels(config: ModelConfig) -> bool:
     """Whether attention traced now runs the Pallas Triton kernels (`gpu_attention` for
     whole-sequence self-attention, `decode_kernel` for decode steps): a GPU program, or the
     "pallas_gpu" form (`decode_attention_form`; interpret mode off a GPU), with
-    `attention_impl` None (the platform's own) or "pallas"."""
-    return decode_in_place() and config.attention_impl in (None, "pallas")
+    `attention_impl` None (the platform's own) or "pallas". GPU only: TPU programs train and
+    prefill on their own forms."""
+    return kernel_platform() == "gpu" and config.attention_impl in (None, "pallas")
+
+
+def in_place_decode(config: ModelConfig, length: int) -> bool:
+    """Whether decode steps traced now against a cache of `length` positions run an in-place
+    kernel (`decode_kernel` on a GPU, `decode_kernel_tpu` on a TPU: `kernel_platform`), with
+    `attention_impl` None or "pallas" and a cache the kernel tiles (`decode_kernel.blocks_for`
+    and a power-of-2 head dim on a GPU, `decode_kernel_tpu.supports` on a TPU). Elsewhere (a
+    rule, not an error) the XLA form runs and the engine decodes over a copied prefix."""
+    target = kernel_platform()
+    if target is None or config.attention_impl not in (None, "pallas"):
+        return False
+    d = config.head_dim
+    if target == "tpu":
+        return decode_kernel_tpu.supports(length, d)
+    return decode_kernel.blocks_for(length) is not None and d & (d - 1) == 0
 
 
 def _in_place_decode(config: ModelConfig, cache, mask_bts: jax.Array) -> bool:
-    """Whether a step against `cache` (one layer's, or stacked) runs `decode_kernel`: the
-    "pallas_gpu" form, one query per row, the XLA or default attention, a mask over the whole
-    cache, a cache the kernel can tile and a power-of-2 head dim."""
-    if cache is None or mask_bts.shape[1] != 1 or not gpu_kernels(config):
+    """Whether a step against `cache` (one layer's, or stacked) runs an in-place kernel: one
+    query per row, a mask over the whole cache and `in_place_decode` for its length."""
+    if cache is None or mask_bts.shape[1] != 1:
         return False
     rows, length = cache[0].shape[-4:-2]
-    d = config.head_dim
     return (
         mask_bts.shape[-1] == length
         and rows >= mask_bts.shape[0]
-        and decode_kernel.blocks_for(length) is not None
-        and d & (d - 1) == 0
+        and in_place_decode(config, length)
     )
 
 
