@@ -81,8 +81,9 @@ T below a block shrinks the block to the next power of two >= 8. JAX differentia
 slices and transposes, so the gradients are those of the unpadded call.
 
 Precision: the dots take the inputs' dtype (bf16 in training; p and ds are rounded to it before
-their dots) and accumulate in fp32 (`preferred_element_type`); softmax statistics, lse, delta
-and the dq / dk / dv accumulators are fp32; outputs and gradients are cast to the inputs' dtypes.
+their dots) and accumulate in fp32 (`preferred_element_type`); fp32 inputs multiply at full
+precision (`Precision.HIGHEST`, the MXU's multi-pass fp32). Softmax statistics, lse, delta and
+the dq / dk / dv accumulators are fp32; outputs and gradients are cast to the inputs' dtypes.
 
 `interpret=None` runs the kernels compiled by Mosaic when the program is compiled for a TPU
 (`jaxrl.models.decode_kernel.platform`) and in Pallas interpret mode elsewhere (how the CPU tests
@@ -159,6 +160,14 @@ def _visited(lists, b, n, step, per_row: int, width: int):
     return step < count, lists[base + 1 + last]
 
 
+def _dot(a, b, dims):
+    """`lax.dot_general` accumulating in fp32; fp32 operands at full precision (the MXU's
+    multi-pass fp32), bf16 ones at the MXU's native precision."""
+    fp32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    precision = lax.Precision.HIGHEST if fp32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _column(ids_ref):
     """`(block, 1)` ids from an `(8, block)` tile of the row form (a transpose in the kernel:
     an id column in HBM would take 128 lanes a token)."""
@@ -190,7 +199,7 @@ def _forward_kernel(
 
     @pl.when(run)
     def _tile():
-        s = lax.dot_general(q_ref[...], k_ref[...], NT, preferred_element_type=jnp.float32)
+        s = _dot(q_ref[...], k_ref[...], NT)
         s = s * scale
         shape = (block_q, block_k)
         q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -206,7 +215,7 @@ def _forward_kernel(
         l_ref[...] = alpha * l_prev + p.sum(axis=1, keepdims=True)
         m_ref[...] = m_next
         v = v_ref[...]
-        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        pv = _dot(p.astype(v.dtype), v, NN)
         acc_ref[...] = _lanes(alpha, pv.shape[1]) * acc_ref[...] + pv
 
     @pl.when(step == num_k - 1)
@@ -225,7 +234,7 @@ def _transposed_probabilities(
 ):  # fmt: skip
     """p^T and ds^T `(block_k, block_q)` of tile (q block i, kv block j): keys on sublanes,
     queries on lanes, so lse, delta and the query ids are `(1, block_q)` rows."""
-    st = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
+    st = _dot(k, q, NT) * scale
     shape = (block_k, block_q)
     k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 0)
     q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 1)
@@ -233,7 +242,7 @@ def _transposed_probabilities(
     seg_q, pre_q = seg_q_ref[:1, :], pre_q_ref[:1, :]
     visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
     pt = jnp.where(visible, jnp.exp(st - lse_ref[:1, :]), 0.0)
-    dpt = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+    dpt = _dot(v, do, NT)
     return pt, pt * (dpt - delta_ref[:1, :])
 
 
@@ -257,9 +266,7 @@ def _dq_kernel(
             q_ref[...], k, v_ref[...], do_ref[...], lse_ref, delta_ref, seg_q_ref, pre_q_ref,
             seg_k_ref, i, j, scale=scale, block_q=block_q, block_k=block_k,
         )  # fmt: skip
-        acc_ref[...] += lax.dot_general(
-            dst.T.astype(k.dtype), k, NN, preferred_element_type=jnp.float32
-        )
+        acc_ref[...] += _dot(dst.T.astype(k.dtype), k, NN)
 
     @pl.when(step == num_k - 1)
     def _finish():
@@ -287,12 +294,8 @@ def _dkdv_kernel(
             q, k_ref[...], v_ref[...], do, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_k_ref,
             i, j, scale=scale, block_q=block_q, block_k=block_k,
         )  # fmt: skip
-        dv_acc_ref[...] += lax.dot_general(
-            pt.astype(do.dtype), do, NN, preferred_element_type=jnp.float32
-        )
-        dk_acc_ref[...] += lax.dot_general(
-            dst.astype(q.dtype), q, NN, preferred_element_type=jnp.float32
-        )
+        dv_acc_ref[...] += _dot(pt.astype(do.dtype), do, NN)
+        dk_acc_ref[...] += _dot(dst.astype(q.dtype), q, NN)
 
     @pl.when((g == groups - 1) & (step == num_q - 1))
     def _finish():
