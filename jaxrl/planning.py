@@ -35,7 +35,8 @@ from flax import nnx
 
 from jaxrl.generation.engine import Engine
 from jaxrl.generation.sampling import SamplingConfig
-from jaxrl.infra import platforms
+from jaxrl import hand_count
+from jaxrl.infra import hlo_cost, platforms
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, decode_attention_form
@@ -109,6 +110,24 @@ class ProgramReport:
     # XLA's own memory estimates logged while compiling (`XlaMemoryNotes`), None if it logged
     # none.
     xla_notes: XlaMemoryNotes | None = None
+    # The least work of the program (`jaxrl.hand_count`): whole step, per device.
+    hand: hand_count.HandCount | None = None
+
+    def whole_step_cost(self) -> tuple[float, float] | None:
+        """(FLOPs, bytes) per device of the whole program as it runs: `jaxrl.infra.hlo_cost`
+        over the optimized HLO, loops times their trip counts, Pallas kernels by their models
+        (XLA's cost analysis counts loop bodies once and cannot look into kernels)."""
+        if self.compiled is None:
+            return None
+        flops, bytes_, _ = hlo_cost.totals(hlo_cost.kernels(self.compiled.as_text()))
+        return flops, bytes_
+
+    def largest_buffers(self, count: int = 5) -> list[tuple[str, int]]:
+        """The largest arrays the program's instructions produce outside fused computations
+        (shape, bytes), largest first: where its temporaries go."""
+        if self.compiled is None:
+            return []
+        return hlo_cost.largest_arrays(self.compiled.as_text(), count)
 
     @property
     def total_bytes(self) -> int:
@@ -317,7 +336,19 @@ def plan_trainer(
         "optimizer": sharded_bytes(state.opt_state, floor) + sharded_bytes(state.step, floor),
         "batch": sharded_bytes(batch_sharded, floor),
     }
-    return compile_report("train_step", trainer.lower_rl_step(batch), parts)
+    report, compiled = compile_report("train_step", trainer.lower_rl_step(batch), parts)
+    sizes = dict(mesh.shape)
+    shards = sizes.get("dp", 1) * sizes.get("fsdp", 1)
+    hand = hand_count.train_step(
+        model_config,
+        rollouts=rows / shards,
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+        micro_batches=optimizer.grad_accum_steps,
+        tp=sizes.get("tp", 1),
+        state_bytes=parts["params"] + parts["optimizer"],
+    )
+    return dataclasses.replace(report, hand=hand), compiled
 
 
 # --- the generator ------------------------------------------------------------------------------
@@ -379,7 +410,15 @@ def plan_generator(
         sampling = SamplingConfig(max_new_tokens=completion_len, ignore_eos=True)
         lowered = engine.lower_decode(params, sampling, span=span)
         decode, _ = compile_report("decode_step", lowered, common)
-    return prefill, decode
+    sizes = dict(mesh.shape)
+    tp, dp = sizes.get("tp", 1), sizes.get("dp", 1)
+    cache = dict(capacity=capacity, cache_bytes=cache_bytes, tp=tp)
+    hand = hand_count.prefill(
+        model_config, prompts=prompts / dp, prompt_len=prompt_len, **cache
+    )
+    prefill = dataclasses.replace(prefill, hand=hand)
+    hand = hand_count.decode_step(model_config, rows=num_slots / dp, span=span or capacity, **cache)
+    return prefill, dataclasses.replace(decode, hand=hand)
 
 
 # --- the weight push -----------------------------------------------------------------------------

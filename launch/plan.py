@@ -289,6 +289,35 @@ def _xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
         )
 
 
+def hand_count_lines(report: ProgramReport, spec: ChipSpec) -> list[str]:
+    """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
+    counted as they run, Pallas kernels by their models) beside its hand count
+    (`jaxrl.hand_count`), as ratios; for the train step also whether it is compute-bound at the
+    device's peaks, and its largest buffers."""
+    cost = report.whole_step_cost() if report.hand is not None and not report.error else None
+    if cost is None:
+        return []
+    flops, bytes_ = cost
+    hand = report.hand
+    lines = [
+        f"  {report.name}: bytes {bytes_ / hand.bytes:.2f}x, FLOPs {flops / hand.flops:.2f}x "
+        f"the hand count (whole step per device: compiled {bytes_:.3g} B, {flops:.3g} FLOP; "
+        f"hand {hand.bytes:.3g} B, {hand.flops:.3g} FLOP; bytes: {hand.describe()})"
+    ]
+    if report.name == "train_step":
+        compute, memory = flops / spec.peak_flops, bytes_ / spec.hbm_bandwidth
+        bound = "compute-bound" if compute >= memory else "bytes-bound"
+        lines.append(
+            f"  {report.name}: FLOPs-time {compute * 1e3:.4g} ms, bytes-time {memory * 1e3:.4g} "
+            f"ms at the device's peaks: {bound}"
+        )
+        biggest = ", ".join(
+            f"{shape} {size / GiB:.2f} GiB" for shape, size in report.largest_buffers()
+        )
+        lines.append(f"  {report.name}: largest buffers: {biggest}")
+    return lines
+
+
 def _config_lines(config: PlanConfig, fix) -> list[str]:
     """The gin lines that plan the trainer with `fix` (a `TrainerFix`), and a config file of
     `configs/plan/` that holds them already, if one does."""
@@ -373,6 +402,8 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     print_table(title, [_row(report, spec, step_cost)])
     _memory_fraction_note([report], spec, devices)
     _xla_notes(report, spec)
+    for line in hand_count_lines(report, spec):
+        print(line)
     if report.error:
         print(f"  the compiler refused: {report.error}")
     if report.total_bytes > spec.hbm_bytes:
@@ -431,6 +462,9 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     _memory_fraction_note([prefill, decode], spec, devices)
     for r in (prefill, decode):
         _xla_notes(r, spec)
+    for r in (prefill, decode):
+        for line in hand_count_lines(r, spec):
+            print(line)
     for r in (prefill, decode):
         if r.error:
             print(f"  the compiler refused {r.name}: {r.error}")

@@ -117,6 +117,10 @@ def test_launcher_refuses_a_generator_over_h100_memory_and_its_fix_fits(capsys):
     decode = next(line for line in out.splitlines() if line.startswith("| decode_step"))
     cells = [c.strip() for c in decode.strip("|").split("|")]
     assert cells[8] == "yes" and float(cells[6]) <= 80  # fits; total GiB within the HBM
+    # Each program's whole-step cost beside its hand count (`launch.plan.hand_count_lines`).
+    for name in ("prefill", "decode_step"):
+        ratio = re.search(rf"  {name}: bytes ([\d.]+)x, FLOPs ([\d.]+)x the hand count", out)
+        assert ratio and all(float(x) > 0.5 for x in ratio.groups()), out
 
 
 def test_launcher_refuses_cudnn_attention_on_gpu(capsys):

@@ -1,0 +1,135 @@
+"""Hand counts of the RL programs' work per device: what a program must do at the least, to set
+its compiled FLOPs and bytes against (`launch.plan` prints the ratios).
+
+Counted from the model's shapes, the mesh and the batch, per device and for a whole step (all
+layers, all micro-batches, every decode row), with the terms named:
+
+- **decode step** (one token for each of the device's rows): FLOPs 2 x the matmul weights per row,
+  plus attention 4 x heads x head_dim per visible key; bytes: every weight read once (the
+  embedding table only at the rows' tokens), each row's keys and values read once up to its span,
+  the new keys and values written.
+- **prefill** (the engine's prompts, each copied into `samples` slots): FLOPs 2 x the layers'
+  matmul weights per prompt token (no logits) plus causal attention (key t sees t + 1 keys);
+  bytes: the layers' weights once and the keys and values written into every slot (activations
+  are not counted: a prefill is compute-bound).
+- **train step** (the RL step, `micro_batches` passes over the device's rollouts): FLOPs 2 x the
+  matmul weights per token per pass, 3 passes (forward, backward's two products) plus one with
+  full remat; the LM head on completion tokens only (forward and backward); attention's matmuls
+  (2 forward, 4 backward, 2 more with full remat) over the causal half. Bytes: each pass's
+  weights in the compute dtype all-gathered (written and read) per micro-batch; their gradients
+  (written, reduce-scattered) and the float32 accumulation; the optimizer's update (master
+  weights and Adam moments read and written, the gradients read) once; each layer's activations
+  (the residual stream, the norms, q / k / v, the attention output, the MLP's gate, up and their
+  product: each written and read, forward, remat forward and backward twice); the logits
+  (float32, written and read in the forward and the backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxrl.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HandCount:
+    """FLOPs and bytes per device, and the byte terms by name."""
+
+    flops: float
+    bytes: float
+    terms: dict[str, float]
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v:.3g}" for k, v in self.terms.items() if v)
+
+
+def _size(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def layer_weights(c: ModelConfig) -> int:
+    """Matmul weights of one decoder layer (attention projections and the gated MLP)."""
+    e, d = c.hidden_size, c.head_dim
+    return e * d * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * e * c.intermediate_size
+
+
+def _split(n: float, parts: int) -> float:
+    return n / max(parts, 1)
+
+
+def decode_step(
+    c: ModelConfig, *, rows: int, span: int, capacity: int, cache_bytes: int, tp: int
+) -> HandCount:
+    """One decode step of `rows` rows (per device) attending `span` positions of a cache of
+    `capacity` positions, `cache_bytes` per device (keys and values, all layers)."""
+    pb = _size(c.param_dtype)
+    matmul = c.num_layers * layer_weights(c) + c.vocab_size * c.hidden_size  # layers + LM head
+    heads = _split(c.num_heads, tp)
+    terms = {
+        "weights": _split(matmul * pb, tp) + rows * c.hidden_size * pb,
+        "K/V read": cache_bytes * span / capacity,
+        "K/V written": cache_bytes / capacity,
+    }
+    flops = 2 * _split(matmul, tp) * rows + 4 * rows * heads * c.head_dim * c.num_layers * span
+    return HandCount(flops, sum(terms.values()), terms)
+
+
+def prefill(
+    c: ModelConfig, *, prompts: int, prompt_len: int, capacity: int, cache_bytes: int, tp: int
+) -> HandCount:
+    """The engine's prefill of `prompts` prompts (per device) of `prompt_len` tokens into a cache
+    of `capacity` positions, `cache_bytes` per device (every slot's copy written)."""
+    pb = _size(c.param_dtype)
+    matmul = c.num_layers * layer_weights(c)
+    tokens = prompts * prompt_len
+    heads = _split(c.num_heads, tp)
+    pairs = prompts * prompt_len * (prompt_len + 1) / 2
+    flops = 2 * _split(matmul, tp) * tokens + 4 * heads * c.head_dim * c.num_layers * pairs
+    terms = {
+        "weights": _split(matmul * pb, tp) + tokens * c.hidden_size * pb,
+        "K/V written": cache_bytes * prompt_len / capacity,
+    }
+    return HandCount(flops, sum(terms.values()), terms)
+
+
+def train_step(
+    c: ModelConfig,
+    *,
+    rollouts: int,
+    prompt_len: int,
+    completion_len: int,
+    micro_batches: int,
+    tp: int,
+    state_bytes: int,
+) -> HandCount:
+    """The RL step over `rollouts` rollouts (per device) of `prompt_len + completion_len`
+    tokens in `micro_batches` passes; `state_bytes`: the device's master weights and optimizer
+    state (the plan's params + optimizer)."""
+    cb, gb = _size(c.dtype), 4
+    e, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    t = prompt_len + completion_len
+    tokens = rollouts * t
+    remat = c.remat_policy == "full"
+    passes = 4 if remat else 3
+    layers = c.num_layers * layer_weights(c)
+    head = c.vocab_size * e
+    heads = _split(c.num_heads, tp)
+    pairs = rollouts * t * (t + 1) / 2
+    attention = (8 if remat else 6) * 2 * heads * d * c.num_layers * pairs
+    flops = (
+        2 * passes * _split(layers, tp) * tokens
+        + 6 * _split(head, tp) * rollouts * completion_len
+        + attention
+    )
+    weights = _split(layers + head, tp) * cb
+    per_token = 6 * e + _split(2 * c.num_heads * d + 2 * c.num_kv_heads * d + 3 * inter, tp)
+    terms = {
+        "weights gathered": micro_batches * (passes - 1) * 2 * weights,
+        "weight gradients": micro_batches * (2 * weights + 2 * state_bytes / 3),
+        "optimizer": 2 * state_bytes + state_bytes / 3,
+        "activations": tokens * c.num_layers * per_token * cb * (8 if remat else 6),
+        "logits": 4 * rollouts * completion_len * _split(c.vocab_size, tp) * gb,
+    }
+    return HandCount(flops, sum(terms.values()), terms)

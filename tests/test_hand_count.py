@@ -1,0 +1,78 @@
+"""Whole-step costs of compiled GPU programs (`jaxrl.infra.hlo_cost`: loops as they run, Pallas
+kernels by their models) against the hand count (`jaxrl.hand_count`), deviceless for an H100."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+pytest.importorskip("jax_plugins.xla_cuda12")
+
+from jaxrl import hand_count  # noqa: E402
+from jaxrl.infra import gpu, hlo_cost  # noqa: E402
+from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
+from jaxrl.models.presets import rlbench_tiny  # noqa: E402
+from jaxrl.planning import cost_from_hlo, plan_generator  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return make_mesh(MeshConfig(("dp", "tp"), (1, 1)), gpu.topology_devices("h100:1x1"))
+
+
+def test_gathers_count_the_rows_read_where_xla_counts_the_table(h100):
+    """32 rows of a [4096, 512] bf16 table: XLA:GPU's cost analysis counts the whole table, the
+    walker the rows (and the same for a scatter of one key per row into a cache)."""
+    spec = NamedSharding(h100, PartitionSpec())
+    table = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16, sharding=spec)
+    ids = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=spec)
+    compiled = jax.jit(lambda t, i: t[i]).lower(table, ids).compile()
+    rows = 32 * 512 * 2
+    assert cost_from_hlo(compiled)["bytes accessed"] >= 4096 * 512 * 2
+    _, moved, _ = hlo_cost.totals(hlo_cost.kernels(compiled.as_text()))
+    assert rows <= moved <= 2 * rows + 1024, moved
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decode_kernel_reads_each_layer_once_as_the_hand_count_says(h100, scan):
+    """The engine's decode step on the in-place kernel, 2 layers (unrolled, and scanned with the
+    stacked cache as the kernel's operand): one kernel per layer, each counted with one layer's
+    keys and values, which together are the hand count's K/V read (a span as long as the
+    cache); FLOPs within the hand count's and 1.3x it plus the kernel's padded query heads."""
+    config = rlbench_tiny(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=8,
+        num_kv_heads=2, head_dim=64, dtype="bfloat16", param_dtype="bfloat16", scan_layers=scan,
+    )  # fmt: skip
+    _, decode = plan_generator(
+        config, h100, num_slots=64, samples=8, prompt_len=256, completion_len=256
+    )
+    ks = hlo_cost.kernels(decode.compiled.as_text())
+    calls = [k for k in ks if k.opcode == "custom-call"]
+    assert sum(k.count for k in calls) == 2, calls
+    kv_read = decode.hand.terms["K/V read"]
+    assert kv_read == decode.parts["kv_cache"]  # the whole cache: span = capacity
+    counted = sum(k.bytes * k.count for k in calls)
+    assert kv_read <= counted <= 1.1 * kv_read, (counted, kv_read)
+    flops, moved = decode.whole_step_cost()
+    assert decode.hand.flops <= flops and moved >= decode.hand.bytes
+    # The kernel's matmuls run 16-row tiles for G = 4 query heads: 4x the attention's FLOPs.
+    attention = 4 * 64 * 8 * 64 * 2 * 512
+    assert flops <= 1.3 * decode.hand.flops + 3 * attention
+
+
+def test_hand_counts_of_the_train_step_scale_with_remat_and_tokens():
+    """Full remat adds one forward pass of the layers; the LM head runs on completion tokens."""
+    c = rlbench_tiny(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2)
+    kw = dict(rollouts=4, prompt_len=8, completion_len=8, micro_batches=2, tp=1, state_bytes=12)
+    none = hand_count.train_step(c.replace(remat_policy="none"), **kw)
+    full = hand_count.train_step(c.replace(remat_policy="full"), **kw)
+    layers = 2 * hand_count.layer_weights(c)
+    pairs = 4 * 16 * 17 / 2
+    attention = 2 * c.num_heads * c.head_dim * c.num_layers * pairs
+    assert full.flops - none.flops == pytest.approx(2 * layers * 4 * 16 + 2 * attention)
+    head = 6 * c.vocab_size * c.hidden_size * 4 * 8
+    assert none.flops == pytest.approx(6 * layers * 64 + head + 6 * attention)
+    assert np.isclose(full.bytes, sum(full.terms.values()))
