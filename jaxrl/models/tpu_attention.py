@@ -51,9 +51,10 @@ VMEM scratch):
   heads of its kv head and, per head, its q blocks, accumulating dk and dv in fp32 scratch
   (summed over the G heads in place: no atomics, no per-query-head copy of dk / dv).
 
-Both backward kernels work on the transposed tile s^T = key q^T `(block_k, block_q)` (keys on
+The dk / dv kernel works on the transposed tile s^T = key q^T `(block_k, block_q)` (keys on
 sublanes, queries on lanes), so lse, delta (`[B, H, T]`, computed by XLA from out and dout) and
-the query ids are rows; dq takes ds^T back by one transpose per tile.
+the query ids are rows and every matmul is a plain or rhs-transposed one; the forward and dq
+kernels work on s = q key^T and take their per-query columns by transposing `(8, block_q)` rows.
 
 Block skipping. A tile (q block, kv block) is visited only where the mask has a visible pair in
 it (`block_visits`: the mask reduced per tile in XLA, one q block of `[B, block_q, T]` compares
@@ -168,10 +169,10 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _column(ids_ref):
-    """`(block, 1)` ids from an `(8, block)` tile of the row form (a transpose in the kernel:
-    an id column in HBM would take 128 lanes a token)."""
-    return ids_ref[...].T[:, :1]
+def _column(ref):
+    """`(block, 1)` from an `(8, block)` tile of a row form (a transpose in the kernel: a column
+    in HBM would take 128 lanes a token)."""
+    return ref[...].T[:, :1]
 
 
 def _lanes(x, n: int):
@@ -181,6 +182,17 @@ def _lanes(x, n: int):
     if n % LANES == 0:
         return jnp.tile(x, (1, n // LANES))
     return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+
+
+def _visible(i, j, block_q, block_k, seg_q_ref, pre_q_ref, seg_k_ref):
+    """`mask[q, k]` of tile (q block i, kv block j), `(block_q, block_k)` (the module
+    docstring's rule), from `(8, block)` tiles of the ids' row forms."""
+    shape = (block_q, block_k)
+    q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
+    k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
+    seg_k = seg_k_ref[:1, :]
+    seg_q, pre_q = _column(seg_q_ref), _column(pre_q_ref)
+    return (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
 
 
 def _forward_kernel(
@@ -199,14 +211,8 @@ def _forward_kernel(
 
     @pl.when(run)
     def _tile():
-        s = _dot(q_ref[...], k_ref[...], NT)
-        s = s * scale
-        shape = (block_q, block_k)
-        q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
-        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
-        seg_k = seg_k_ref[:1, :]
-        seg_q, pre_q = _column(seg_q_ref), _column(pre_q_ref)
-        visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
+        s = _dot(q_ref[...], k_ref[...], NT) * scale
+        visible = _visible(i, j, block_q, block_k, seg_q_ref, pre_q_ref, seg_k_ref)
         s = jnp.where(visible, s, MASKED)
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))  # (block_q, 128)
@@ -232,8 +238,8 @@ def _transposed_probabilities(
     q, k, v, do, lse_ref, delta_ref, seg_q_ref, pre_q_ref, seg_k_ref, i, j,
     *, scale, block_q, block_k,
 ):  # fmt: skip
-    """p^T and ds^T `(block_k, block_q)` of tile (q block i, kv block j): keys on sublanes,
-    queries on lanes, so lse, delta and the query ids are `(1, block_q)` rows."""
+    """p^T and ds^T `(block_k, block_q)` of tile (q block i, kv block j) for dk / dv: keys on
+    sublanes, queries on lanes, so lse, delta and the query ids are `(1, block_q)` rows."""
     st = _dot(k, q, NT) * scale
     shape = (block_k, block_q)
     k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -261,12 +267,12 @@ def _dq_kernel(
 
     @pl.when(run)
     def _tile():
-        k = k_ref[...]
-        _, dst = _transposed_probabilities(
-            q_ref[...], k, v_ref[...], do_ref[...], lse_ref, delta_ref, seg_q_ref, pre_q_ref,
-            seg_k_ref, i, j, scale=scale, block_q=block_q, block_k=block_k,
-        )  # fmt: skip
-        acc_ref[...] += _dot(dst.T.astype(k.dtype), k, NN)
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s = _dot(q, k, NT) * scale
+        visible = _visible(i, j, block_q, block_k, seg_q_ref, pre_q_ref, seg_k_ref)
+        p = jnp.where(visible, jnp.exp(s - _column(lse_ref)), 0.0)
+        ds = p * (_dot(do, v, NT) - _column(delta_ref))
+        acc_ref[...] += _dot(ds.astype(k.dtype), k, NN)
 
     @pl.when(step == num_k - 1)
     def _finish():
