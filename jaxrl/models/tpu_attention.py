@@ -11,7 +11,8 @@ Maths. For query head h (kv head h // G, G = H / K query heads per kv head), sca
 computed tile by tile with an online softmax (running row maximum m and sum l in VMEM scratch,
 rescaled by exp(m_old - m_new) at each kv block), so the `[B, H, T, T]` scores never exist in
 memory. The forward also returns lse = m + log l per query row (fp32), kept as `[B, H, T]`, the
-only residual besides q, key, value and the output. The backward recomputes p = exp(s - lse):
+only residual besides q, key, value, the ids and the output. The backward recomputes
+p = exp(s - lse):
 
     dv = sum_q p^T dout,   ds = p (dout . value^T - delta),   delta[q] = out[q] . dout[q]
     dq = scale sum_k ds key,   dk = scale sum_q ds^T q
@@ -35,8 +36,8 @@ the wrapper they are transposed to `[B, H, T, D]` / `[B, K, T, D]`, so that a bl
 (8, 128) tiling) and the sequence is on sublanes. Grouped query attention indexes kv head
 h // G in the block index maps; K / V are never repeated in memory. Per-token values (segment,
 prefix, lse, delta) travel in a row form `[..., 8, T]` (repeated over the 8 sublanes, 32 bytes a
-token) read as `(8, block)` tiles: a `(1, block)` row where keys (or, in the backward's
-transposed tiles, queries) lie on lanes, and transposed in the kernel into a `(block, 1)` column
+token) read as `(8, block)` tiles: a `(1, block)` row where keys (or, in the dk / dv kernel's
+transposed tile, queries) lie on lanes, and transposed in the kernel into a `(block, 1)` column
 where they lie on sublanes (a column form in HBM would pad every token to 128 lanes).
 
 Kernels (grids in order; the leading axes "parallel", the last "arbitrary", accumulating in
@@ -88,7 +89,10 @@ the dq / dk / dv accumulators are fp32; outputs and gradients are cast to the in
 
 `interpret=None` runs the kernels compiled by Mosaic when the program is compiled for a TPU
 (`jaxrl.models.decode_kernel.platform`) and in Pallas interpret mode elsewhere (how the CPU tests
-check them against `jaxrl.models.gpu_attention.dense_reference`).
+check them against `jaxrl.models.gpu_attention.dense_reference`). `flash_self_attention` takes a
+`SegmentMask` and runs `flash_attention` per device inside `jax.shard_map` under the installed
+sharding rules (batch over `act_batch`, heads over `act_heads` / `act_kv_heads`, as
+`gpu_attention.flash_self_attention` does).
 """
 
 from __future__ import annotations
