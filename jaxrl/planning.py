@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl import hand_count
 from jaxrl.generation.engine import Engine
 from jaxrl.generation.sampling import SamplingConfig
-from jaxrl import hand_count
 from jaxrl.infra import hlo_cost, platforms
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
@@ -401,7 +401,7 @@ def plan_generator(
     # Decode attention is traced in the target's form (this process's default backend may be
     # the CPU while the mesh is a TPU or GPU topology): on GPUs the in-place decode kernel.
     target = mesh.devices.flat[0].platform
-    with decode_attention_form({"cpu": "host", "gpu": "pallas_gpu"}.get(target, "xla")):
+    with decode_attention_form({"cpu": "host", "gpu": "pallas_gpu", "tpu": "pallas_tpu"}[target]):
         prefill, _ = compile_report(
             "prefill",
             engine.lower_prefill(params, prompts, prompt_len),
@@ -413,9 +413,7 @@ def plan_generator(
     sizes = dict(mesh.shape)
     tp, dp = sizes.get("tp", 1), sizes.get("dp", 1)
     cache = dict(capacity=capacity, cache_bytes=cache_bytes, tp=tp)
-    hand = hand_count.prefill(
-        model_config, prompts=prompts / dp, prompt_len=prompt_len, **cache
-    )
+    hand = hand_count.prefill(model_config, prompts=prompts / dp, prompt_len=prompt_len, **cache)
     prefill = dataclasses.replace(prefill, hand=hand)
     hand = hand_count.decode_step(model_config, rows=num_slots / dp, span=span or capacity, **cache)
     return prefill, dataclasses.replace(decode, hand=hand)

@@ -122,10 +122,24 @@ class Kernel:
     group: int = 0  # a collective's devices per group (0: all of them, or not a collective)
 
 
+def _conv_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+    """2 x output elements x the kernel's input features and window (`dim_labels=..._io..->..`):
+    the TPU compiler's matmuls are convolutions."""
+    labels = re.search(r"dim_labels=\w+_(\w+)->\w+", instr.attrs)
+    rhs = _dims(shapes.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
+    if not labels or len(rhs) != len(labels.group(1)):
+        return 0.0
+    k = math.prod(n for n, c in zip(rhs, labels.group(1), strict=True) if c != "o")
+    return 2.0 * math.prod(_dims(instr.shape)) * k
+
+
 def _dot_flops(instrs: list[_Instr]) -> float:
     shapes = {i.name: i.shape for i in instrs}
     flops = 0.0
     for i in instrs:
+        if i.opcode == "convolution":
+            flops += _conv_flops(i, shapes)
+            continue
         if i.opcode != "dot":
             continue
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
@@ -300,22 +314,56 @@ def _flash(matmuls: int):
     return model
 
 
-def _decode(operands: list[str], output: str) -> tuple[float, float]:
-    """`decode_kernel`: q `[B, K, Gp, D]` against layer l of keys / values `[L, B, C, K, D]`
-    (operands 3, 4): each row's keys and values read once, at the cache's length (the positions a
-    row does not see past its length are not read: a plan's cache is as long as the span)."""
-    b, kv, gp, d = _dims(operands[2])
-    layers, _, c = _dims(operands[3])[:3]
-    cache = sum(shape_bytes(x) for x in operands[3:5]) // layers
-    rest = sum(shape_bytes(x) for i, x in enumerate(operands) if i not in (3, 4))
-    return 4.0 * b * kv * gp * c * d, cache + rest + shape_bytes(output)
+def _decode(q: int):
+    """`decode_kernel` (q operand 2) / `decode_kernel_tpu` (q operand 3): q `[B, K, Gp, D]`
+    against keys / values `[L, B, C, K, D]` (layer l read) or `[B, C, K, D]`, the two operands
+    after q: each row's keys and values read once, at the cache's length (positions past a row's
+    length are not read: a plan's cache is as long as the span)."""
+
+    def model(operands: list[str], output: str) -> tuple[float, float]:
+        b, kv, gp, d = _dims(operands[q])
+        dims = _dims(operands[q + 1])
+        layers = dims[0] if len(dims) == 5 else 1
+        c = dims[-3]
+        cache = sum(shape_bytes(x) for x in operands[q + 1 : q + 3]) // layers
+        rest = sum(shape_bytes(x) for i, x in enumerate(operands) if i not in (q + 1, q + 2))
+        return 4.0 * b * kv * gp * c * d, cache + rest + shape_bytes(output)
+
+    return model
+
+
+TPU_ATTENTION_BLOCK = 256  # `tpu_attention.flash_attention`'s default blocks
+
+
+def _tpu_flash(matmuls: int, streamed: tuple[int, ...]):
+    """A `tpu_attention` kernel, q `[B, H, T, D]` its second operand: FLOPs as `_flash`; bytes:
+    operands and outputs once, plus the `streamed` operands fetched again for every visited tile
+    (a TPU has no cache to keep them: the kv blocks per q block and q head in the forward and dq,
+    the q / dout blocks per kv block in dk / dv)."""
+
+    def model(operands: list[str], output: str) -> tuple[float, float]:
+        b, h, t, d = _dims(operands[1])
+        share = _causal_share(t)
+        tiles = max(t // TPU_ATTENTION_BLOCK, 1) * share
+        again = sum(shape_bytes(operands[i]) for i in streamed)
+        kv_heads = _dims(operands[2])[1]
+        repeats = tiles * (h // kv_heads if streamed == (2, 3) else 1)
+        flops = matmuls * 2.0 * b * h * t * t * d * share
+        once = sum(shape_bytes(x) for x in operands) + shape_bytes(output)
+        return flops, once + again * max(repeats - 1, 0)
+
+    return model
 
 
 KERNEL_MODELS = {
     "flash_attention_forward": _flash(2),
     "flash_attention_dq": _flash(3),
     "flash_attention_dkdv": _flash(4),
-    "decode_attention_in_place": _decode,
+    "decode_attention_in_place": _decode(2),
+    "tpu_flash_attention_forward": _tpu_flash(2, (2, 3)),
+    "tpu_flash_attention_dq": _tpu_flash(3, (2, 3)),
+    "tpu_flash_attention_dkdv": _tpu_flash(4, (1, 4)),
+    "decode_attention_in_place_tpu": _decode(3),
 }
 
 
@@ -324,8 +372,9 @@ def _kernel_model(instr: _Instr, shapes: dict[str, str]) -> tuple[float, float] 
     op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
     if not op_name:
         return None
+    path = op_name.group(1).split("/")
     for name, model in KERNEL_MODELS.items():
-        if f"{name}/pallas_call" in op_name.group(1) or op_name.group(1).endswith(name):
+        if name in path:
             return model([shapes.get(o, "") for o in instr.operands], instr.shape)
     return None
 
