@@ -63,15 +63,15 @@ class Trainer:
     the prompt run through the model once and each completion attending to it and to itself
     (`jaxrl.rl.packing`): the loss and gradients of the repeated layout, with (G - 1) / G of the
     prompt tokens' FLOPs saved. None (the default) turns it on wherever packing is on. Packing is
-    refused with `attention_impl="pallas"`, whose kernel takes a causal mask with key validity
-    only ("auto" trains padded batches there).
+    refused with `attention_impl="pallas"` in a CPU program, whose splash kernel takes a causal
+    mask with key validity only ("auto" trains padded batches there).
 
     Which to set: packed rows with shared prompts are the fast exact path for GRPO-style groups
     (docs/peers.md: rlbench-tiny's step 0.343 s against 0.384 s padded); `Trainer.from_hf`
     defaults to "auto". The constructor keeps 0 (padded) so that a layout is chosen explicitly
     where the step is built by hand; set "auto" or a row length about one group's unit long
     (longer rows cost more attention, which is dense over the row), or 0 where attention memory
-    binds (long completions) or for `attention_impl="pallas"`.
+    binds (long completions) or for `attention_impl="pallas"` on a CPU.
 
     LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
     optimizer state and checkpoints cover the adapters; the frozen base lives in
@@ -99,9 +99,10 @@ class Trainer:
         pack_length: int | str = 0,
         share_prompts: bool | None = None,
     ):
-        # "pallas" off a GPU is the TPU splash kernel, which sees key validity only; on GPUs it is
-        # the Triton kernel, which takes the packed rows' segments (`gpu_attention`).
-        splash = model_config.attention_impl == "pallas" and mesh.devices.flat[0].platform != "gpu"
+        # "pallas" in a CPU program is the splash kernel (interpret mode), which sees key
+        # validity only; on GPUs and TPUs it is the library's kernels, which take the packed
+        # rows' segments (`gpu_attention`, `tpu_attention`).
+        splash = model_config.attention_impl == "pallas" and mesh.devices.flat[0].platform == "cpu"
         if pack_length == AUTO and splash:
             pack_length = 0  # the splash kernel cannot pack (below): padded batches
         if pack_length != AUTO and (not isinstance(pack_length, int) or pack_length < 0):

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
-from jaxrl.models import decode_kernel, decode_kernel_tpu, remat
+from jaxrl.models import decode_kernel, decode_kernel_tpu, remat, tpu_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpu_attention import flash_self_attention
 from jaxrl.models.masks import SegmentMask, causal_mask  # noqa: F401  (causal_mask: public here)
@@ -108,15 +108,20 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos_btd, sin_btd)
         k = apply_rope(k, cos_btd, sin_btd)
         if isinstance(mask_bts, SegmentMask):
-            # Whole-sequence self-attention through the fused GPU kernel: `hidden_states` keeps
-            # the per-token mask only for it (`gpu_kernels`); no [B, H, T, T] scores. With a
-            # cache (the engine's prefill: a fresh cache as long as the prompts, written from 0)
-            # the keys and values are the cache's, as a decode step reads them.
+            # Whole-sequence self-attention through the fused GPU or TPU kernel: `hidden_states`
+            # keeps the per-token mask only for them (`flash_kernels`); no [B, H, T, T] scores.
+            # With a cache (the engine's prefill: a fresh cache as long as the prompts, written
+            # from 0) the keys and values are the cache's, as a decode step reads them.
             if cache is not None:
                 k = _write_cache(cache[0], k, cache_index)
                 v = _write_cache(cache[1], v, cache_index)
                 cache = (k, v)
-            out = flash_self_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
+            flash = (
+                tpu_attention.flash_self_attention
+                if kernel_platform() == "tpu"
+                else flash_self_attention
+            )
+            out = flash(q, k.astype(q.dtype), v.astype(q.dtype), mask_bts)
             return self._output(out), cache
         if cache is not None and q.shape[1] == 1 and _in_place_decode(c, cache, mask_bts):
             # Decode on a GPU or TPU: the new keys / values land in the cache by one scatter and
@@ -260,9 +265,9 @@ class Transformer(nnx.Module):
 
         `mask_bts`: a dense `[B, T, S]` boolean mask, or a `SegmentMask` (self-attention without
         a cache: training, `__call__`), which stays per-token for the fused GPU kernel
-        (`gpu_kernels`) and is made dense for every other attention form."""
+        (`flash_kernels`) and is made dense for every other attention form."""
         if isinstance(mask_bts, SegmentMask) and not (
-            gpu_kernels(self.config) and _fresh_cache(cache, cache_index, tokens_bt.shape[1])
+            flash_kernels(self.config) and _fresh_cache(cache, cache_index, tokens_bt.shape[1])
         ):
             mask_bts = mask_bts.dense()
         x = self.embed(tokens_bt)
@@ -361,13 +366,13 @@ def decode_attention_form(form: str):
     - "host": the CPU forms, `_host_attention` (training, prefill) and `_host_decode_attention`
       (one query per row).
     - "xla": `jax.nn.dot_product_attention`.
-    - "pallas_gpu": the Pallas Triton kernels (`gpu_kernels`): `gpu_attention`'s fused
+    - "pallas_gpu": the Pallas Triton kernels (`flash_kernels`): `gpu_attention`'s fused
       self-attention over a `SegmentMask` (training) and `decode_kernel`'s decode steps, which
       write the cache in place (the engine then decodes over the whole cache, not a copied
       prefix); Pallas interpret mode off a GPU, which is how the tests check them on the CPU.
-    - "pallas_tpu": decode steps on `decode_kernel_tpu`'s Pallas Mosaic kernel, in place as on
-      a GPU (the engine decodes over the whole cache); whole-sequence attention keeps the TPU
-      forms (XLA, or splash with `attention_impl="pallas"`). Interpret mode off a TPU.
+    - "pallas_tpu": the Pallas Mosaic kernels: `tpu_attention`'s fused self-attention over a
+      `SegmentMask` (training, prefill) and `decode_kernel_tpu`'s decode steps, in place as on
+      a GPU (the engine decodes over the whole cache). Interpret mode off a TPU.
 
     `ModelConfig.attention_impl` chooses within a platform ("xla", "cudnn", "pallas", None: the
     platform's own). The kernel forms apply with None or "pallas"; "xla" keeps the XLA forms
@@ -416,13 +421,13 @@ def _fresh_cache(cache, cache_index, length: int) -> bool:
     return isinstance(cache_index, int) and cache_index == 0 and first.shape[-3] == length
 
 
-def gpu_kernels(config: ModelConfig) -> bool:
-    """Whether attention traced now runs the Pallas Triton kernels (`gpu_attention` for
-    whole-sequence self-attention, `decode_kernel` for decode steps): a GPU program, or the
-    "pallas_gpu" form (`decode_attention_form`; interpret mode off a GPU), with
-    `attention_impl` None (the platform's own) or "pallas". GPU only: TPU programs train and
-    prefill on their own forms."""
-    return kernel_platform() == "gpu" and config.attention_impl in (None, "pallas")
+def flash_kernels(config: ModelConfig) -> bool:
+    """Whether whole-sequence self-attention traced now (training, the engine's prefill) runs a
+    fused kernel over the per-token mask: `gpu_attention` (Triton) in a GPU program or the
+    "pallas_gpu" form, `tpu_attention` (Mosaic) in a TPU program or the "pallas_tpu" form
+    (interpret mode off the target), with `attention_impl` None (the platform's own) or
+    "pallas"."""
+    return kernel_platform() is not None and config.attention_impl in (None, "pallas")
 
 
 def in_place_decode(config: ModelConfig, length: int) -> bool:
