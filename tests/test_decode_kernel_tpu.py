@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_decode_kernel import PROMPTS, _continued_on_mesh, _decode_logits, _engine_run
+from test_decode_kernel import PROMPTS, _decode_logits, _engine_run
 
 from jaxrl.models import decode_kernel_tpu
 from jaxrl.models.config import ModelConfig
@@ -150,15 +150,32 @@ def test_scanned_layers_decode_the_stacked_cache_in_place(monkeypatch):
         _assert_engine_runs_equal(ours, _engine_run(model, "xla"))
 
 
-def test_kernel_form_on_a_mesh_with_continued_rows(gqa_model):
-    """Rows over dp, KV heads over tp on a 2 x 2 CPU mesh (the kernel per device inside
-    shard_map; a device's rows index its own shard), with continued rows."""
-    with jax.default_matmul_precision("highest"):
-        ours = _continued_on_mesh(gqa_model, "pallas_tpu")
-        xla = _continued_on_mesh(gqa_model, "xla")
-    for a, b in zip(ours, xla, strict=True):
-        np.testing.assert_array_equal(a.tokens_gn, b.tokens_gn)
-        np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-5)
+def test_kernel_per_device_on_a_mesh():
+    """On a 2 x 2 CPU mesh under the generator's rules the kernel runs per device inside
+    shard_map: rows over dp (each device's rows index its own shard; rows past the queries and
+    a row that sees nothing on each), KV heads over tp (one a device: the squeezed head axis);
+    a stacked cache read at layer 1."""
+    from jaxrl.infra import sharding as ax
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(("dp", "tp"), (2, 2), num_devices=4))
+    rng = np.random.default_rng(2)
+    b, c, k, g, d = 3, 64, 2, 2, 16
+    visible = np.zeros((b, c), bool)
+    visible[0, 3:30] = True
+    visible[2, :50] = True  # row 1 sees nothing; cache row 3 is idle
+    q = rng.normal(size=(b, 1, k * g, d)).astype(np.float32)
+    keys, values = (rng.normal(size=(2, b + 1, c, k, d)).astype(np.float32) for _ in range(2))
+    keys[:, b:], values[:, b:] = np.nan, np.nan
+    ref = _reference(q, keys[1], values[1], visible)
+    with ax.sharding_context(mesh, ax.GENERATOR_RULES):
+        attend = jax.jit(
+            lambda *xs: decode_kernel_tpu.decode_attention(
+                *xs, layer=jnp.int32(1), interpret=True, block_k=16
+            )
+        )
+        out = attend(*(jnp.asarray(x) for x in (q, keys, values, visible)))
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=1e-5)
 
 
 def _cache_sized_copies(text: str, min_bytes: int) -> list[str]:
@@ -186,7 +203,7 @@ def _compiled_decode_step(scan_layers: bool, form: str):
     from jaxrl.planning import abstract_params
 
     config = rlbench_tiny(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
         num_kv_heads=4, head_dim=128, dtype="bfloat16", param_dtype="bfloat16",
         scan_layers=scan_layers,
     )  # fmt: skip
@@ -216,7 +233,7 @@ def test_compiled_tpu_decode_step_reads_the_cache_in_place(scan_layers):
     assert "decode_attention_in_place_tpu" in text
     assert not _cache_sized_copies(text, LAYER_BYTES // 2)
     if not scan_layers:
-        # The control: the XLA form's step copies the cache (8 such buffers here).
+        # The control: the XLA form's step copies the cache (16 such buffers here).
         xla_text = _compiled_decode_step(scan_layers, "xla").compile().as_text()
         assert "tpu_custom_call" not in xla_text
         assert _cache_sized_copies(xla_text, LAYER_BYTES // 2)
