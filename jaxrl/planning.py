@@ -112,6 +112,9 @@ class ProgramReport:
     xla_notes: XlaMemoryNotes | None = None
     # The least work of the program (`jaxrl.hand_count`): whole step, per device.
     hand: hand_count.HandCount | None = None
+    # Bytes a device holds for the program outside its buffers: the stacked weights a GPU
+    # engine's per-layer copy is made from (`EnginePrograms.engine_params`).
+    resident_bytes: int = 0
 
     def whole_step_cost(self) -> tuple[float, float] | None:
         """(FLOPs, bytes) per device of the whole program as it runs: `jaxrl.infra.hlo_cost`
@@ -137,6 +140,7 @@ class ProgramReport:
             - self.alias_bytes
             + self.temp_bytes
             + self.code_bytes
+            + self.resident_bytes
         )
 
     @property
@@ -416,7 +420,10 @@ def plan_generator(
     hand = hand_count.prefill(model_config, prompts=prompts / dp, prompt_len=prompt_len, **cache)
     prefill = dataclasses.replace(prefill, hand=hand)
     hand = hand_count.decode_step(model_config, rows=num_slots / dp, span=span or capacity, **cache)
-    return prefill, dataclasses.replace(decode, hand=hand)
+    # A GPU engine decodes on its own per-layer copy of scanned weights, held beside them.
+    resident = common["params"] if engine.programs.unstack else 0
+    prefill = dataclasses.replace(prefill, resident_bytes=resident)
+    return prefill, dataclasses.replace(decode, hand=hand, resident_bytes=resident)
 
 
 # --- the weight push -----------------------------------------------------------------------------

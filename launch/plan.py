@@ -460,6 +460,12 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     rows = [_row(r, spec, costs[r.name]) for r in (prefill, decode)]
     print_table(title, rows)
     _memory_fraction_note([prefill, decode], spec, devices)
+    if decode.resident_bytes:
+        print(
+            f"  the engine decodes on its own per-layer copy of the scanned weights "
+            f"(`Engine(layer_layout=...)`): {decode.resident_bytes / GiB:.2f} GiB more per "
+            "device, in the totals"
+        )
     for r in (prefill, decode):
         _xla_notes(r, spec)
     for r in (prefill, decode):

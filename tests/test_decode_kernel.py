@@ -89,11 +89,15 @@ def _decode_logits(model, form):
         return step(jax.tree.map(jnp.asarray, cache))
 
 
-def _engine_run(model, form):
+def _engine_run(model, form, layer_layout="auto", engine_out=None):
     greedy = SamplingConfig(max(BUDGETS), greedy=True)
-    engine, params = Engine.for_model(model, num_slots=4, steps_per_call=4)
+    engine, params = Engine.for_model(
+        model, num_slots=4, steps_per_call=4, layer_layout=layer_layout
+    )
     for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS, strict=True)):
         engine.submit(Request(i, p, 1, greedy, max_new_tokens=n))
+    if engine_out is not None:
+        engine_out.extend([engine, params])
     with decode_attention_form(form):
         return {g.request_id: g for g in engine.run(params, jax.random.key(0))}
 
@@ -129,6 +133,32 @@ def test_scanned_layers_decode_the_stacked_cache_in_place():
     for i in range(len(PROMPTS)):
         np.testing.assert_array_equal(ours[i].tokens_gn, xla[i].tokens_gn)
         np.testing.assert_allclose(ours[i].logprobs_gn, xla[i].logprobs_gn, atol=1e-5)
+
+
+def test_scanned_weights_decode_on_the_engines_per_layer_copy():
+    """`layer_layout="unrolled"` (what a GPU engine does with scanned layers): the programs run
+    the model unrolled on the engine's per-layer copy of the stacked weights, made once per
+    weights object, and decode the same greedy tokens as the stacked layout."""
+    config = ModelConfig(
+        "llama", 64, 32, 64, 2, 4, 2, 16, max_position_embeddings=128, scan_layers=True
+    )
+    model = Transformer(config, rngs=nnx.Rngs(0), init_std=0.3)
+    held = []
+    with jax.default_matmul_precision("highest"):
+        ours = _engine_run(model, "pallas_gpu", "unrolled", held)
+        stacked = _engine_run(model, "xla", "stacked")
+    for i in range(len(PROMPTS)):
+        np.testing.assert_array_equal(ours[i].tokens_gn, stacked[i].tokens_gn)
+        np.testing.assert_allclose(ours[i].logprobs_gn, stacked[i].logprobs_gn, atol=1e-5)
+    engine, params = held
+    programs = engine.programs
+    assert programs.unstack and not programs.model_config.scan_layers
+    copy = programs.engine_params(params)
+    assert programs.engine_params(params) is copy  # made once for these weights
+    layer_0 = copy["layers"][0]["attention"]["q_kernel"]
+    np.testing.assert_array_equal(layer_0, params["layers"]["attention"]["q_kernel"][...][0])
+    with pytest.raises(ValueError, match="layer_layout='sideways'; use one of"):
+        Engine.for_model(model, num_slots=4, layer_layout="sideways")
 
 
 def _continued_on_mesh(model, form):

@@ -1,8 +1,9 @@
 """The model on its GPU and TPU attention forms ("pallas_gpu": `jaxrl.models.gpu_attention`'s
 fused kernel for whole-sequence self-attention, "pallas_tpu": `jaxrl.models.tpu_attention`'s, in
-Pallas interpret mode on the CPU) against the CPU form, fp32, on a 2-layer GQA model: hidden states and the gradient of every parameter within
-1e-5 (relative to the largest entry) for a padded batch, packed rows and a shared-prompt row, with
-a negative control (a completion allowed to see its sibling) that moves them by more than 1e-3.
+Pallas interpret mode on the CPU) against the CPU form, fp32, on a 2-layer GQA model: hidden
+states and the gradient of every parameter within 1e-5 (relative to the largest entry) for a
+padded batch, packed rows and a shared-prompt row, with a negative control (a completion allowed
+to see its sibling) that moves them by more than 1e-3.
 On a sharded mesh the kernel runs per device inside `shard_map`."""
 
 from __future__ import annotations

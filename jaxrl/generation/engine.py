@@ -149,6 +149,11 @@ class Engine(EngineDevice):
       compile_only: the engine only lowers its programs (`lower_prefill` / `lower_decode`, as
         `launch.plan` does for a TPU topology); the single-process check, which concerns the host
         loop, is skipped.
+      layer_layout: "auto", "stacked" or "unrolled": with scanned layers, whether the programs
+        run on the engine's own per-layer copy of the weights ("auto": on GPUs, where decoding
+        over stacked weights copies each layer's out of the stack every step; the copy is made
+        once per weights object passed to `run` and held beside it;
+        `jaxrl.generation.engine_programs`).
 
     Use: `submit` requests, then iterate `run(params, key)` for `GroupResult`s as groups finish;
     `cancel(request_id)` frees a request's slots at the next refill. `generate` does all three.
@@ -170,6 +175,7 @@ class Engine(EngineDevice):
         mesh: jax.sharding.Mesh | None = None,
         rules: ax.LogicalRules | None = None,
         compile_only: bool = False,
+        layer_layout: str = "auto",
     ):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules, or neither")
@@ -226,6 +232,7 @@ class Engine(EngineDevice):
             mesh=mesh,
             rules=rules,
             stats=self.stats,
+            layer_layout=layer_layout,
         )
         if not compile_only and not self.grows:
             self._check_fits(self.capacity)
