@@ -40,9 +40,20 @@ import sys
 # NVIDIA H100 SXM5 datasheet: dense BF16 989 TFLOP/s, FP8 1979 TFLOP/s, HBM3 3.35 TB/s, 80 GB;
 # NVLink 900 GB/s total (450 GB/s a direction); one 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
 H100 = dict(
-    peak_bf16=989e12, peak_fp8=1979e12, hbm_bw=3.35e12, hbm=80e9, nvlink=450e9, ib=50e9,
-    allreduce_intra_s=10e-6, allreduce_inter_s=30e-6,  # guesses: small-message latencies
+    name="h100", peak_bf16=989e12, peak_fp8=1979e12, hbm_bw=3.35e12, hbm=80e9, nvlink=450e9,
+    ib=50e9, allreduce_intra_s=10e-6, allreduce_inter_s=30e-6,  # guesses: small-message latencies
+    node=8,
 )  # fmt: skip
+# Google Cloud TPU v5p: dense BF16 459 TFLOP/s (no FP8: the 405B row's fp8 generator is not
+# planned here), HBM2e 2.765 TB/s, 95 GB; ICI 4,800 Gb/s a chip (600 GB/s; `nvlink` here: the
+# reshard inside a slice, at half of it, one direction); the push between the trainer's and the
+# generator's slices over the data-centre network at 200 Gb/s a chip (`ib`, a guess); hosts of 4
+# chips (`node`: the async split is in whole hosts).
+V5P = dict(
+    name="v5p", peak_bf16=459e12, peak_fp8=459e12, hbm_bw=2.765e12, hbm=95e9, nvlink=300e9,
+    ib=25e9, allreduce_intra_s=10e-6, allreduce_inter_s=30e-6, node=4,
+)  # fmt: skip
+HARDWARE = {"h100": H100, "v5p": V5P}
 PAPER = {"8B": (22.4, 8.90), "70B": (82.3, 20.67), "405B": (635.8, 59.5)}
 
 
@@ -119,13 +130,13 @@ def generate_seconds(s: Setting, m: dict, gpus: int, tp: int, w: int, hw=H100) -
                 waves=waves, step_ms=step * 1e3, bound=bound)  # fmt: skip
 
 
-def fastest_split(gpus: int, tp: int, parts) -> tuple:
-    """The async split of `gpus` into generator and trainer GPUs, whole 8-GPU nodes each side
-    (the generator's a multiple of `tp`), with the shortest step max(generate, train + push);
-    `parts(gen_gpus, train_gpus) -> (generate dict, train s, push s)`. Returns
+def fastest_split(gpus: int, tp: int, parts, node: int = 8) -> tuple:
+    """The async split of `gpus` into generator and trainer GPUs, whole nodes of `node` devices
+    each side (the generator's a multiple of `tp`), with the shortest step max(generate, train +
+    push); `parts(gen_gpus, train_gpus) -> (generate dict, train s, push s)`. Returns
     (step s, generator GPUs, generate dict, train s, push s)."""
     best = None
-    for gen_gpus in range(8, gpus, 8):
+    for gen_gpus in range(node, gpus, node):
         if gen_gpus % tp:
             continue
         gen, tt, ts = parts(gen_gpus, gpus - gen_gpus)
@@ -149,6 +160,7 @@ def predict(s: Setting, hw=H100) -> dict:
             train_seconds(s, m, train_gpus, hw),
             m["params"] * s.gen_bytes_async / (train_gpus * hw["ib"]),  # DDMA: all trainers send
         ),
+        hw["node"],
     )
     sync = gen_sync["total"] + tt_sync + reshard
     return dict(
@@ -167,33 +179,52 @@ TRAIN_ROWS_PER_DEVICE = 1  # the probe's micro-batch: one rollout a GPU (FSDP ov
 DECODE_ROWS = (16, 32)  # two slot counts: a decode step's cost is linear in its rows
 
 
-def compiled_costs(s: Setting, remat_policy: str = "full") -> dict:
+def _meshes(s: Setting, hw: dict):
+    """The trainer's mesh (one node / 8 chips, FSDP 8) and the generator's TP group, on devices
+    of `hw`'s platform described without the hardware."""
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
+
+    if hw["name"] == "h100":
+        from jaxrl.infra.gpu import topology_devices
+
+        trainer, generator = topology_devices("h100:1x8"), topology_devices(f"h100:1x{s.tp_async}")
+    else:
+        from jaxrl.infra.tpu import slice_with, topology_devices
+
+        trainer = topology_devices("v5p:2x2x2")
+        generator = topology_devices(slice_with("v5p", max(s.tp_async, 4)))
+    return (
+        make_mesh(MeshConfig(("fsdp", "tp"), (8, 1)), trainer),
+        make_mesh(MeshConfig(("dp", "tp"), (1, s.tp_async), num_devices=s.tp_async), generator),
+    )
+
+
+def compiled_costs(s: Setting, remat_policy: str = "full", hw: dict = H100) -> dict:
     """Per-device FLOPs and bytes of the train step, prefill and decode step of setting `s`,
-    from programs compiled for H100s with XLA:GPU (no GPU here), scaled to the setting.
+    from programs compiled for `hw`'s devices (H100 with XLA:GPU, TPU v5p with the TPU
+    compiler; deviceless), scaled to the setting.
 
     Each program is compiled with 1 and 2 unrolled layers and extrapolated to the model's L
-    (`jaxrl.planning.probe_per_step`: XLA counts a loop body once):
+    (`jaxrl.planning.probe_per_step`); a program's cost is its whole run as compiled
+    (`ProgramReport.whole_step_cost`: every kernel as it runs, the attention kernels by their
+    models, gathers and in-place cache writes by what they touch):
 
-    - train: `Trainer.rl_step` (GRPO, fp32 master weights and Adam, bf16 compute, XLA
-      attention, remat `remat_policy`) on one 8-GPU node, FSDP 8, one rollout of P + C tokens a
-      GPU: the cost of one rollout on one GPU. A step on G GPUs is ceil(B / G) such micro-steps
-      (FSDP: each GPU computes its rows; the weights' all-gathers are not in the roofline).
+    - train: `Trainer.rl_step` (GRPO, fp32 master weights and Adam, bf16 compute, the platform's
+      attention kernels, remat `remat_policy`) on 8 devices, FSDP 8, one rollout of P + C tokens
+      a device: the cost of one rollout on one device. A step on G devices is ceil(B / G) such
+      micro-steps (FSDP: each device computes its rows; the weights' all-gathers are not in the
+      roofline).
     - prefill: the engine's prefill of 8 prompts of P tokens on the generator's TP group, cost
       per prompt (linear in prompts).
-    - decode: the engine's decode step on the TP group with DECODE_ROWS slots, attending the
-      mean context P + C / 2 (the engine's span buckets grow with the sequence); linear in the
-      rows through the two slot counts.
+    - decode: the engine's decode step on the TP group with DECODE_ROWS slots, over a cache of
+      the mean context P + C / 2 (the in-place kernels read each row's keys up to its length);
+      linear in the rows through the two slot counts.
     """
-    from jaxrl.infra.gpu import topology_devices
-    from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.models.presets import preset
     from jaxrl.planning import plan_generator, plan_trainer, probe_per_step
     from jaxrl.trainer import LossConfig, OptimizerConfig
 
-    trainer_mesh = make_mesh(MeshConfig(("fsdp", "tp"), (8, 1)), topology_devices("h100:1x8"))
-    gen_mesh = make_mesh(
-        MeshConfig(("dp", "tp"), (1, s.tp_async)), topology_devices(f"h100:1x{s.tp_async}")
-    )
+    trainer_mesh, gen_mesh = _meshes(s, hw)
     model = preset(s.preset, param_dtype="float32", dtype="bfloat16", remat_policy=remat_policy)
     gen_model = preset(s.preset, param_dtype="bfloat16", dtype="bfloat16")
 
@@ -203,19 +234,18 @@ def compiled_costs(s: Setting, remat_policy: str = "full") -> dict:
             completion_len=s.completion_len, optimizer=OptimizerConfig(learning_rate=1e-6),
             loss=LossConfig(name="grpo"),
         )  # fmt: skip
-        return r.flops, r.bytes_accessed
+        return r.whole_step_cost()
 
-    span = s.prompt_len + s.completion_len // 2
     decode_probes: dict[int, dict[int, tuple[float, float]]] = {}
 
     def generate(rows):
         def probe(c):
             p, d = plan_generator(
                 c, gen_mesh, num_slots=rows, samples=rows // 8, prompt_len=s.prompt_len,
-                completion_len=s.completion_len, span=span,
+                completion_len=s.completion_len // 2,
             )  # fmt: skip
-            decode_probes.setdefault(rows, {})[c.num_layers] = (d.flops, d.bytes_accessed)
-            return p.flops, p.bytes_accessed
+            decode_probes.setdefault(rows, {})[c.num_layers] = d.whole_step_cost()
+            return p.whole_step_cost()
 
         return probe_per_step(probe, gen_model)
 
@@ -230,9 +260,9 @@ def compiled_costs(s: Setting, remat_policy: str = "full") -> dict:
     per_row = tuple((b - a) / (r2 - r1) for a, b in zip(c1, c2, strict=True))
     fixed = tuple(a - r1 * d for a, d in zip(c1, per_row, strict=True))
     return dict(
-        train_row=probe_per_step(train, model),  # one rollout on one GPU
-        prefill_prompt=tuple(x / 8 for x in prefill),  # per prompt, per TP-group GPU
-        decode_fixed=fixed,  # per decode step, per GPU: weights etc.
+        train_row=probe_per_step(train, model),  # one rollout on one device
+        prefill_prompt=tuple(x / 8 for x in prefill),  # per prompt, per TP-group device
+        decode_fixed=fixed,  # per decode step, per device: weights etc.
         decode_row=per_row,  # per slot
         remat=remat_policy,
     )
@@ -243,8 +273,9 @@ def _roofline(cost: tuple[float, float], hw) -> float:
 
 
 def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
-    """`predict`'s composition with program times from `compiled_costs` at H100 peaks; the
-    weight push and reshard over the links and the all-reduce latencies stay hand counts."""
+    """`predict`'s composition with program times from `compiled_costs` at `hw`'s peaks; the
+    weight push and reshard over the links and the all-reduce latencies stay hand counts. Each
+    row also carries the hand-count prediction of the same settings (`predict`) and the ratio."""
     m = shapes(s.preset)
     rows = s.prompts * s.samples
 
@@ -276,8 +307,10 @@ def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
             train(train_gpus),
             m["params"] * 2 / (train_gpus * hw["ib"]),
         ),
+        hw["node"],
     )
     sync = gen_sync["total"] + tt_sync + reshard
+    hand = predict(dataclasses.replace(s, tp_sync=tp, gen_bytes_async=2), hw)
     return dict(
         name=s.name, gpus=s.gpus, gen_gpus=gen_gpus, tp=tp, remat=costs["remat"],
         sync_generate=gen_sync["total"], sync_train=tt_sync, sync_reshard=reshard, sync=sync,
@@ -289,20 +322,25 @@ def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
         sync_decode_rows=gen_sync["rows"], async_decode_rows=gen_async["rows"],
         decode_bound=gen_async["bound"],
         train_row_tflop=costs["train_row"][0] / 1e12,
+        hand_sync=hand["sync"], hand_async=hand["asynch"],
+        hand_ratio_sync=sync / hand["sync"], hand_ratio_async=asyn / hand["asynch"],
+        hand_decode_ms=hand["async_decode"]["step_ms"],
     )  # fmt: skip
 
 
-def main_compiled(names=("8B", "70B")) -> list[dict]:
+def main_compiled(names=("8B", "70B"), platform: str = "h100") -> list[dict]:
     from jaxrl.infra.platforms import compile_only
 
     compile_only()  # deviceless compiles only: JAX on the CPU unless JAX_PLATFORMS says
     from bench.common import write_results
 
+    hw = HARDWARE[platform]
     rows = []
     for s in SETTINGS:
         if s.name in names:
-            rows.append(predict_compiled(s, compiled_costs(s)))
+            rows.append(predict_compiled(s, compiled_costs(s, hw=hw), hw))
             print(rows[-1], flush=True)
+    device = "H100s" if platform == "h100" else "v5p chips"
     for r in rows:
         r["sync_s"] = (
             f"{r['sync_generate']:.2f} + {r['sync_train']:.2f} + {r['sync_reshard']:.2f} = "
@@ -312,29 +350,43 @@ def main_compiled(names=("8B", "70B")) -> list[dict]:
             f"max({r['async_generate']:.2f}, {r['async_train']:.2f} + {r['async_push']:.2f}) = "
             f"{r['asynch']:.2f}"
         )
-        r["h100s"] = f"{r['gpus']} ({r['gen_gpus']} generate, TP {r['tp']})"
+        r["devices"] = f"{r['gpus']} ({r['gen_gpus']} generate, TP {r['tp']})"
+        r["hand"] = f"{r['hand_sync']:.2f} / {r['hand_async']:.2f}"
+        r["hand_ratios"] = f"{r['hand_ratio_sync']:.2f} / {r['hand_ratio_async']:.2f}"
         r["ratios"] = f"{r['sync_ratio']:.2f} / {r['async_ratio']:.2f}"
         r["speedups"] = f"{r['speedup']:.2f}x / {r['paper_speedup']:.2f}x"
+        r["decode_ms"] = f"{r['async_decode_ms']:.1f} / {r['hand_decode_ms']:.1f}"
     columns = [
-        ("name", "model"), ("h100s", "H100s (async: generator)"),
+        ("name", "model"), ("devices", f"{device} (async: generator)"),
         ("sync_s", "sync: generate + train + reshard = step s"), ("paper_sync", "paper sync s"),
         ("async_s", "async: max(generate, train + push) = step s"),
-        ("paper_async", "paper async s"), ("ratios", "predicted / paper, sync / async"),
+        ("paper_async", "paper async s"), ("hand", "hand count sync / async s"),
+        ("hand_ratios", "compiled / hand count, sync / async"),
+        ("ratios", "predicted / paper, sync / async"),
         ("speedups", "speed-up predicted / paper"),
-        ("sync_decode_ms", "decode step ms (sync)"), ("async_decode_ms", "decode step ms (async)"),
+        ("decode_ms", "decode step ms (async): compiled / hand count"),
     ]  # fmt: skip
-    note = (
-        "`python -m bench.scale_llamarl --compiled`: program FLOPs / bytes from XLA:GPU compiles "
-        "for H100 (jax-cuda12-plugin 0.10.2, deviceless, on the CPU), train remat "
-        f"{rows[0]['remat']}, H100 SXM peaks"
+    compiler = (
+        "XLA:GPU compiles for H100 (jax-cuda12-plugin 0.10.2"
+        if platform == "h100"
+        else "TPU compiles for v5p (libtpu 0.0.42.1"
     )
-    print(write_results("scale_llamarl_h100", rows, columns, note))
+    note = (
+        "`python -m bench.scale_llamarl --compiled"
+        + ("" if platform == "h100" else " --platform=v5p")
+        + f"`: program FLOPs / bytes from {compiler}, deviceless, on the CPU), train remat "
+        f"{rows[0]['remat']}, {platform} peaks"
+    )
+    print(write_results(f"scale_llamarl_{platform}", rows, columns, note))
     return rows
 
 
 def main(argv=None) -> list[dict]:
     if argv and "--compiled" in argv:
-        return main_compiled()
+        platform = next((a.split("=", 1)[1] for a in argv if a.startswith("--platform=")), "h100")
+        if platform not in HARDWARE:
+            raise SystemExit(f"--platform={platform}: use one of {sorted(HARDWARE)}")
+        return main_compiled(platform=platform)
     rows = [predict(s) for s in SETTINGS]
     print(
         "| model | H100s (async: generator) | sync: generate + train + reshard = step s "
