@@ -17,14 +17,23 @@ Reported: the train step's MFU (6 x params x tokens of the step over seconds x t
 BF16 peak, `jaxrl.infra.gpu.SYSTEMS`), the decode step's tokens/s (one token per slot a call)
 and the HBM bandwidth it used (its argument bytes, the weights and the KV cache it reads, over
 its seconds, also as a share of the GPU's peak), the prefill's tokens/s, the seconds of the
-weight push's largest chunk (the program `launch.plan` serializes). Results go to
-bench/results/gpu_check.json / .md. Needs a GPU: elsewhere it exits 2 and says so, after
-checking its arguments.
+weight push's largest chunk (the program `launch.plan` serializes).
+
+First (`parity`), the library's GPU kernels against XLA on the device: the fused attention
+(`jaxrl.models.gpu_attention`: output and dq / dk / dv on padded, packed and shared-prompt
+layouts, GQA, fp32 and bf16, against `dense_reference` at the highest matmul precision) and the
+in-place decode kernel (`jaxrl.models.decode_kernel`, against `jax.nn.dot_product_attention`),
+each error (max |a - b| / max |b|) beside its limit (`PARITY_LIMITS`: fp32 runs the kernels'
+dots in TF32 on the GPU, as XLA does); a miss makes the run exit 1.
+
+Results go to bench/results/gpu_check.json / .md. Needs a GPU: elsewhere it exits 2 and says so,
+after checking its arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import pickle
@@ -36,6 +45,8 @@ from jaxrl.infra.paths import user_path
 from jaxrl.infra.platforms import quiet_jax_start, without_plugin_noise
 
 PROGRAMS = ("train_step", "prefill", "decode_step", "weight_push")
+# Parity limits by dtype on a GPU (TF32 dots for fp32, bf16 inputs), and in interpret mode.
+PARITY_LIMITS = {"float32": 2e-3, "bfloat16": 2e-2, "interpret": 1e-5}
 
 
 def parse_args(argv):
@@ -168,6 +179,83 @@ def measures(name: str, seconds: float, saved: dict, spec) -> dict:
     return out
 
 
+def _flash_layouts(b: int, t: int):
+    """(segment, prefix) of a padded batch (left and right padding), packed rows (3 sequences)
+    and a shared-prompt row (a prompt and 3 completions), `[b, t]` int32 each."""
+    import numpy as np
+
+    valid = np.zeros((b, t), np.int32)
+    for r in range(b):
+        n = t - 3 - r * t // (2 * b)  # real tokens: right padding on odd rows, left on even
+        valid[r] = np.arange(t) < n if r % 2 else np.arange(t) >= t - n
+    packed = np.zeros((b, t), np.int32)
+    packed[:, : t // 4], packed[:, t // 4 : 2 * t // 3], packed[:, 2 * t // 3 : t - 2] = 1, 2, 3
+    shared = np.zeros((b, t), np.int32)
+    cuts = (0, t // 4, t // 2, 3 * t // 4, t - 3)
+    for i, (a, z) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+        shared[:, a:z] = i + 1
+    return {
+        "padded": (valid, valid),
+        "packed": (packed, packed),
+        "shared_prompt": (shared, np.where(shared > 0, 1, 0).astype(np.int32)),
+    }
+
+
+def _out_and_grads(attention, q, k, v, segment, prefix, w):
+    """The output on real queries and dq / dk / dv of sum(out * w) there, float32."""
+    import jax
+    import jax.numpy as jnp
+
+    real = (segment > 0)[:, :, None, None]
+
+    def loss(q, k, v):
+        out = attention(q, k, v, segment, prefix).astype(jnp.float32)
+        return jnp.sum(jnp.where(real, out * w, 0.0)), jnp.where(real, out, 0.0)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return [x.astype(jnp.float32) for x in (out, *grads)]
+
+
+def parity(cpu: bool = False) -> list[dict]:
+    """The GPU kernels' errors against XLA (module docstring); `cpu`: tiny shapes in Pallas
+    interpret mode, fp32 (a check of this function on a machine without a GPU)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.decode_kernel_gpu import errors as decode_errors
+    from jaxrl.models import gpu_attention
+
+    b, t, h, kv, d = (2, 48, 4, 2, 16) if cpu else (2, 1024, 8, 4, 128)
+    blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16) if cpu else {}
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in ("float32",) if cpu else ("float32", "bfloat16"):
+        q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+        k, v = (jnp.asarray(rng.normal(size=(b, t, kv, d)), dtype) for _ in range(2))
+        w = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+        for layout, ids in _flash_layouts(b, t).items():
+            segment, prefix = (jnp.asarray(x) for x in ids)
+            with jax.default_matmul_precision("highest"):
+                ref = _out_and_grads(gpu_attention.dense_reference, q, k, v, segment, prefix, w)
+            flash = functools.partial(gpu_attention.flash_attention, interpret=cpu, **blocks)
+            ours = _out_and_grads(flash, q, k, v, segment, prefix, w)
+            error = max(
+                float(jnp.abs(a - r).max()) / float(jnp.abs(r).max())
+                for a, r in zip(ours, ref, strict=True)
+            )
+            rows.append(dict(kernel="flash_attention", case=layout, dtype=dtype, error=error))
+    for r in decode_errors(cpu):
+        for key in ("error", "stacked_error"):
+            case = r["shape"] + (" (stacked cache)" if key == "stacked_error" else "")
+            rows.append(dict(kernel="decode_attention", case=case, dtype=r["dtype"], error=r[key]))
+    rows = [r for r in rows if not (cpu and r["dtype"] != "float32")]
+    for r in rows:
+        r["limit"] = PARITY_LIMITS["interpret" if cpu else r["dtype"]]
+        r["ok"] = r["error"] <= r["limit"]
+    return rows
+
+
 def _nbytes(shape, dtype) -> int:
     import numpy as np
 
@@ -193,6 +281,9 @@ def main(argv=None) -> int:
         )
         return 2
     spec = gpu.device_spec(devices)
+    checks = parity()
+    for row in checks:
+        print(row, flush=True)
     saved = {}
     for path in paths:
         with open(path, "rb") as f:
@@ -231,9 +322,15 @@ def main(argv=None) -> int:
     columns = [("program", "program"), ("source", "executable"), ("seconds", "s a call"),
                ("MFU", "MFU"), ("tokens/s", "tokens/s"), ("HBM GB/s", "HBM GB/s"),
                ("HBM share", "of peak BW"), ("compile_s", "compile s"),
-               ("total_GiB", "memory GiB")]  # fmt: skip
-    print(write_results(args.results, rows, columns, f"`{command()}` on {machine()}"))
-    return 0
+               ("total_GiB", "memory GiB"), ("kernel", "kernel"), ("case", "parity case"),
+               ("dtype", "dtype"), ("error", "error vs XLA"), ("limit", "limit"),
+               ("ok", "within")]  # fmt: skip
+    print(write_results(args.results, checks + rows, columns, f"`{command()}` on {machine()}"))
+    misses = [r for r in checks if not r["ok"]]
+    for r in misses:
+        print(f"parity: {r['kernel']} {r['case']} {r['dtype']}: error {r['error']:.3g} over "
+              f"{r['limit']:.0e}", file=sys.stderr)  # fmt: skip
+    return 1 if misses else 0
 
 
 if __name__ == "__main__":

@@ -176,6 +176,19 @@ PLUGIN_NOISE = (
 )
 
 
+def test_gpu_check_parity_runs_in_interpret_mode():
+    """`bench.gpu_check`'s kernel-vs-XLA parity at tiny shapes in interpret mode: every case of
+    the fused attention (padded, packed, shared prompt) and the decode kernel (plain and stacked
+    cache) within its limit, so the GPU run's parity stage is exercised where no GPU is."""
+    from bench.gpu_check import parity
+
+    rows = parity(cpu=True)
+    cases = {(r["kernel"], r["case"]) for r in rows}
+    assert len(cases) == 5
+    assert {r["kernel"] for r in rows} == {"flash_attention", "decode_attention"}
+    assert all(r["ok"] and r["error"] < 1e-5 for r in rows), rows
+
+
 def test_readme_gpu_plan_runs_as_typed_without_jax_platforms(tmp_path):
     """Regression: with JAX_PLATFORMS unset (the README's command as typed, on this CPU machine
     with the CUDA plugin installed) JAX validated the plugin, found no CUDA runtime and left it
