@@ -76,3 +76,52 @@ def test_hand_counts_of_the_train_step_scale_with_remat_and_tokens():
     head = 6 * c.vocab_size * c.hidden_size * 4 * 8
     assert none.flops == pytest.approx(6 * layers * 64 + head + 6 * attention)
     assert np.isclose(full.bytes, sum(full.terms.values()))
+
+
+WINDOWED = """
+%cond (p: (f32[8,16], u32[])) -> pred[] {
+  %p = (f32[8,16], u32[]) parameter(0)
+  %c = u32[] constant(4)
+  %i = u32[] get-tuple-element(%p), index=1
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%fused (a: f32[8,2,512,1], b: f32[2,512,32,128]) -> f32[8,32,128,1] {
+  %a = f32[8,2,512,1] parameter(0)
+  %b = f32[2,512,32,128] parameter(1)
+  ROOT %conv = f32[8,32,128,1] convolution(%a, %b), CONV_ATTRIBUTES
+}
+
+%body (p: (f32[8,16], u32[])) -> (f32[8,16], u32[]) {
+  %p = (f32[8,16], u32[]) parameter(0)
+  %x = f32[8,16] get-tuple-element(%p), index=0
+  %i = u32[] get-tuple-element(%p), index=1
+  %two = u32[] constant(2)
+  %next = u32[] add(%i, %two)
+  %lhs = f32[8,2,512,1] parameter(1)
+  %rhs = f32[2,512,32,128] parameter(2)
+  %piece = f32[8,32,128,1] fusion(%lhs, %rhs), kind=kOutput, calls=%fused
+  ROOT %t = (f32[8,16], u32[]) tuple(%x, %next)
+}
+
+ENTRY %main (x: f32[8,16]) -> (f32[8,16], u32[]) {
+  %x = f32[8,16] parameter(0)
+  %zero = u32[] constant(0)
+  %init = (f32[8,16], u32[]) tuple(%x, %zero)
+  ROOT %w = (f32[8,16], u32[]) while(%init), condition=%cond, body=%body
+}
+""".replace(
+    "CONV_ATTRIBUTES",
+    "window={size=32x2 pad=31_31x0_0 rhs_reversal=1x0}, dim_labels=b1f0_1i0o->b0f1",
+)
+
+
+def test_tpu_loops_and_matmul_convolutions_are_counted_as_they_run():
+    """The TPU compiler's forms, on a hand-written module: a matmul as a convolution whose window
+    runs over a size-1 dim padded on both sides (one input element per output: 2 x out x 512 x
+    2 FLOPs, not x 32 more), in a loop without `known_trip_count` whose counter goes 0, 2 < 4
+    (2 trips, read from its condition and its body's step)."""
+    ks = hlo_cost.kernels(WINDOWED)
+    piece = next(k for k in ks if k.name == "piece")
+    assert piece.flops == 2.0 * 8 * 32 * 128 * 512 * 2
+    assert piece.count == 2

@@ -123,13 +123,22 @@ class Kernel:
 
 
 def _conv_flops(instr: _Instr, shapes: dict[str, str]) -> float:
-    """2 x output elements x the kernel's input features and window (`dim_labels=..._io..->..`):
-    the TPU compiler's matmuls are convolutions."""
-    labels = re.search(r"dim_labels=\w+_(\w+)->\w+", instr.attrs)
-    rhs = _dims(shapes.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
-    if not labels or len(rhs) != len(labels.group(1)):
+    """2 x output elements x the input features x the window taps that meet the input (the TPU
+    compiler's matmuls are convolutions; one with a window over a size-1 dim padded on both
+    sides, `window={size=32 pad=31_31}`, multiplies each output by one input element)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->\w+", instr.attrs)
+    if not labels or len(instr.operands) < 2:
         return 0.0
-    k = math.prod(n for n, c in zip(rhs, labels.group(1), strict=True) if c != "o")
+    lhs = _dims(shapes.get(instr.operands[0], ""))
+    rhs = _dims(shapes.get(instr.operands[1], ""))
+    lhs_labels, rhs_labels = labels.groups()
+    if len(lhs) != len(lhs_labels) or len(rhs) != len(rhs_labels):
+        return 0.0
+    window = re.search(r"window=\{size=([\dx]+)", instr.attrs)
+    sizes = [int(x) for x in window.group(1).split("x")] if window else []
+    k = rhs[rhs_labels.index("i")]
+    for d, size in enumerate(sizes):
+        k *= min(size, lhs[lhs_labels.index(str(d))])
     return 2.0 * math.prod(_dims(instr.shape)) * k
 
 
@@ -165,9 +174,11 @@ def kernels(text: str, default_trips: int = 1) -> list[Kernel]:
                 continue
             if i.opcode == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.attrs)
-                n = int(trips.group(1)) if trips else default_trips
-                walk(attr(i, "body"), times * n)
-                walk(attr(i, "condition"), times * (n + 1))
+                cond, body = attr(i, "condition"), attr(i, "body")
+                counted = _trip_count(computations.get(cond, []), computations.get(body, []))
+                n = int(trips.group(1)) if trips else counted or default_trips
+                walk(body, times * n)
+                walk(cond, times * (n + 1))
             elif i.opcode == "call":
                 walk(attr(i, "to_apply"), times)
             elif i.opcode == "conditional":
@@ -195,6 +206,35 @@ def kernels(text: str, default_trips: int = 1) -> list[Kernel]:
 
     walk(entry, 1)
     return out
+
+
+def _trip_count(condition: list[_Instr], body: list[_Instr]) -> int | None:
+    """A loop's trip count from its condition `counter < constant(N)` and the body's
+    `counter + constant(k)` (a counter from 0, as XLA emits the loops it writes, e.g. the TPU
+    compiler's windowed einsums, whose backend config carries no `known_trip_count`; k is 2 in
+    a loop unrolled twice); None for any other loop."""
+    root = next((i for i in condition if i.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
+        return None
+    by_name = {i.name: i for i in condition}
+    counter = by_name.get(root.operands[0])
+    bound = by_name.get(root.operands[1]) if len(root.operands) > 1 else None
+    if counter is None or counter.opcode != "get-tuple-element" or bound is None:
+        return None
+    index = re.search(r"index=(\d+)", counter.attrs)
+    if bound.opcode != "constant" or not bound.args.strip().isdigit() or index is None:
+        return None
+    step = 1
+    body_root = next((i for i in body if i.root), None)
+    by_name = {i.name: i for i in body}
+    if body_root is not None and body_root.opcode == "tuple":
+        update = by_name.get(body_root.operands[int(index.group(1))])
+        if update is not None and update.opcode == "add":
+            steps = [by_name.get(o) for o in update.operands]
+            constant = next((x for x in steps if x is not None and x.opcode == "constant"), None)
+            if constant is not None and constant.args.strip().isdigit():
+                step = max(int(constant.args), 1)
+    return -(-int(bound.args) // step)
 
 
 IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode: index of the update operand
