@@ -10,8 +10,8 @@ layers, all micro-batches, every decode row), with the terms named:
   the new keys and values written.
 - **prefill** (the engine's prompts, each copied into `samples` slots): FLOPs 2 x the layers'
   matmul weights per prompt token (no logits) plus causal attention (key t sees t + 1 keys);
-  bytes: the layers' weights once and the keys and values written into every slot (activations
-  are not counted: a prefill is compute-bound).
+  bytes: the layers' weights once, each layer's activations written and read once (as in the
+  train step's forward) and the keys and values written into every slot.
 - **train step** (the RL step, `micro_batches` passes over the device's rollouts): FLOPs 2 x the
   matmul weights per token per pass, 3 passes (forward, backward's two products) plus one with
   full remat; the LM head on completion tokens only (forward and backward); attention's matmuls
@@ -89,9 +89,17 @@ def prefill(
     flops = 2 * _split(matmul, tp) * tokens + 4 * heads * c.head_dim * c.num_layers * pairs
     terms = {
         "weights": _split(matmul * pb, tp) + tokens * c.hidden_size * pb,
+        "activations": tokens * c.num_layers * _activations(c, tp) * _size(c.dtype) * 2,
         "K/V written": cache_bytes * prompt_len / capacity,
     }
     return HandCount(flops, sum(terms.values()), terms)
+
+
+def _activations(c: ModelConfig, tp: int) -> float:
+    """Elements a token's layer writes (each read once after): the residual stream and the two
+    norms' (6 E in all), q / k / v and the attention output, the MLP's gate, up and product."""
+    heads = 2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim
+    return 6 * c.hidden_size + _split(heads + 3 * c.intermediate_size, tp)
 
 
 def train_step(
@@ -108,7 +116,7 @@ def train_step(
     tokens in `micro_batches` passes; `state_bytes`: the device's master weights and optimizer
     state (the plan's params + optimizer)."""
     cb, gb = _size(c.dtype), 4
-    e, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    e, d = c.hidden_size, c.head_dim
     t = prompt_len + completion_len
     tokens = rollouts * t
     remat = c.remat_policy == "full"
@@ -124,12 +132,11 @@ def train_step(
         + attention
     )
     weights = _split(layers + head, tp) * cb
-    per_token = 6 * e + _split(2 * c.num_heads * d + 2 * c.num_kv_heads * d + 3 * inter, tp)
     terms = {
         "weights gathered": micro_batches * (passes - 1) * 2 * weights,
         "weight gradients": micro_batches * (2 * weights + 2 * state_bytes / 3),
         "optimizer": 2 * state_bytes + state_bytes / 3,
-        "activations": tokens * c.num_layers * per_token * cb * (8 if remat else 6),
+        "activations": tokens * c.num_layers * _activations(c, tp) * cb * (8 if remat else 6),
         "logits": 4 * rollouts * completion_len * _split(c.vocab_size, tp) * gb,
     }
     return HandCount(flops, sum(terms.values()), terms)
