@@ -125,3 +125,38 @@ def test_tpu_loops_and_matmul_convolutions_are_counted_as_they_run():
     piece = next(k for k in ks if k.name == "piece")
     assert piece.flops == 2.0 * 8 * 32 * 128 * 512 * 2
     assert piece.count == 2
+
+
+NESTED_SLICE = """
+%slice_layer (w: bf16[80,64,64], i: s32[]) -> bf16[64,64] {
+  %w = bf16[80,64,64] parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,64,64] dynamic-slice(%w, %i, %zero, %zero), dynamic_slice_sizes={1,64,64}
+  ROOT %layer = bf16[64,64] bitcast(%ds)
+}
+
+%matmul (x: bf16[8,64], w: bf16[80,64,64], i: s32[]) -> bf16[8,64] {
+  %x = bf16[8,64] parameter(0)
+  %w = bf16[80,64,64] parameter(1)
+  %i = s32[] parameter(2)
+  %layer = bf16[64,64] fusion(%w, %i), kind=kLoop, calls=%slice_layer
+  ROOT %dot = bf16[8,64] dot(%x, %layer), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[8,64], w: bf16[80,64,64], i: s32[]) -> bf16[8,64] {
+  %x = bf16[8,64] parameter(0)
+  %w = bf16[80,64,64] parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %y = bf16[8,64] fusion(%x, %w, %i), kind=kOutput, calls=%matmul
+}
+"""
+
+
+def test_a_layer_sliced_out_of_stacked_weights_in_a_nested_fusion_counts_one_layer():
+    """The TPU compiler fuses a layer's dynamic slice of stacked weights into the matmul's
+    fusion, one fusion deeper: the matmul reads one [64, 64] layer, not the [80, 64, 64] stack."""
+    (kernel,) = hlo_cost.kernels(NESTED_SLICE)
+    one_layer, x_and_out, index = 64 * 64 * 2, 2 * 8 * 64 * 2, 4
+    assert kernel.bytes == one_layer + x_and_out + index
+    assert kernel.flops == 2 * 8 * 64 * 64

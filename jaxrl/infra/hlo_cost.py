@@ -198,7 +198,8 @@ def kernels(text: str, default_trips: int = 1) -> list[Kernel]:
                 calls = re.search(r"calls=%([\w.\-]+)", i.attrs)
                 if calls and calls.group(1) in computations:
                     body = computations[calls.group(1)]
-                    flops, moved = _dot_flops(body), _fusion_bytes(i, body, shapes)
+                    flops = _dot_flops(body)
+                    moved = _fusion_bytes(i, body, shapes, computations)
                 else:
                     flops = _dot_flops([i] + _operand_defs(i, shapes))
                     moved = _fusion_bytes(i, _as_body(i, shapes), shapes)
@@ -241,20 +242,64 @@ IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode: index of the upd
 SLICES = {"dynamic-slice", "slice", "gather"}
 
 
-def _fusion_bytes(instr: _Instr, body: list[_Instr], shapes: dict[str, str]) -> int:
-    """Bytes a kernel moves: its operands (as read) and its outputs (as written)."""
-    inner = {i.name: i for i in body}
+def _users(body: list[_Instr]) -> dict[str, list[_Instr]]:
     users: dict[str, list[_Instr]] = {}
     for i in body:
         for o in i.operands:
             users.setdefault(o, []).append(i)
-    params = {int(i.args): i for i in body if i.opcode == "parameter" and i.args.isdigit()}
+    return users
+
+
+def _params(body: list[_Instr]) -> dict[int, _Instr]:
+    return {int(i.args): i for i in body if i.opcode == "parameter" and i.args.isdigit()}
+
+
+def _sliced_read(
+    param: _Instr, body: list[_Instr], computations: dict[str, list[_Instr]] | None, depth: int = 0
+) -> int | None:
+    """Bytes read of a fused computation's parameter used only through slices, directly or
+    through fusions nested in it (the TPU compiler nests a layer's dynamic slice of stacked
+    weights in the matmul's fusion); None if any use reads it whole."""
+    us = _users(body).get(param.name, [])
+    if not us or depth > 4:
+        return None
+    total = 0
+    for u in us:
+        if u.opcode in SLICES and u.operands[0] == param.name:
+            total += shape_bytes(u.shape)
+            continue
+        calls = re.search(r"calls=%([\w.\-]+)", u.attrs)
+        nested = computations.get(calls.group(1)) if calls and computations else None
+        if u.opcode != "fusion" or nested is None:
+            return None
+        for index, operand in enumerate(u.operands):
+            if operand != param.name:
+                continue
+            inner = _params(nested).get(index)
+            read = None if inner is None else _sliced_read(inner, nested, computations, depth + 1)
+            if read is None:
+                return None
+            total += read
+    return total
+
+
+def _fusion_bytes(
+    instr: _Instr,
+    body: list[_Instr],
+    shapes: dict[str, str],
+    computations: dict[str, list[_Instr]] | None = None,
+) -> int:
+    """Bytes a kernel moves: its operands (as read) and its outputs (as written)."""
+    inner = {i.name: i for i in body}
+    users = _users(body)
+    params = _params(body)
     total = 0
     for index, name in enumerate(instr.operands):
         param = params.get(index)
         us = users.get(param.name, []) if param else []
-        if us and all(u.opcode in SLICES and u.operands[0] == param.name for u in us):
-            total += sum(shape_bytes(u.shape) for u in us)
+        read = _sliced_read(param, body, computations) if param is not None else None
+        if read is not None:
+            total += read
         elif us and all(u.opcode in IN_PLACE and u.operands[0] == param.name for u in us):
             continue  # updated in place: the write is counted with the outputs
         else:
