@@ -96,8 +96,8 @@ class PlanConfig:
       generator's, compiled on the trainer devices).
     Topologies: a TPU slice ('v5p:2x2x2') or a GPU system ('h100:1x8'). attention_impl as
       `ModelConfig.attention_impl`: None, the platform's own (GPU: the Pallas Triton kernels;
-      TPU: XLA), "xla", "pallas" (TPU: splash); "cudnn" is refused (it needs the cuDNN wheel
-      and does not serialize).
+      TPU: the Pallas Mosaic kernels), "xla", "pallas" (as None); "cudnn" is refused (TPUs
+      cannot run it; on GPUs it needs the cuDNN wheel and does not serialize).
     """
 
     model: str = "llama3_8b"
@@ -137,6 +137,11 @@ class PlanConfig:
                 "attention_impl='cudnn' on a GPU topology: cuDNN attention needs the ~2 GB "
                 "nvidia-cudnn-cu12 wheel and its executables do not serialize; plan with None "
                 "(the GPU's Pallas Triton kernels, the default) or 'xla'"
+            )
+        if not all(on_gpu) and self.attention_impl == "cudnn":
+            raise ValueError(
+                "attention_impl='cudnn' on a TPU topology: cuDNN runs on NVIDIA GPUs only; plan "
+                "with None (the TPU's Pallas Mosaic kernels, the default) or 'xla'"
             )
         for name in ("prompts", "samples", "prompt_len", "completion_len", "grad_accum_steps"):
             if getattr(self, name) < 1:

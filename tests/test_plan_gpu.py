@@ -141,6 +141,11 @@ def test_launcher_refuses_cudnn_attention_on_gpu(capsys):
     finally:
         gin.clear_config()
     assert "plan with None" in capsys.readouterr().err
+    try:  # the default TPU topologies
+        assert main(['--gin_param=PlanConfig.attention_impl="cudnn"']) == 2
+    finally:
+        gin.clear_config()
+    assert "cuDNN runs on NVIDIA GPUs only" in capsys.readouterr().err
 
 
 def test_gpu_check_arguments_on_a_machine_without_a_gpu(tmp_path, capsys):

@@ -86,11 +86,12 @@ class ModelConfig:
     dtype: str = "float32"
     # None: the platform's own attention (CPU: the host forms; GPU: the Pallas Triton kernels,
     # `gpu_attention` for training / prefill self-attention and `decode_kernel` for decode;
-    # TPU: XLA). "xla": `jax.nn.dot_product_attention`'s XLA path on accelerators. "pallas": the
-    # target's Pallas kernels (GPU: as None; TPU: the splash kernel for whole-sequence
-    # self-attention, `jaxrl.models.pallas_attention`, interpret mode on a CPU). "cudnn": the
-    # cuDNN kernel on NVIDIA GPUs. The platform is the one a program is compiled for (its mesh's
-    # devices), not the process's default backend (docs/models.md, "Attention").
+    # TPU: the Pallas Mosaic kernels, `tpu_attention` and `decode_kernel_tpu`). "xla":
+    # `jax.nn.dot_product_attention`'s XLA path on accelerators. "pallas": the target's Pallas
+    # kernels (GPU, TPU: as None; a CPU program: the splash kernel in interpret mode,
+    # `jaxrl.models.pallas_attention`). "cudnn": the cuDNN kernel on NVIDIA GPUs. The platform
+    # is the one a program is compiled for (its mesh's devices), not the process's default
+    # backend (docs/models.md, "Attention").
     attention_impl: str | None = None
     # Layers stacked on a leading `layers` axis and run by `nnx.scan` (one traced layer: compile
     # time and program size flat in depth) instead of a Python loop over `layers.0`, `layers.1`...
