@@ -125,13 +125,12 @@ def _unrolls(graphdef, config: ModelConfig, mesh, layer_layout: str) -> bool:
     backend's)."""
     if layer_layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layer_layout!r}; use one of {LAYER_LAYOUTS}")
-    if not config.scan_layers or layer_layout == "stacked":
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    wanted = layer_layout == "unrolled" or (layer_layout == "auto" and platform == "gpu")
+    if not config.scan_layers or not wanted:
         return False
     plain = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    if graphdef != plain:  # a wrapped model (adapters): its own layout
-        return False
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return layer_layout == "unrolled" or platform == "gpu"
+    return graphdef == plain  # a wrapped model (adapters) keeps its own layout
 
 
 class EnginePrograms:
