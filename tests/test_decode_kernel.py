@@ -157,6 +157,8 @@ def test_scanned_weights_decode_on_the_engines_per_layer_copy():
     assert programs.engine_params(params) is copy  # made once for these weights
     layer_0 = copy["layers"][0]["attention"]["q_kernel"]
     np.testing.assert_array_equal(layer_0, params["layers"]["attention"]["q_kernel"][...][0])
+    auto, _ = Engine.for_model(model, num_slots=4)  # "auto" copies on GPUs only
+    assert not auto.programs.unstack and auto.programs.model_config.scan_layers
     with pytest.raises(ValueError, match="layer_layout='sideways'; use one of"):
         Engine.for_model(model, num_slots=4, layer_layout="sideways")
 

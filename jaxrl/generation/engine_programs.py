@@ -24,10 +24,11 @@ step runs the layer loop over the stacked weights `[L, ...]`, and XLA:GPU copies
 weights out of the stack at every step (a `dynamic-slice` it cannot fuse into the GEMMs that
 read them): the weights move three times a step where a step reads them once (Llama 3 8B on
 TP 4: 14.2 GB a step against 7.2 GB, `launch.plan`'s decode line). On a GPU the programs
-therefore run the same model with its layers unrolled ("auto"; "unrolled" anywhere), on the
-engine's own per-layer copy of the weights, made on the devices once per weights object passed
-in (`engine_params`: the first call with new weights pays one copy of them, later calls reuse
-it) and held beside the caller's stacked weights. "stacked" keeps the caller's layout.
+therefore run the same model with its layers unrolled ("auto", where the weights take at most
+`UNROLL_SHARE` of a device's memory; "unrolled" anywhere), on the engine's own per-layer copy of
+the weights, made on the devices once per weights object passed in (`engine_params`: the first
+call with new weights pays one copy of them, later calls reuse it) and held beside the caller's
+stacked weights. "stacked" keeps the caller's layout.
 
 Copies into slots are in-place `dynamic_update_slice`s per row (`_copy_rows`). Each program is
 compiled once per (bucket, static sampling config): one prefill per (prompt-batch, prompt-length)
@@ -119,18 +120,55 @@ def _pure(params):
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
 
 
-def _unrolls(graphdef, config: ModelConfig, mesh, layer_layout: str) -> bool:
+# "auto" makes the per-layer copy where the weights take at most this share of a device's memory
+# (Llama 3 8B at TP 4 on an H100: 5%; 70B at TP 8: 21%); above it (405B at TP 8 on an H200: 67%)
+# the second copy would cost the KV cache's room, and the engine decodes over the stacked weights.
+UNROLL_SHARE = 0.25
+
+
+def _device_memory(devices) -> int | None:
+    """Bytes of one device's memory: its allocator's limit, or for a device described without
+    the hardware (plans) its GPU system's figure; None where neither is known."""
+    from jaxrl.infra import gpu
+
+    try:
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # deviceless topology devices have no allocator
+        limit = None
+    if limit:
+        return int(limit)
+    try:
+        return gpu.device_spec(devices).hbm_bytes
+    except Exception:
+        return None
+
+
+def _unrolls(graphdef, config: ModelConfig, mesh, rules, layer_layout: str) -> bool:
     """Whether the engine runs its model with per-layer weights (module docstring): scanned
     layers of a plain `Transformer`, and "unrolled", or "auto" on a GPU mesh (else the default
-    backend's)."""
+    backend's) where the weights take at most `UNROLL_SHARE` of a device's memory."""
     if layer_layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer_layout={layer_layout!r}; use one of {LAYER_LAYOUTS}")
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    wanted = layer_layout == "unrolled" or (layer_layout == "auto" and platform == "gpu")
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    wanted = layer_layout == "unrolled" or (layer_layout == "auto" and devices[0].platform == "gpu")
     if not config.scan_layers or not wanted:
         return False
-    plain = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    return graphdef == plain  # a wrapped model (adapters) keeps its own layout
+    graph, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    if graphdef != graph:  # a wrapped model (adapters) keeps its own layout
+        return False
+    if layer_layout == "unrolled":
+        return True
+    leaves = jax.tree.leaves(abstract)
+    if mesh is not None:
+        shardings = jax.tree.leaves(ax.param_shardings(abstract, mesh, rules))
+        shapes = [s.shard_shape(x.shape) for x, s in zip(leaves, shardings, strict=True)]
+    else:
+        shapes = [x.shape for x in leaves]
+    weights = sum(
+        int(np.prod(shape)) * x.dtype.itemsize for shape, x in zip(shapes, leaves, strict=True)
+    )
+    memory = _device_memory(devices)
+    return memory is None or weights <= UNROLL_SHARE * memory
 
 
 class EnginePrograms:
@@ -155,7 +193,7 @@ class EnginePrograms:
         layer_layout: str = "auto",
     ):
         self.mesh, self.rules, self.stats = mesh, rules, stats
-        self.unstack = _unrolls(graphdef, model_config, mesh, layer_layout)
+        self.unstack = _unrolls(graphdef, model_config, mesh, rules, layer_layout)
         self._converted: tuple[Any, Any] | None = None  # (weights passed in, the engine's copy)
         if self.unstack:
             self.source_layers = model_config.num_layers
