@@ -132,6 +132,14 @@ class ProgramReport:
             return []
         return hlo_cost.largest_arrays(self.compiled.as_text(), count)
 
+    def square_buffers(self, length: int) -> list[tuple[str, int]]:
+        """The arrays the program allocates with two trailing dims of `length` (attention
+        scores `[..., T, T]` over a sequence of `length`), largest first."""
+        if self.compiled is None:
+            return []
+        arrays = hlo_cost.largest_arrays(self.compiled.as_text(), count=None)
+        return [(s, n) for s, n in arrays if hlo_cost.dims(s)[-2:] == [length, length]]
+
     @property
     def total_bytes(self) -> int:
         return (

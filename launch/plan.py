@@ -294,11 +294,12 @@ def _xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
         )
 
 
-def hand_count_lines(report: ProgramReport, spec: ChipSpec) -> list[str]:
+def hand_count_lines(report: ProgramReport, spec: ChipSpec, sequence: int = 0) -> list[str]:
     """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
     counted as they run, Pallas kernels by their models) beside its hand count
     (`jaxrl.hand_count`), as ratios; for the train step also whether it is compute-bound at the
-    device's peaks, and its largest buffers."""
+    device's peaks, its largest buffers, and whether any buffer holds `[sequence, sequence]`
+    attention scores."""
     cost = report.whole_step_cost() if report.hand is not None and not report.error else None
     if cost is None:
         return []
@@ -320,6 +321,14 @@ def hand_count_lines(report: ProgramReport, spec: ChipSpec) -> list[str]:
             f"{shape} {size / GiB:.2f} GiB" for shape, size in report.largest_buffers()
         )
         lines.append(f"  {report.name}: largest buffers: {biggest}")
+        if sequence:
+            square = report.square_buffers(sequence)
+            lines.append(
+                f"  {report.name}: no buffer of [{sequence}, {sequence}] scores"
+                if not square
+                else f"  {report.name}: buffers of [{sequence}, {sequence}] scores: "
+                + ", ".join(f"{shape} {size / GiB:.2f} GiB" for shape, size in square[:3])
+            )
     return lines
 
 
@@ -407,7 +416,7 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     print_table(title, [_row(report, spec, step_cost)])
     _memory_fraction_note([report], spec, devices)
     _xla_notes(report, spec)
-    for line in hand_count_lines(report, spec):
+    for line in hand_count_lines(report, spec, config.prompt_len + config.completion_len):
         print(line)
     if report.error:
         print(f"  the compiler refused: {report.error}")

@@ -464,7 +464,12 @@ def _kernel_model(instr: _Instr, shapes: dict[str, str]) -> tuple[float, float] 
     return None
 
 
-def largest_arrays(text: str, count: int = 5) -> list[tuple[str, int]]:
+def dims(shape: str) -> list[int]:
+    """The dimensions of an HLO array shape (`bf16[8,2048]` -> [8, 2048])."""
+    return _dims(shape)
+
+
+def largest_arrays(text: str, count: int | None = 5) -> list[tuple[str, int]]:
     """The `count` largest arrays produced by instructions of the program's unfused computations
     (the entry, loop bodies, called computations: the buffers a program allocates; a fusion's
     inner values live in registers), as (shape, bytes), largest first; parameters excluded."""
