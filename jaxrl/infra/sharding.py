@@ -29,6 +29,12 @@ HEAD_DIM = "head_dim"
 MLP = "mlp"
 NORM = "norm"
 LAYERS = "layers"  # the stacked layer axis of scanned models: never sharded
+# Mixture-of-experts weights (`jaxrl.models.moe`): the stacked expert axis, and the hidden and
+# expert-MLP dimensions of expert weights (their own names, so that a rules table can split the
+# experts over a mesh axis that `embed` or `mlp` already use for dense weights).
+EXPERTS = "experts"
+EXPERT_EMBED = "expert_embed"
+EXPERT_MLP = "expert_mlp"
 
 # Activation axes.
 ACT_BATCH = "act_batch"
@@ -40,7 +46,19 @@ ACT_HEAD_DIM = "act_head_dim"
 ACT_MLP = "act_mlp"
 ACT_VOCAB = "act_vocab"
 
-PARAM_AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, NORM, LAYERS)
+PARAM_AXES = (
+    VOCAB,
+    EMBED,
+    Q_HEADS,
+    KV_HEADS,
+    HEAD_DIM,
+    MLP,
+    NORM,
+    LAYERS,
+    EXPERTS,
+    EXPERT_EMBED,
+    EXPERT_MLP,
+)
 ACTIVATION_AXES = (
     ACT_BATCH,
     ACT_LENGTH,
@@ -108,7 +126,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 # Trainer: FSDP x TP on a ("fsdp", "tp") mesh. Weights are split along `embed` over fsdp (gathered
 # layer by layer in the forward pass) and along their head / hidden / vocab dimension over tp
 # (Megatron-style column/row splits); the batch is split over fsdp (FSDP is data parallel for
-# activations); activations keep their tp split inside attention and the MLP.
+# activations); activations keep their tp split inside attention and the MLP. Mixture-of-experts
+# weights `[experts, expert_embed, expert_mlp]` are split by expert over fsdp (whole experts per
+# fsdp shard in place of an embed split: the same memory per device, gathered layer by layer as
+# FSDP gathers dense weights) and along each expert's MLP width over tp, as dense MLPs are.
 TRAINER_RULES: LogicalRules = (
     (VOCAB, "tp"),
     (EMBED, "fsdp"),
@@ -118,6 +139,9 @@ TRAINER_RULES: LogicalRules = (
     (MLP, "tp"),
     (NORM, None),
     (LAYERS, None),
+    (EXPERTS, "fsdp"),
+    (EXPERT_EMBED, None),
+    (EXPERT_MLP, "tp"),
     (ACT_BATCH, "fsdp"),
     (ACT_LENGTH, None),
     (ACT_EMBED, None),
@@ -130,6 +154,8 @@ TRAINER_RULES: LogicalRules = (
 
 # Generator: TP x DP replicas on a ("dp", "tp") mesh. Weights are split over tp only (each dp
 # replica holds a full copy, so decoding needs no weight all-gather); the batch is split over dp.
+# Experts are split whole over tp (each tp device holds num_experts / tp experts, the memory of a
+# Megatron split of their MLP width).
 GENERATOR_RULES: LogicalRules = (
     (VOCAB, "tp"),
     (EMBED, None),
@@ -139,6 +165,9 @@ GENERATOR_RULES: LogicalRules = (
     (MLP, "tp"),
     (NORM, None),
     (LAYERS, None),
+    (EXPERTS, "tp"),
+    (EXPERT_EMBED, None),
+    (EXPERT_MLP, None),
     (ACT_BATCH, "dp"),
     (ACT_LENGTH, None),
     (ACT_EMBED, None),
@@ -228,6 +257,8 @@ def _variable_sharding(
             pad = (
                 f"pad the vocabulary to a multiple of {split} (unused ids), "
                 if name == VOCAB
+                else f"the model has {size} experts: "
+                if name == EXPERTS
                 else ""
             )
             raise ValueError(

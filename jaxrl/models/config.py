@@ -7,6 +7,9 @@ One frozen dataclass covers the three supported families:
 | llama   | attention_bias | attention_bias | no      | head_dim or hidden/heads |
 | qwen2   | yes        | no           | no          | hidden/heads          |
 | qwen3   | attention_bias | attention_bias | yes     | head_dim (free)       |
+| qwen3_moe | attention_bias | attention_bias | yes   | head_dim (free)       |
+
+qwen3_moe is qwen3 with sparse mixture-of-experts MLPs (`num_experts > 0`; `jaxrl.models.moe`).
 
 Anything the model does not implement is refused when the config is read, with a message that
 names the field, rather than silently computing something else.
@@ -19,7 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -98,6 +101,17 @@ class ModelConfig:
     scan_layers: bool = False
     # What the backward pass keeps of each layer's forward (`jaxrl.models.remat.REMAT_POLICIES`).
     remat_policy: str = "none"
+    # Mixture of experts (Qwen3-MoE; `jaxrl.models.moe`). num_experts=0: every MLP dense (every
+    # other family). A layer i is sparse when i is not in `mlp_only_layers` and
+    # (i + 1) % decoder_sparse_step == 0, as transformers' Qwen3MoeDecoderLayer decides.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # The default weight of the load-balancing loss (HF `router_aux_loss_coef`).
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -117,12 +131,74 @@ class ModelConfig:
             raise ValueError(
                 f"attention_impl={self.attention_impl!r}; use 'xla', 'cudnn', 'pallas' or None"
             )
+        self._check_moe()
         from jaxrl.models.remat import REMAT_POLICIES
 
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"remat_policy={self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}"
             )
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.mlp_only_layers, tuple):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts={self.num_experts}; use 0 (dense MLPs) or more")
+        if self.model_type == "qwen3_moe" and self.num_experts == 0:
+            raise ValueError(
+                "model_type 'qwen3_moe' with num_experts=0: set num_experts (the checkpoint's "
+                "config.json has it) or use model_type 'qwen3' for a dense model"
+            )
+        if self.num_experts == 0:
+            return
+        if self.model_type != "qwen3_moe":
+            raise UnsupportedModelError(
+                f"num_experts={self.num_experts} with model_type {self.model_type!r}: mixture of "
+                "experts is implemented for qwen3_moe only; use model_type 'qwen3_moe'"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} with num_experts="
+                f"{self.num_experts}: each token is routed to its top-k experts, so k must be "
+                f"between 1 and num_experts; fix num_experts_per_tok in config.json"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"moe_intermediate_size={self.moe_intermediate_size}: each expert's MLP width "
+                "must be >= 1; set it from the checkpoint's config.json"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"decoder_sparse_step={self.decoder_sparse_step}; it must be >= 1 (1: every "
+                "layer not in mlp_only_layers is sparse)"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"mlp_only_layers {bad} are not layers of a {self.num_layers}-layer model; "
+                f"use indices in [0, {self.num_layers})"
+            )
+        sparse = self.moe_layers
+        if self.scan_layers and 0 < len(sparse) < self.num_layers:
+            raise UnsupportedModelError(
+                f"scan_layers=True needs every layer alike, but layers {list(sparse)} are "
+                "mixture-of-experts and the others dense (mlp_only_layers / "
+                "decoder_sparse_step); use scan_layers=False for this checkpoint"
+            )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The sparse (mixture-of-experts) layers; () for a dense model."""
+        if self.num_experts == 0:
+            return ()
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     @property
     def jnp_param_dtype(self):
@@ -158,7 +234,10 @@ class ModelConfig:
             mlp += 2 * self.intermediate_size + e
         layer = attn + mlp + 2 * e
         head = 0 if self.tie_word_embeddings else e * self.vocab_size
-        return self.vocab_size * e + self.num_layers * layer + e + head
+        sparse = len(self.moe_layers)
+        # A sparse layer holds the router and the experts in place of the dense MLP.
+        moe_delta = self.num_experts * (e + 3 * e * self.moe_intermediate_size) - mlp
+        return self.vocab_size * e + self.num_layers * layer + sparse * moe_delta + e + head
 
     # --- Hugging Face interop -------------------------------------------------------------
 
@@ -209,11 +288,13 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_id=_as_eos(getattr(hf_config, "eos_token_id", None)),
             pad_token_id=getattr(hf_config, "pad_token_id", None),
         )
+        if model_type == "qwen3_moe":
+            kwargs.update(_moe_from_hf(hf_config))
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if dtype is not None and str(dtype).removeprefix("torch.") in DTYPES:
             kwargs["param_dtype"] = str(dtype).removeprefix("torch.")
@@ -256,9 +337,38 @@ class ModelConfig:
             )
         if self.model_type == "qwen2":
             return transformers.Qwen2Config(**common, use_sliding_window=False)
+        if self.model_type == "qwen3_moe":
+            return transformers.Qwen3MoeConfig(
+                **common,
+                attention_bias=self.qkv_bias,
+                use_sliding_window=False,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+            )
         return transformers.Qwen3Config(
             **common, attention_bias=self.qkv_bias, use_sliding_window=False
         )
+
+
+def _moe_from_hf(hf_config: Any) -> dict[str, Any]:
+    """Qwen3-MoE's routing fields (`Qwen3MoeConfig`)."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the experts are SwiGLU")
+    return dict(
+        num_experts=int(hf_config.num_experts),
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        moe_intermediate_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        decoder_sparse_step=int(getattr(hf_config, "decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(int(i) for i in (getattr(hf_config, "mlp_only_layers", None) or ())),
+        router_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+    )
 
 
 def _as_eos(value) -> int | tuple[int, ...] | None:

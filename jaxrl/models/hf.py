@@ -49,6 +49,30 @@ class TensorMap:
     to_hf: Callable[[np.ndarray], np.ndarray]
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedTensorMap:
+    """A model parameter stored as several HF tensors (one per expert: `hf_names[j]` is expert
+    j's). `to_model` stacks the list of HF arrays into this model's layout; `to_hf` splits it
+    back into that list."""
+
+    hf_names: tuple[str, ...]
+    to_model: Callable[[list[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]]
+
+    @property
+    def hf_name(self) -> str:  # for messages: the first expert's tensor
+        return self.hf_names[0]
+
+
+def _stacked_experts() -> tuple[Callable, Callable]:
+    # torch Linear [out, in] per expert <-> model [experts, in, out].
+    return (lambda ws: np.stack([w.T for w in ws])), (lambda w: [x.T for x in w])
+
+
+def _hf_names(spec) -> tuple[str, ...]:
+    return spec.hf_names if isinstance(spec, StackedTensorMap) else (spec.hf_name,)
+
+
 def _identity() -> tuple[Callable, Callable]:
     return (lambda w: w), (lambda w: w)
 
@@ -84,7 +108,7 @@ def _bias_heads(heads: int, head_dim: int) -> tuple[Callable, Callable]:
     return (lambda w: w.reshape(heads, head_dim)), (lambda w: w.reshape(heads * head_dim))
 
 
-def param_map(config: ModelConfig) -> dict[tuple, TensorMap]:
+def param_map(config: ModelConfig) -> dict[tuple, TensorMap | StackedTensorMap]:
     """Model parameter path (as in `nnx.state(model)`) -> how it is stored in HF checkpoints."""
     c = config
     out: dict[tuple, TensorMap] = {}
@@ -125,6 +149,14 @@ def param_map(config: ModelConfig) -> dict[tuple, TensorMap]:
         if c.qk_norm:
             add((*attn, "q_norm", "weight"), f"{hf}.self_attn.q_norm.weight", _identity())
             add((*attn, "k_norm", "weight"), f"{hf}.self_attn.k_norm.weight", _identity())
+        if c.is_moe_layer(i):
+            # Qwen3-MoE, as save_pretrained writes it: the router `mlp.gate` and one
+            # gate/up/down Linear per expert, stacked here on a leading expert axis.
+            add((*layer, "mlp", "router_kernel"), f"{hf}.mlp.gate.weight", _transpose())
+            for p in ("gate", "up", "down"):
+                names = tuple(f"{hf}.mlp.experts.{j}.{p}_proj.weight" for j in range(c.num_experts))
+                out[(*layer, "mlp", f"{p}_kernel")] = StackedTensorMap(names, *_stacked_experts())
+            continue
         for p in ("gate", "up", "down"):
             add((*layer, "mlp", f"{p}_kernel"), f"{hf}.mlp.{p}_proj.weight", _transpose())
             if c.mlp_bias:
@@ -206,7 +238,7 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
             _path_key(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
         }
 
-    expected_names = {m.hf_name for m in mapping.values()}
+    expected_names = {n for m in mapping.values() for n in _hf_names(m)}
     unexpected = [
         n
         for n in reader
@@ -221,11 +253,15 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
             "the same model?"
         )
 
+    _check_present(path, reader, mapping, abstract_state, config)
+
     def read(key: tuple, shape: tuple, dtype) -> np.ndarray:
         """One HF tensor, checked and in this model's layout and dtype (host memory)."""
         spec = mapping.get(key)
         if spec is None:
             raise CheckpointMismatchError(f"no HF name known for model parameter {key}")
+        if isinstance(spec, StackedTensorMap):
+            return read_stacked(key, spec, shape, dtype)
         if spec.hf_name not in reader:
             raise CheckpointMismatchError(
                 f"tensor {spec.hf_name!r} is missing from {path} (needed for model parameter "
@@ -240,6 +276,11 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
             )
         host = np.asarray(spec.to_model(hf_array))
         del hf_array  # at most two host copies of this tensor are alive at once
+        return host.astype(dtype, copy=False)
+
+    def read_stacked(key, spec: StackedTensorMap, shape: tuple, dtype) -> np.ndarray:
+        # Names and shapes were checked by _check_present.
+        host = np.asarray(spec.to_model([reader[n] for n in spec.hf_names]))
         return host.astype(dtype, copy=False)
 
     def load_leaf(key_path, variable):
@@ -270,6 +311,52 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
     values = jax.tree_util.tree_map_with_path(load_leaf, nnx.to_pure_dict(abstract_state))
     nnx.replace_by_pure_dict(abstract_state, values)
     return abstract_state
+
+
+def _check_present(path, reader, mapping, abstract_state, config: ModelConfig) -> None:
+    """Every tensor the model needs is in the checkpoint with its shape, from the files' headers
+    alone: a missing or mis-shaped tensor (an expert of a mixture-of-experts layer, say) is
+    refused before anything is read or placed on a device."""
+    abstract = {
+        _path_key(p): tuple(v.shape)
+        for p, v in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(abstract_state))
+    }
+    for key, shape in abstract.items():
+        if config.scan_layers and key[0] == "layers":
+            keys = [(("layers", i, *key[1:]), shape[1:]) for i in range(config.num_layers)]
+        else:
+            keys = [(key, shape)]
+        for k, s in keys:
+            spec = mapping.get(k)
+            if spec is None:
+                raise CheckpointMismatchError(f"no HF name known for model parameter {k}")
+            names = _hf_names(spec)
+            expected = spec.to_hf(np.empty(s, np.uint8))
+            expected = expected if isinstance(spec, StackedTensorMap) else [expected]
+            where = "/".join(map(str, k))
+            missing = [n for n in names if n not in reader]
+            if missing and isinstance(spec, StackedTensorMap):
+                raise CheckpointMismatchError(
+                    f"expert tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} are missing "
+                    f"from {path} ({len(missing)} of the {len(names)} experts of model parameter "
+                    f"{where}). config.json says num_experts={config.num_experts}: use the "
+                    "config.json saved with these weights, or re-save the checkpoint with every "
+                    "expert (save_pretrained writes model.layers.{i}.mlp.experts.{j}.*)."
+                )
+            if missing:
+                continue  # read() names the missing tensor as before
+            for n, e in zip(names, expected, strict=True):
+                if tuple(reader.shape(n)) != tuple(e.shape):
+                    hint = (
+                        " Check hidden_size / moe_intermediate_size / num_experts in config.json "
+                        "against the weights."
+                        if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")
+                        else ""
+                    )
+                    raise CheckpointMismatchError(
+                        f"tensor {n!r} in {path} has shape {tuple(reader.shape(n))}, but the "
+                        f"config needs {tuple(e.shape)} (model parameter {where}).{hint}"
+                    )
 
 
 def load_model(
@@ -335,7 +422,11 @@ def save_hf(model: Transformer, path: str, tokenizer=None, dtype: str | None = N
             pieces = {key: host}
         for k, array in pieces.items():
             spec = mapping[k]
-            tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(array))
+            if isinstance(spec, StackedTensorMap):
+                for name, part in zip(spec.hf_names, spec.to_hf(array), strict=True):
+                    tensors[name] = np.ascontiguousarray(part)
+            else:
+                tensors[spec.hf_name] = np.ascontiguousarray(spec.to_hf(array))
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
@@ -344,9 +435,12 @@ def save_hf(model: Transformer, path: str, tokenizer=None, dtype: str | None = N
         if dtype is not None:
             hf_config.dtype = dtype
         hf_config.architectures = [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-                config.model_type
-            ]
+            {
+                "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM",
+            }[config.model_type]
         ]
         hf_config.save_pretrained(tmp)
         write_safetensors(os.path.join(tmp, SINGLE_FILE), tensors)

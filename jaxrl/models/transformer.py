@@ -29,6 +29,7 @@ from jaxrl.models import decode_kernel, decode_kernel_tpu, remat, tpu_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpu_attention import flash_self_attention
 from jaxrl.models.masks import SegmentMask, causal_mask  # noqa: F401  (causal_mask: public here)
+from jaxrl.models.moe import MoEMLP, RouterStats, load_balancing_loss
 from jaxrl.models.pallas_attention import splash_self_attention
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -204,19 +205,33 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, std: float):
+    """Pre-norm attention and MLP blocks; `moe`: the MLP is a routed mixture of experts."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, std: float, moe: bool = False):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config, rngs, ax.NORM)
         self.attention = Attention(config, rngs, std)
         self.post_attention_norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, config, rngs, ax.NORM
         )
-        self.mlp = MLP(config, rngs, std)
+        self.mlp = MoEMLP(config, rngs, std) if moe else MLP(config, rngs, std)
 
-    def __call__(self, x_bte, cos_btd, sin_btd, mask_bts, cache=None, cache_index=None):
+    def __call__(
+        self, x_bte, cos_btd, sin_btd, mask_bts, cache=None, cache_index=None, router_stats=False
+    ):
+        """`(out, cache)`, or with `router_stats` `(out, cache, RouterStats | None)` (None for a
+        dense layer)."""
         attn_out, cache = self.attention(
             self.input_norm(x_bte), cos_btd, sin_btd, mask_bts, cache, cache_index
         )
         h = x_bte + attn_out
+        if router_stats:
+            stats = None
+            if isinstance(self.mlp, MoEMLP):
+                mlp_out, stats = self.mlp(self.post_attention_norm(h), with_stats=True)
+            else:
+                mlp_out = self.mlp(self.post_attention_norm(h))
+            out = ax.constrain(h + mlp_out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
+            return out, cache, stats
         out = h + self.mlp(self.post_attention_norm(h))
         return ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), cache
 
@@ -238,7 +253,12 @@ class Transformer(nnx.Module):
         if c.scan_layers:
             self.layers = _stacked_layers(c, rngs, init_std)
         else:
-            self.layers = nnx.List([DecoderLayer(c, rngs, init_std) for _ in range(c.num_layers)])
+            self.layers = nnx.List(
+                [
+                    DecoderLayer(c, rngs, init_std, moe=c.is_moe_layer(i))
+                    for i in range(c.num_layers)
+                ]
+            )
         self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c, rngs, ax.NORM)
         if not c.tie_word_embeddings:
             self.lm_head = _param(
@@ -260,12 +280,17 @@ class Transformer(nnx.Module):
         mask_bts: jax.Array,
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
+        router_stats: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states `[B, T, E]` and the updated cache (None without a cache).
 
         `mask_bts`: a dense `[B, T, S]` boolean mask, or a `SegmentMask` (self-attention without
         a cache: training, `__call__`), which stays per-token for the fused GPU kernel
-        (`flash_kernels`) and is made dense for every other attention form."""
+        (`flash_kernels`) and is made dense for every other attention form.
+
+        `router_stats` (mixture-of-experts models, no cache): returns `(hidden, None,
+        RouterStats)`, the routing statistics `jaxrl.models.moe.load_balancing_loss` reduces to
+        the auxiliary loss (a dense model's stats count 0 layers)."""
         if isinstance(mask_bts, SegmentMask) and not (
             flash_kernels(self.config) and _fresh_cache(cache, cache_index, tokens_bt.shape[1])
         ):
@@ -278,6 +303,8 @@ class Transformer(nnx.Module):
         def run_layer(x, layer, layer_cache):
             return layer(x, cos, sin, mask_bts, layer_cache, cache_index)
 
+        if router_stats:
+            return self._hidden_with_router_stats(x, cos, sin, mask_bts, cache, policy)
         if self.config.remat_policy != "none":
             run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not self.config.scan_layers)
         if self.config.scan_layers and _in_place_decode(self.config, cache, mask_bts):
@@ -311,6 +338,61 @@ class Transformer(nnx.Module):
             x, layer_cache = run_layer(x, layer, None if cache is None else cache[i])
             new_cache.append(layer_cache)
         return self.final_norm(x), (None if cache is None else tuple(new_cache))
+
+    def _hidden_with_router_stats(self, x, cos, sin, mask_bts, cache, policy):
+        """`hidden_states(..., router_stats=True)`: the layers as there, the sparse layers'
+        router statistics summed over layers on the side."""
+        c = self.config
+        if cache is not None:
+            raise ValueError("router_stats=True is for whole-sequence forwards (no KV cache)")
+        b, t = x.shape[:2]
+        zeros = jnp.zeros((b, t, max(c.num_experts, 1)), jnp.float32)
+
+        def run_layer(x, layer):
+            out, _, stats = layer(x, cos, sin, mask_bts, None, None, router_stats=True)
+            if stats is None:  # a dense layer
+                return out, zeros, zeros
+            return out, stats.counts_bte, stats.probs_bte
+
+        if c.remat_policy != "none":
+            run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not c.scan_layers)
+        if c.scan_layers:
+            # Every layer alike (ModelConfig refuses mixed dense / sparse stacks).
+            def run_stacked(carry, layer):
+                x, counts, probs = carry
+                x, layer_counts, layer_probs = run_layer(x, layer)
+                return x, counts + layer_counts, probs + layer_probs
+
+            scan = nnx.scan(
+                run_stacked,
+                in_axes=(nnx.Carry, 0),
+                out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: ax.LAYERS},
+            )
+            x, counts, probs = scan((x, zeros, zeros), self.layers)
+        else:
+            counts = probs = zeros
+            for layer in self.layers:
+                x, layer_counts, layer_probs = run_layer(x, layer)
+                counts, probs = counts + layer_counts, probs + layer_probs
+        total = RouterStats(counts, probs, len(c.moe_layers))
+        return self.final_norm(x), None, total
+
+    def logits_and_aux_loss(
+        self, tokens_bt: jax.Array, valid_bt: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """`__call__`'s logits and the load-balancing loss over the valid tokens
+        (`jaxrl.models.moe.load_balancing_loss`; 0 for a dense model). A trainer adds
+        `config.router_aux_loss_coef` (or its own weight) times the loss."""
+        if valid_bt is None:
+            valid_bt = jnp.ones(tokens_bt.shape, bool)
+        hidden, _, stats = self.hidden_states(
+            tokens_bt,
+            positions_from_mask(valid_bt),
+            SegmentMask.from_valid(valid_bt),
+            router_stats=True,
+        )
+        return self.logits(hidden), load_balancing_loss(stats, valid_bt)
 
     def unembedding(self) -> jax.Array:
         """The output projection `[E, V]` in the compute dtype (the embedding when tied)."""
@@ -545,7 +627,7 @@ def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs, init_std: float) -> Dec
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(rngs):
-        return DecoderLayer(config, rngs, init_std)
+        return DecoderLayer(config, rngs, init_std, moe=bool(config.moe_layers))
 
     return make(rngs)
 

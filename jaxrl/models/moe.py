@@ -1,0 +1,125 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE), with grouped matmuls and the load-balancing loss.
+
+Routing, as transformers' `Qwen3MoeTopKRouter` computes it, per token x (hidden size E):
+
+    logits = x @ router                           [num_experts], in the compute dtype
+    probs  = softmax(logits) in float32
+    w, idx = top_k(probs, k)                      k = num_experts_per_tok
+    w      = w / sum(w)          if norm_topk_prob
+    out    = sum_j w_j * expert_{idx_j}(x)        expert(x) = down(silu(gate(x)) * up(x))
+
+No token is dropped: there is no capacity limit, every token reaches its k experts however
+unbalanced the routing. The experts run as grouped matmuls: the N*k (token, expert) pairs are
+sorted by expert and `jax.lax.ragged_dot` multiplies each contiguous group by its expert's
+weights (no [N, num_experts, F] dense intermediate, no padding to a capacity).
+
+Expert weights are stacked on a leading expert axis, `[num_experts, E, F]` (gate, up) and
+`[num_experts, F, E]` (down), with the logical axes `experts`, `expert_embed`, `expert_mlp`
+(`jaxrl.infra.sharding`); the router is `[E, num_experts]`, replicated across experts.
+
+Load balancing (Switch Transformer; transformers' `load_balancing_loss_func`): over the sparse
+layers l and the valid tokens t (R = layers * valid tokens),
+
+    f_e = sum_{l,t} [e in top_k(probs_{l,t})] / R,   P_e = sum_{l,t} probs_{l,t,e} / R
+    aux = num_experts * sum_e f_e * P_e
+
+(k when routing is perfectly balanced). `Transformer.hidden_states(..., router_stats=True)`
+returns the per-token sums over layers that this needs (`RouterStats`), `load_balancing_loss`
+reduces them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.infra import sharding as ax
+from jaxrl.infra.sharding import logical_param as _param
+from jaxrl.models.config import ModelConfig
+
+
+class RouterStats(NamedTuple):
+    """Per-token router statistics summed over the sparse layers: `counts_bte[b, t, e]` how many
+    layers chose expert e for token (b, t) among their top k, `probs_bte` the sum of the router
+    probabilities; `layers` the number of sparse layers summed."""
+
+    counts_bte: jax.Array
+    probs_bte: jax.Array
+    layers: int
+
+
+def load_balancing_loss(stats: RouterStats, valid_bt: jax.Array | None = None) -> jax.Array:
+    """The auxiliary load-balancing loss (float32 scalar) over the valid tokens, as transformers'
+    `load_balancing_loss_func` computes it from the router logits of every sparse layer and the
+    attention mask. 0 for a model without sparse layers."""
+    if stats.layers == 0:
+        return jnp.zeros((), jnp.float32)
+    num_experts = stats.probs_bte.shape[-1]
+    if valid_bt is None:
+        valid_bt = jnp.ones(stats.probs_bte.shape[:2], bool)
+    m = valid_bt.astype(jnp.float32)[..., None]
+    rows = stats.layers * jnp.sum(m)
+    tokens_per_expert = jnp.sum(stats.counts_bte * m, axis=(0, 1)) / rows
+    prob_per_expert = jnp.sum(stats.probs_bte * m, axis=(0, 1)) / rows
+    return num_experts * jnp.sum(tokens_per_expert * prob_per_expert)
+
+
+class MoEMLP(nnx.Module):
+    """Top-k routed SwiGLU experts (`Qwen3MoeSparseMoeBlock`)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, std: float):
+        c = config
+        e, f, n, pd = c.hidden_size, c.moe_intermediate_size, c.num_experts, c.jnp_param_dtype
+        self.config = c
+        self.router_kernel = _param(rngs, (e, n), (ax.EXPERT_EMBED, None), pd, std)
+        axes_in = (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP)
+        self.gate_kernel = _param(rngs, (n, e, f), axes_in, pd, std)
+        self.up_kernel = _param(rngs, (n, e, f), axes_in, pd, std)
+        self.down_kernel = _param(
+            rngs, (n, f, e), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED), pd, std
+        )
+
+    def route(self, x_ne: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Router probabilities `[N, num_experts]` (float32), the top-k weights `[N, k]` (compute
+        dtype; renormalised if `norm_topk_prob`) and expert indices `[N, k]`."""
+        c = self.config
+        logits = jnp.dot(x_ne, self.router_kernel[...].astype(c.jnp_dtype))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, c.num_experts_per_tok)
+        if c.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return probs, weights.astype(c.jnp_dtype), experts
+
+    def __call__(self, x_bte: jax.Array, with_stats: bool = False):
+        """`[B, T, E]` -> `[B, T, E]`; with `with_stats`, also this layer's `RouterStats`."""
+        b, t, e = x_bte.shape
+        x_ne = x_bte.reshape(b * t, e)
+        probs, weights, experts = self.route(x_ne)
+        out = self._experts(x_ne, weights, experts).reshape(b, t, e)
+        out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
+        if not with_stats:
+            return out
+        n = self.config.num_experts
+        counts = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32), axis=1)
+        return out, RouterStats(counts.reshape(b, t, n), probs.reshape(b, t, n), 1)
+
+    def _experts(self, x_ne: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array) -> jax.Array:
+        """Every token through its k experts, weighted and summed: the (token, expert) pairs
+        sorted by expert, three grouped matmuls over the groups, then unsorted."""
+        c = self.config
+        dtype = c.jnp_dtype
+        n, k = experts_nk.shape
+        flat = experts_nk.reshape(n * k)
+        order = jnp.argsort(flat, stable=True)  # pair p = order[i] is the i-th in expert order
+        group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+        x_sorted = jnp.take(x_ne, order // k, axis=0)
+        gate = jax.lax.ragged_dot(x_sorted, self.gate_kernel[...].astype(dtype), group_sizes)
+        up = jax.lax.ragged_dot(x_sorted, self.up_kernel[...].astype(dtype), group_sizes)
+        hidden = jax.nn.silu(gate) * up
+        y_sorted = jax.lax.ragged_dot(hidden, self.down_kernel[...].astype(dtype), group_sizes)
+        inverse = jnp.argsort(order)  # pair p sits at row inverse[p] of the sorted rows
+        y_nke = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)
+        return jnp.sum(y_nke * weights_nk[..., None], axis=1)
