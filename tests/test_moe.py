@@ -17,6 +17,7 @@ import transformers
 from flax import nnx
 from hf_fixtures import left_padded_batch, reference_logits
 
+from jaxrl import train_steps
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import sharding as ax
@@ -199,15 +200,17 @@ def test_scanned_layers_equal_unrolled(tmp_path):
 
 
 def _loss_and_grads(model, tokens, mask):
-    def loss_fn(m):
-        logits, aux = m.logits_and_aux_loss(tokens, mask)
-        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-        w = mask[:, 1:].astype(jnp.float32)
-        nll = -jnp.sum(picked * w) / jnp.sum(w)
-        return nll + m.config.router_aux_loss_coef * aux, (logits, aux)
+    """The library's SFT loss (`train_steps.sft_loss`) plus the weighted load-balancing loss, and
+    their gradients."""
+    graphdef, params = nnx.split(model)
+    batch = {"tokens_bs": jnp.where(mask, tokens, -1), "loss_mask_bs": mask}
 
-    (loss, (logits, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    def loss_fn(p):
+        nll, _ = train_steps.sft_loss(graphdef, p, batch, None)
+        logits, aux = nnx.merge(graphdef, p).logits_and_aux_loss(tokens, mask)
+        return nll + model.config.router_aux_loss_coef * aux, (logits, aux)
+
+    (loss, (logits, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return loss, logits, aux, grads
 
 
