@@ -226,7 +226,7 @@ def parity(cpu: bool = False) -> list[dict]:
     from bench.decode_kernel_gpu import errors as decode_errors
     from jaxrl.models import gpu_attention
 
-    b, t, h, kv, d = (2, 48, 4, 2, 16) if cpu else (2, 1024, 8, 4, 128)
+    b, t, h, kv, d = (2, 32, 4, 2, 16) if cpu else (2, 1024, 8, 4, 128)
     blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16) if cpu else {}
     rng = np.random.default_rng(0)
     rows = []

@@ -294,12 +294,15 @@ def _xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
         )
 
 
-def hand_count_lines(report: ProgramReport, spec: ChipSpec, sequence: int = 0) -> list[str]:
+def hand_count_lines(
+    report: ProgramReport, spec: ChipSpec, sequence: int = 0, dims: tuple[int, ...] = ()
+) -> list[str]:
     """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
     counted as they run, Pallas kernels by their models) beside its hand count
     (`jaxrl.hand_count`), as ratios; for the train step also whether it is compute-bound at the
     device's peaks, its largest buffers, and whether any buffer holds `[sequence, sequence]`
-    attention scores."""
+    attention scores (not looked for where `sequence` is one of the model's `dims`, whose
+    activations would look the same)."""
     cost = report.whole_step_cost() if report.hand is not None and not report.error else None
     if cost is None:
         return []
@@ -321,7 +324,12 @@ def hand_count_lines(report: ProgramReport, spec: ChipSpec, sequence: int = 0) -
             f"{shape} {size / GiB:.2f} GiB" for shape, size in report.largest_buffers()
         )
         lines.append(f"  {report.name}: largest buffers: {biggest}")
-        if sequence:
+        if sequence and sequence in dims:
+            lines.append(
+                f"  {report.name}: [{sequence}, {sequence}] scores not looked for: the sequence "
+                "length equals a dimension of the model's"
+            )
+        elif sequence:
             square = report.square_buffers(sequence)
             lines.append(
                 f"  {report.name}: no buffer of [{sequence}, {sequence}] scores"
@@ -416,7 +424,11 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     print_table(title, [_row(report, spec, step_cost)])
     _memory_fraction_note([report], spec, devices)
     _xla_notes(report, spec)
-    for line in hand_count_lines(report, spec, config.prompt_len + config.completion_len):
+    c = model_config
+    dims = (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim)  # fmt: skip
+    sequence = config.prompt_len + config.completion_len
+    for line in hand_count_lines(report, spec, sequence, dims):
         print(line)
     if report.error:
         print(f"  the compiler refused: {report.error}")
