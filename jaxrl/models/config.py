@@ -60,7 +60,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama 3 / Qwen2 / Qwen3 decoder plus the dtypes it runs in.
+    """Architecture of a Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE decoder plus the dtypes it runs in.
 
     `param_dtype` is the storage dtype of the weights; `dtype` is the compute dtype of matmuls and
     activations. Log-softmax and every log-prob are computed in float32 regardless.
@@ -144,12 +144,7 @@ class ModelConfig:
             object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.num_experts < 0:
             raise ValueError(f"num_experts={self.num_experts}; use 0 (dense MLPs) or more")
-        if self.model_type == "qwen3_moe" and self.num_experts == 0:
-            raise ValueError(
-                "model_type 'qwen3_moe' with num_experts=0: set num_experts (the checkpoint's "
-                "config.json has it) or use model_type 'qwen3' for a dense model"
-            )
-        if self.num_experts == 0:
+        if self.num_experts == 0:  # dense (a qwen3_moe config with no experts is dense too)
             return
         if self.model_type != "qwen3_moe":
             raise UnsupportedModelError(
