@@ -132,3 +132,12 @@ def test_gpu_form_on_a_sharded_mesh_runs_the_kernel_per_device(model):
     # No [B, H, T, T] (or per-device [B/2, H/2, T, T]) scores: the kernel's tiles only.
     assert not re.search(rf"tensor<\d+x\d+x{T}x{T}xf32>", text)
     assert _relative(np.where(real[..., None], np.asarray(hidden), 0.0), ref_hidden) < 1e-5
+
+
+def test_cudnn_attention_off_a_gpu_is_refused_with_the_fix():
+    """attention_impl="cudnn" in a CPU program: a ValueError naming the platform and the fix,
+    where cuDNN itself would fail deep inside JAX ("cuDNN not found")."""
+    config = ModelConfig("llama", 64, 32, 64, 1, 4, 2, 16, attention_impl="cudnn")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU .* compiled for cpu: use None"):
+        model(jnp.ones((1, 8), jnp.int32))

@@ -291,6 +291,12 @@ class Transformer(nnx.Module):
         `router_stats` (mixture-of-experts models, no cache): returns `(hidden, None,
         RouterStats)`, the routing statistics `jaxrl.models.moe.load_balancing_loss` reduces to
         the auxiliary loss (a dense model's stats count 0 layers)."""
+        target = decode_kernel.platform()
+        if self.config.attention_impl == "cudnn" and target != "gpu":
+            raise ValueError(
+                f"attention_impl='cudnn' needs an NVIDIA GPU (cuDNN), and this program is "
+                f"compiled for {target}: use None (the platform's own attention) or 'xla'"
+            )
         if isinstance(mask_bts, SegmentMask) and not (
             flash_kernels(self.config) and _fresh_cache(cache, cache_index, tokens_bt.shape[1])
         ):
