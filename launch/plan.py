@@ -57,6 +57,12 @@ from jaxrl.planning import (
     trainer_fix_layout,
 )
 from jaxrl.trainer import LossConfig, OptimizerConfig
+from launch.plan_notes import (  # noqa: F401  (GPU_DEFAULT_MEM_FRACTION: public here)
+    GPU_DEFAULT_MEM_FRACTION,
+    hand_count_lines,
+    memory_fraction_note,
+    xla_notes,
+)
 
 ROLES = ("trainer", "generator", "push")
 
@@ -239,107 +245,6 @@ def print_table(title: str, rows: list[list[str]]) -> None:
 
 
 # JAX on a GPU takes this share of the device's memory unless told otherwise.
-GPU_DEFAULT_MEM_FRACTION = 0.75
-
-
-def _memory_fraction_note(reports: list[ProgramReport], spec: ChipSpec, devices) -> None:
-    """On GPUs, names the XLA_PYTHON_CLIENT_MEM_FRACTION a program that fits needs when it is
-    over JAX's default share (`GPU_DEFAULT_MEM_FRACTION`) of the memory."""
-    if devices[0].platform != "gpu":
-        return
-    need = max(r.total_bytes for r in reports) / spec.hbm_bytes
-    if GPU_DEFAULT_MEM_FRACTION < need <= 1:
-        print(
-            f"  note: {need:.0%} of the GPU's memory; JAX takes {GPU_DEFAULT_MEM_FRACTION:.0%} "
-            f"by default: run with XLA_PYTHON_CLIENT_MEM_FRACTION={min(need + 0.03, 0.99):.2f}"
-        )
-
-
-def _xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
-    """What XLA's memory lines logged while compiling `report`'s program mean for the verdict.
-
-    The verdict reads the buffer assignment (`memory_analysis()`: the buffers the program
-    allocates); XLA:GPU also logs estimates of its own made before that, which can disagree
-    (`jaxrl.planning.XlaMemoryNotes` says how they count)."""
-    notes = report.xla_notes
-    if notes is None:
-        return
-    total, fits = report.total_bytes, report.total_bytes <= spec.hbm_bytes
-    if notes.remat_bytes is not None and abs(notes.remat_bytes - total) <= 0.01 * total:
-        print(
-            f"  XLA's rematerialization pass could not bring {report.name} under its limit of "
-            f"{notes.remat_limit_bytes / GiB:.2f} GiB either (it reached "
-            f"{notes.remat_bytes / GiB:.2f} GiB)."
-        )
-    elif notes.remat_bytes is not None:
-        print(
-            f"  XLA's rematerialization pass estimated {notes.remat_bytes / GiB:.2f} GiB for "
-            f"{report.name} (over its limit of {notes.remat_limit_bytes / GiB:.2f} GiB); the "
-            f"buffers the compiled program allocates total {total / GiB:.2f} GiB, and the "
-            "verdict reads those. The pass adds the outputs "
-            f"({report.output_bytes / GiB:.2f} GiB, {report.alias_bytes / GiB:.2f} GiB of them "
-            "written over donated inputs) to the peak of its own schedule, before buffers "
-            "are assigned."
-        )
-    if notes.io_bytes is not None:
-        then = (
-            "the program does not fit, as the table says"
-            if not fits
-            else "the buffer assignment fits all the same"
-        )
-        print(
-            f"  XLA's GPU scheduler: the arguments and outputs of {report.name} take "
-            f"{notes.io_bytes / GiB:.2f} GiB, over its limit of {notes.io_limit_bytes / GiB:.2f}"
-            f" GiB, so it scheduled without a memory budget; {then}."
-        )
-
-
-def hand_count_lines(
-    report: ProgramReport, spec: ChipSpec, sequence: int = 0, dims: tuple[int, ...] = ()
-) -> list[str]:
-    """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
-    counted as they run, Pallas kernels by their models) beside its hand count
-    (`jaxrl.hand_count`), as ratios; for the train step also whether it is compute-bound at the
-    device's peaks, its largest buffers, and whether any buffer holds `[sequence, sequence]`
-    attention scores (not looked for where `sequence` is one of the model's `dims`, whose
-    activations would look the same)."""
-    cost = report.whole_step_cost() if report.hand is not None and not report.error else None
-    if cost is None:
-        return []
-    flops, bytes_ = cost
-    hand = report.hand
-    lines = [
-        f"  {report.name}: bytes {bytes_ / hand.bytes:.2f}x, FLOPs {flops / hand.flops:.2f}x "
-        f"the hand count (whole step per device: compiled {bytes_:.3g} B, {flops:.3g} FLOP; "
-        f"hand {hand.bytes:.3g} B, {hand.flops:.3g} FLOP; bytes: {hand.describe()})"
-    ]
-    if report.name == "train_step":
-        compute, memory = flops / spec.peak_flops, bytes_ / spec.hbm_bandwidth
-        bound = "compute-bound" if compute >= memory else "bytes-bound"
-        lines.append(
-            f"  {report.name}: FLOPs-time {compute * 1e3:.4g} ms, bytes-time {memory * 1e3:.4g} "
-            f"ms at the device's peaks: {bound}"
-        )
-        biggest = ", ".join(
-            f"{shape} {size / GiB:.2f} GiB" for shape, size in report.largest_buffers()
-        )
-        lines.append(f"  {report.name}: largest buffers: {biggest}")
-        if sequence and sequence in dims:
-            lines.append(
-                f"  {report.name}: [{sequence}, {sequence}] scores not looked for: the sequence "
-                "length equals a dimension of the model's"
-            )
-        elif sequence:
-            square = report.square_buffers(sequence)
-            lines.append(
-                f"  {report.name}: no buffer of [{sequence}, {sequence}] scores"
-                if not square
-                else f"  {report.name}: buffers of [{sequence}, {sequence}] scores: "
-                + ", ".join(f"{shape} {size / GiB:.2f} GiB" for shape, size in square[:3])
-            )
-    return lines
-
-
 def _config_lines(config: PlanConfig, fix) -> list[str]:
     """The gin lines that plan the trainer with `fix` (a `TrainerFix`), and a config file of
     `configs/plan/` that holds them already, if one does."""
@@ -422,8 +327,8 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
         f"{config.grad_accum_steps} micro-batches, remat {config.remat_policy}"
     )
     print_table(title, [_row(report, spec, step_cost)])
-    _memory_fraction_note([report], spec, devices)
-    _xla_notes(report, spec)
+    memory_fraction_note([report], spec, devices)
+    xla_notes(report, spec)
     c = model_config
     dims = (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads * c.head_dim,
             c.num_kv_heads * c.head_dim)  # fmt: skip
@@ -485,7 +390,7 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     )
     rows = [_row(r, spec, costs[r.name]) for r in (prefill, decode)]
     print_table(title, rows)
-    _memory_fraction_note([prefill, decode], spec, devices)
+    memory_fraction_note([prefill, decode], spec, devices)
     if decode.resident_bytes:
         print(
             f"  the engine decodes on its own per-layer copy of the scanned weights "
@@ -493,7 +398,7 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
             "device, in the totals"
         )
     for r in (prefill, decode):
-        _xla_notes(r, spec)
+        xla_notes(r, spec)
     for r in (prefill, decode):
         for line in hand_count_lines(r, spec):
             print(line)
@@ -528,8 +433,8 @@ def _push(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
         f"{config.generator_param_dtype}"
     )
     print_table(title, [_row(push.report, spec, None)])
-    _memory_fraction_note([push.report], spec, devices)
-    _xla_notes(push.report, spec)
+    memory_fraction_note([push.report], spec, devices)
+    xla_notes(push.report, spec)
     print(
         f"  memory: the largest of the {push.chunks} chunk(s) weight_sync pushes one at a time "
         f"({push.peak_extra_bytes / GiB:.2f} GiB extra on a device); FLOPs / bytes: all of "

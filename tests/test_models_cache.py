@@ -61,7 +61,7 @@ def test_host_decode_attention_equals_dot_product_attention():
     """The CPU decode form (block-diagonal query matmul, fused reductions) is the maths of
     `jax.nn.dot_product_attention` for one query per row, grouped heads and per-row lengths; and
     `decode_attention_form` picks the form a decode step traces to."""
-    from jaxrl.models import transformer
+    from jaxrl.models import attention_forms, transformer
 
     rng = np.random.default_rng(0)
     b, s, h, kv, d = 5, 37, 6, 2, 16
@@ -71,16 +71,16 @@ def test_host_decode_attention_equals_dot_product_attention():
     lengths = np.array([1, 9, 20, 36, 37])
     mask = jnp.asarray(np.arange(s)[None, None, :] < lengths[:, None, None])
     want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
-    got = transformer._host_decode_attention(q, k, v, mask)
+    got = attention_forms.host_decode_attention(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     # Negative control: ignoring the lengths changes the result.
-    unmasked = transformer._host_decode_attention(q, k, v, jnp.ones_like(mask))
+    unmasked = attention_forms.host_decode_attention(q, k, v, jnp.ones_like(mask))
     assert np.abs(np.asarray(unmasked) - np.asarray(want)).max() > 1e-2
 
     def ops(form):
         with transformer.decode_attention_form(form):
             # A new function each time: traces are cached per function, not per form.
-            jaxpr = jax.make_jaxpr(lambda *a: transformer._decode_attention(*a, "xla"))(
+            jaxpr = jax.make_jaxpr(lambda *a: attention_forms.decode_step_attention(*a, "xla"))(
                 q, k, v, mask
             )
         return str(jaxpr)
@@ -100,7 +100,7 @@ def test_host_attention_equals_dot_product_attention_with_gradients():
     query axis) is the maths of `jax.nn.dot_product_attention`, values and gradients, for T
     queries over S keys with a per-query mask (causal, ragged, a fully masked query row); and the
     attention layer traces to it under the "host" form, to the XLA kernel under "xla"."""
-    from jaxrl.models import transformer
+    from jaxrl.models import attention_forms, transformer
 
     rng = np.random.default_rng(1)
     b, t, s, h, kv, d = 3, 6, 11, 6, 2, 16
@@ -119,7 +119,7 @@ def test_host_attention_equals_dot_product_attention_with_gradients():
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
 
     def host(q, k, v):
-        return transformer._host_attention(q, k, v, mask)
+        return attention_forms.host_attention(q, k, v, mask)
 
     np.testing.assert_allclose(
         np.asarray(host(q, k, v)), np.asarray(xla(q, k, v)), rtol=1e-5, atol=1e-6
@@ -129,7 +129,7 @@ def test_host_attention_equals_dot_product_attention_with_gradients():
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     # Negative control: the mask matters.
-    unmasked = transformer._host_attention(q, k, v, jnp.ones_like(mask))
+    unmasked = attention_forms.host_attention(q, k, v, jnp.ones_like(mask))
     assert np.abs(np.asarray(unmasked) - np.asarray(xla(q, k, v))).max() > 1e-2
 
     config = ModelConfig(

@@ -260,14 +260,14 @@ def test_xla_memory_lines_are_read_and_explained_beside_the_verdict(capsys):
     plan now says so in the trainer's section, and keeps the raw lines out of the table."""
     from jaxrl.infra import gpu
     from jaxrl.planning import xla_memory_notes
-    from launch.plan import _xla_notes
+    from launch.plan_notes import xla_notes
 
     notes, rest = xla_memory_notes(["an XLA line of its own\n", REMAT_LINE, IO_LINE])
     assert rest == ["an XLA line of its own\n"]
     assert (notes.remat_bytes, notes.remat_limit_bytes) == (113108468884, 66319246119)
     assert (notes.io_bytes, notes.io_limit_bytes) == (105845327100, 68416647987)
     assert xla_memory_notes(["nothing about memory\n"]) == (None, ["nothing about memory\n"])
-    _xla_notes(_report_70b(notes), gpu.SYSTEMS["h100"].chip)
+    xla_notes(_report_70b(notes), gpu.SYSTEMS["h100"].chip)
     out = capsys.readouterr().out
     assert "estimated 105.34 GiB for train_step (over its limit of 61.76 GiB)" in out, out
     assert "the buffers the compiled program allocates total 73.14 GiB" in out, out

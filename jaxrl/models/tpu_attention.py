@@ -107,6 +107,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxrl.models.tpu_attention_tiles import block_visits, visit_lists, visited
+
 MASKED = -1e30  # a masked score: finite, so exp(MASKED - m) is 0 and never NaN
 LANES, SUBLANES = 128, 8
 MIN_BLOCK = SUBLANES
@@ -123,46 +125,6 @@ class _Config:
     block_q_bwd: int
     block_k_bwd: int
     interpret: bool
-
-
-def block_visits(segment, prefix, block_q: int, block_k: int) -> jax.Array:
-    """`visits[b, i, j]`: does some query of q block i see some key of kv block j (bool
-    `[B, T / block_q, T / block_k]`, the mask reduced over each tile). One q block at a time
-    (`lax.map`): the TPU compiler does not fuse the whole `[B, T, T]` reduction and would hold
-    a buffer of that order; per q block it holds `[B, block_q, T]` at most."""
-    b, t = segment.shape
-    nq, nk = t // block_q, t // block_k
-    seg_k = segment.reshape(b, 1, nk, block_k)
-    k_pos = jnp.arange(t).reshape(1, 1, nk, block_k)
-
-    def q_block(i):
-        def rows(x):
-            return lax.dynamic_slice_in_dim(x, i * block_q, block_q, axis=1)[:, :, None, None]
-
-        seg_q, pre_q = rows(segment), rows(prefix)
-        q_pos = (i * block_q + jnp.arange(block_q)).reshape(1, block_q, 1, 1)
-        visible = (k_pos <= q_pos) & (seg_k > 0) & ((seg_k == seg_q) | (seg_k == pre_q))
-        return visible.any(axis=(1, 3))  # [B, nk]
-
-    return lax.map(q_block, jnp.arange(nq)).transpose(1, 0, 2)
-
-
-def _visit_lists(visits) -> jax.Array:
-    """Flat int32 from `visits [B, N, M]`: per (b, n), the count of visited blocks, then their
-    indices in increasing order (the unvisited after them), i.e. `[B, N, 1 + M]` flattened
-    (SMEM holds 1-D arrays without padding)."""
-    order = jnp.argsort(~visits, axis=-1, stable=True).astype(jnp.int32)
-    count = visits.sum(axis=-1, keepdims=True, dtype=jnp.int32)
-    return jnp.concatenate([count, order], axis=-1).reshape(-1)
-
-
-def _visited(lists, b, n, step, per_row: int, width: int):
-    """(is step a visited tile, its block index) of block n of row b; past the count, the last
-    visited tile's index (so the pipeline fetches nothing new) or 0 where none is."""
-    base = (b * per_row + n) * (1 + width)
-    count = lists[base]
-    last = jnp.maximum(jnp.minimum(step, count - 1), 0)
-    return step < count, lists[base + 1 + last]
 
 
 def _dot(a, b, dims):
@@ -205,7 +167,7 @@ def _forward_kernel(
     *, scale, block_q, block_k, num_q, num_k,
 ):  # fmt: skip
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    run, j = _visited(lists_ref, b, i, step, num_q, num_k)
+    run, j = visited(lists_ref, b, i, step, num_q, num_k)
 
     @pl.when(step == 0)
     def _init():
@@ -263,7 +225,7 @@ def _dq_kernel(
     *, scale, block_q, block_k, num_q, num_k,
 ):  # fmt: skip
     b, i, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    run, j = _visited(lists_ref, b, i, step, num_q, num_k)
+    run, j = visited(lists_ref, b, i, step, num_q, num_k)
 
     @pl.when(step == 0)
     def _init():
@@ -290,7 +252,7 @@ def _dkdv_kernel(
     *, scale, block_q, block_k, num_q, num_k, groups,
 ):  # fmt: skip
     b, j, g, step = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    run, i = _visited(lists_ref, b, j, step, num_k, num_q)
+    run, i = visited(lists_ref, b, j, step, num_k, num_q)
 
     @pl.when((g == 0) & (step == 0))
     def _init():
@@ -328,13 +290,13 @@ def _forward(q, k, v, segment, prefix, cfg: _Config):
     groups = h // k.shape[1]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk = t // bq, t // bk
-    lists = _visit_lists(block_visits(segment, prefix, bq, bk))
+    lists = visit_lists(block_visits(segment, prefix, bq, bk))
 
     def kv_map(b, h, i, n, lists):
-        return (b, h // groups, _visited(lists, b, i, n, nq, nk)[1], 0)
+        return (b, h // groups, visited(lists, b, i, n, nq, nk)[1], 0)
 
     def ids_k_map(b, h, i, n, lists):
-        return (b, 0, _visited(lists, b, i, n, nq, nk)[1])
+        return (b, 0, visited(lists, b, i, n, nq, nk)[1])
 
     kernel = functools.partial(
         _forward_kernel, scale=cfg.scale, block_q=bq, block_k=bk, num_q=nq, num_k=nk
@@ -381,16 +343,16 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
     nq, nk = t // bq, t // bk
     do = do.astype(q.dtype)
     visits = block_visits(segment, prefix, bq, bk)
-    kv_lists, q_lists = _visit_lists(visits), _visit_lists(visits.transpose(0, 2, 1))
+    kv_lists, q_lists = visit_lists(visits), visit_lists(visits.transpose(0, 2, 1))
     delta = jnp.einsum("bhtd,bhtd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
     seg_rows = _rows(segment)
     operands = (q, k, v, do, _rows(lse), _rows(delta), seg_rows, _rows(prefix), seg_rows)
 
     def kv_map(b, h, i, n, lists):
-        return (b, h // groups, _visited(lists, b, i, n, nq, nk)[1], 0)
+        return (b, h // groups, visited(lists, b, i, n, nq, nk)[1], 0)
 
     def ids_k_map(b, h, i, n, lists):
-        return (b, 0, _visited(lists, b, i, n, nq, nk)[1])
+        return (b, 0, visited(lists, b, i, n, nq, nk)[1])
 
     q_tile = pl.BlockSpec((None, None, bq, d), lambda b, h, i, n, lists: (b, h, i, 0))
     q_stat = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, n, lists: (b, h, 0, i))
@@ -421,13 +383,13 @@ def _backward(q, k, v, segment, prefix, out, lse, do, cfg: _Config):
     )(kv_lists, *operands)
 
     def q_map(b, g, j, m, n, lists):
-        return (b, g * groups + m, _visited(lists, b, j, n, nk, nq)[1], 0)
+        return (b, g * groups + m, visited(lists, b, j, n, nk, nq)[1], 0)
 
     def stat_map(b, g, j, m, n, lists):
-        return (b, g * groups + m, 0, _visited(lists, b, j, n, nk, nq)[1])
+        return (b, g * groups + m, 0, visited(lists, b, j, n, nk, nq)[1])
 
     def ids_q_map(b, g, j, m, n, lists):
-        return (b, 0, _visited(lists, b, j, n, nk, nq)[1])
+        return (b, 0, visited(lists, b, j, n, nk, nq)[1])
 
     kv_tile = pl.BlockSpec((None, None, bk, d), lambda b, g, j, m, n, lists: (b, g, j, 0))
     dk, dv = pl.pallas_call(
