@@ -148,6 +148,34 @@ def qwen3_32b(**overrides) -> ModelConfig:
     return _qwen3(5120, 25600, 64, 64, **overrides)
 
 
+def _qwen3_moe(hidden, moe_intermediate, layers, heads, **overrides) -> ModelConfig:
+    """Qwen3-MoE (Qwen/Qwen3-*-A*B): every layer sparse, 128 experts, top-8 (renormalised), 4 KV
+    heads."""
+    kwargs = dict(
+        model_type="qwen3_moe",
+        num_kv_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=moe_intermediate,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+    )
+    kwargs.update(overrides)
+    return _qwen3(hidden, 3 * hidden, layers, heads, **kwargs)
+
+
+def qwen3_30b_a3b(**overrides) -> ModelConfig:
+    """Qwen3-30B-A3B: hidden 2048, 48 layers, 32 / 4 heads, 128 experts of 768, top 8 (30.5B
+    params, 3.3B active a token)."""
+    return _qwen3_moe(2048, 768, 48, 32, **overrides)
+
+
+def qwen3_235b_a22b(**overrides) -> ModelConfig:
+    """Qwen3-235B-A22B: hidden 4096, 94 layers, 64 / 4 heads, 128 experts of 1536, top 8 (235B
+    params, 22B active a token)."""
+    return _qwen3_moe(4096, 1536, 94, 64, **overrides)
+
+
 # Presets by name, for configs (`PlanConfig.model`).
 PRESETS = {
     "rlbench_tiny": rlbench_tiny,
@@ -158,6 +186,8 @@ PRESETS = {
     "llama3_405b": llama3_405b,
     "qwen3_8b": qwen3_8b,
     "qwen3_32b": qwen3_32b,
+    "qwen3_30b_a3b": qwen3_30b_a3b,
+    "qwen3_235b_a22b": qwen3_235b_a22b,
 }
 
 
