@@ -228,3 +228,16 @@ def test_compiled_h100_decode_step_reads_the_cache_in_place():
     # (The XLA form's step has 16 such buffers: slices of the prefix, transposes into the dot
     # layout and back, the write-back.)
     assert not cache_sized, cache_sized
+
+
+def test_a_cache_the_kernel_cannot_tile_decodes_in_the_xla_form_and_says_so(gqa_model, capsys):
+    """A GPU-form engine over a cache of 60 positions (not a multiple of 16): the steps run in
+    the XLA form over a copied prefix, and the trace says so on stderr with the kernel's rule."""
+    engine, params = Engine.for_model(gqa_model, num_slots=4, steps_per_call=4, max_total_len=60)
+    engine.submit(Request(0, PROMPTS[0], 1, SamplingConfig(4, greedy=True)))
+    with decode_attention_form("pallas_gpu"):
+        (result,) = engine.run(params, jax.random.key(0))
+    assert result.tokens_gn.shape == (1, 4)
+    err = capsys.readouterr().err
+    assert "[engine] decode over a cache of 60 positions (head dim 16) runs in the XLA form" in err
+    assert "needs a cache length that is a multiple of 16" in err

@@ -54,6 +54,13 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
+from jaxrl.generation.engine_layout import (  # noqa: F401  (LAYER_LAYOUTS, UNROLL_SHARE: here too)
+    LAYER_LAYOUTS,
+    UNROLL_SHARE,
+    note_xla_decode,
+    pure_params,
+    unrolls,
+)
 from jaxrl.generation.engine_requests import EngineStats
 from jaxrl.generation.sampling import SamplingConfig, inverse_cdf_tokens, processed_logprobs
 from jaxrl.infra import sharding as ax
@@ -113,64 +120,6 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return (*out, hi)
 
 
-LAYER_LAYOUTS = ("auto", "stacked", "unrolled")
-
-
-def _pure(params):
-    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-
-
-# "auto" makes the per-layer copy where the weights take at most this share of a device's memory
-# (Llama 3 8B at TP 4 on an H100: 5%; 70B at TP 8: 21%); above it (405B at TP 8 on an H200: 67%)
-# the second copy would cost the KV cache's room, and the engine decodes over the stacked weights.
-UNROLL_SHARE = 0.25
-
-
-def _device_memory(devices) -> int | None:
-    """Bytes of one device's memory: its allocator's limit, or for a device described without
-    the hardware (plans) its GPU system's figure; None where neither is known."""
-    from jaxrl.infra import gpu
-
-    try:
-        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # deviceless topology devices have no allocator
-        limit = None
-    if limit:
-        return int(limit)
-    try:
-        return gpu.device_spec(devices).hbm_bytes
-    except Exception:
-        return None
-
-
-def _unrolls(graphdef, config: ModelConfig, mesh, rules, layer_layout: str) -> bool:
-    """Whether the engine runs its model with per-layer weights (module docstring): scanned
-    layers of a plain `Transformer`, and "unrolled", or "auto" on a GPU mesh (else the default
-    backend's) where the weights take at most `UNROLL_SHARE` of a device's memory."""
-    if layer_layout not in LAYER_LAYOUTS:
-        raise ValueError(f"layer_layout={layer_layout!r}; use one of {LAYER_LAYOUTS}")
-    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-    wanted = layer_layout == "unrolled" or (layer_layout == "auto" and devices[0].platform == "gpu")
-    if not config.scan_layers or not wanted:
-        return False
-    graph, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    if graphdef != graph:  # a wrapped model (adapters) keeps its own layout
-        return False
-    if layer_layout == "unrolled":
-        return True
-    leaves = jax.tree.leaves(abstract)
-    if mesh is not None:
-        shardings = jax.tree.leaves(ax.param_shardings(abstract, mesh, rules))
-        shapes = [s.shard_shape(x.shape) for x, s in zip(leaves, shardings, strict=True)]
-    else:
-        shapes = [x.shape for x in leaves]
-    weights = sum(
-        int(np.prod(shape)) * x.dtype.itemsize for shape, x in zip(shapes, leaves, strict=True)
-    )
-    memory = _device_memory(devices)
-    return memory is None or weights <= UNROLL_SHARE * memory
-
-
 class EnginePrograms:
     """The jitted prefill, decode and move programs of an engine with `num_slots` slots (module
     docstring); `stats` is the engine's, whose `num_traces` each trace increments.
@@ -193,7 +142,7 @@ class EnginePrograms:
         layer_layout: str = "auto",
     ):
         self.mesh, self.rules, self.stats = mesh, rules, stats
-        self.unstack = _unrolls(graphdef, model_config, mesh, rules, layer_layout)
+        self.unstack = unrolls(graphdef, model_config, mesh, rules, layer_layout)
         self._converted: tuple[Any, Any] | None = None  # (weights passed in, the engine's copy)
         if self.unstack:
             self.source_layers = model_config.num_layers
@@ -204,7 +153,7 @@ class EnginePrograms:
             out = None
             if mesh is not None:
                 out = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
-            unstack = lambda p: unstack_layers(_pure(p), self.source_layers)  # noqa: E731
+            unstack = lambda p: unstack_layers(pure_params(p), self.source_layers)  # noqa: E731
             self._unstack = jax.jit(unstack, out_shardings=out)
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call, self.pad_id = num_slots, steps_per_call, pad_id
@@ -525,6 +474,8 @@ class EnginePrograms:
         # into and written back at the end.
         capacity = jax.tree.leaves(cache)[0].shape[seq_axis]
         in_place = in_place_decode(self.model_config, capacity)
+        if not in_place:
+            note_xla_decode(self.model_config, capacity)
         prefix = cache if in_place else jax.tree.map(cut, cache)
         reach = capacity if in_place else span
         if extend is not None:
