@@ -12,13 +12,12 @@ the kernels of one stream do too), each at its own roofline:
                  + sum over its collectives of t_coll(devices per group)
 
 with F_k, B_k the dot FLOPs and bytes of kernel k and n_k how often it runs, loops included
-(`bench.hlo_cost.kernels`: `cost_analysis()` counts a loop's body once), and P the pages of the
-buffers the allocator maps fresh on every call (glibc `malloc` serves blocks of 32 MiB and more by
-`mmap`: a program's temporaries above that are page-faulted and zeroed again at each call; found
+(`jaxrl.infra.hlo_cost.kernels`: `cost_analysis()` counts a loop's body once), and P the pages of
+the buffers the allocator maps fresh on every call (glibc `malloc` serves blocks of 32 MiB and more
+by `mmap`: a program's temporaries above that are page-faulted and zeroed again at each call; found
 by `getrusage` page-fault counts, 48.5k faults = the train step's 199 MB of temporaries, every
-step). On SPMD devices the program is the per-device one and the constants are those of one
-device working while its siblings work beside it (measured so: `bench.scale_validate`). One RL
-step:
+step). On SPMD devices the program is the per-device one and the constants are those of one device
+working while its siblings work beside it (measured so: `bench.scale_validate`). One RL step:
 
     Tg = sum over the generator's calls of t(call) + t_host   Tt = t(train step)
     sync (colocated)  = Tg + Tt

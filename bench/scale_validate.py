@@ -24,7 +24,7 @@ process on all the cores). In that process:
 * every call the workload makes to its jitted programs (the trainer's RL step, the engine's
   prefill / decode / slot moves, the static sampler) is recorded with its argument shapes (and
   the rows it runs over), and after the run each distinct program is lowered and compiled again
-  and read (`bench.hlo_cost.kernels` on `compiled.as_text()`: the per-device program, its
+  and read (`jaxrl.infra.hlo_cost.kernels` on `compiled.as_text()`: the per-device program, its
   collectives by group size; `memory_analysis()` for the fresh pages). The call counts per step
   are the workload's schedule (the engine's calls depend on the batch, not on timing); the
   static sampler's decode loop runs `max_new_tokens - 1` times (random weights over 512 tokens
@@ -118,7 +118,7 @@ class Calibration:
             lambda v: jnp.broadcast_to(v, (d * self.fresh_n,)) + 1.0, out_shardings=rows
         )
         self.one = jax.device_put(np.float32(1.0), rep)
-        from bench.hlo_cost import kernels, totals
+        from jaxrl.infra.hlo_cost import kernels, totals
 
         text = self.chain.lower(self.small, self.w).compile().as_text()
         self.chain_kernels = totals(kernels(text))[2]
@@ -257,7 +257,7 @@ class Recorder:
     def costs(self) -> list[tuple[str, int, ProgramCost, list, int]]:
         """(name, calls, cost, [(wall s, CPU s) of each call after the first], rows of a call)
         per program."""
-        from bench.hlo_cost import collectives, kernels
+        from jaxrl.infra.hlo_cost import collectives, kernels
 
         out = []
         for (name, *_), (lowered, count, trips, times, rows) in self.calls.items():

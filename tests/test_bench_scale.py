@@ -1,5 +1,5 @@
 """The speed-up model (`bench.scale`): its arithmetic, and the HLO walk it reads programs with
-(`bench.hlo_cost`) against XLA's own cost analysis and hand counts."""
+(`jaxrl.infra.hlo_cost`) against XLA's own cost analysis and hand counts."""
 
 import dataclasses
 
@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import hlo_cost
 from bench.scale import (
     MMAP_THRESHOLD,
     Machine,
@@ -17,6 +16,7 @@ from bench.scale import (
     program_seconds,
     roofline,
 )
+from jaxrl.infra import hlo_cost
 
 
 def test_roofline_takes_the_slower_bound():
