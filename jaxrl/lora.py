@@ -15,7 +15,9 @@ Adapter params ("adapters") are a pure dict holding only the LoRA leaves; base p
 pure dict of the plain model. `combine(base, adapters)` is what the LoRA graphdef merges.
 
 Scanned layers (`ModelConfig.scan_layers`) are refused: qwix creates the adapters during a
-forward pass, which under `nnx.scan` happens inside a trace.
+forward pass, which under `nnx.scan` happens inside a trace. So are the expert projections of a
+mixture-of-experts model's sparse MLPs (grouped `ragged_dot` matmuls, which qwix cannot adapt);
+attention adapters (and the dense layers' MLPs) on an MoE model train.
 """
 
 from __future__ import annotations
@@ -114,12 +116,29 @@ def with_b_lr_ratio(tx, lora: LoraConfig):
     return optax.chain(tx, optax.stateless(scale))
 
 
-def _check_model(config: ModelConfig) -> None:
+def _check_model(config: ModelConfig, lora: LoraConfig) -> None:
+    """Refuses, before anything is built, what qwix cannot adapt: scanned layers, and the
+    expert projections of a mixture-of-experts model's sparse MLPs."""
     if config.scan_layers:
         raise ValueError(
             "LoRA needs unrolled layers: qwix creates the adapters during a forward pass, which "
             "under nnx.scan runs inside a trace; set ModelConfig.scan_layers=False "
             "(PolicySpec.scan_layers = False in gin)"
+        )
+    modules, kernels = re.compile(lora.target_modules), re.compile(lora.target_kernels)
+    sparse = [i for i in config.moe_layers if modules.fullmatch(f"layers/{i}/mlp")]
+    experts = [k for k in ("gate", "up", "down") if kernels.fullmatch(k)]
+    if sparse and experts:
+        # The experts run as `ragged_dot` grouped matmuls: qwix either fails inside them
+        # (TraceContextError, the default targets) or silently adds no adapter.
+        raise ValueError(
+            f"LoRA on mixture-of-experts policies is not supported yet: "
+            f"LoraConfig.target_modules={lora.target_modules!r} with target_kernels="
+            f"{lora.target_kernels!r} targets the expert projections {experts} of the sparse "
+            f"MLPs of layers {sparse}, which qwix cannot adapt (their grouped matmuls fail "
+            "inside qwix with a TraceContextError). Adapt attention only, "
+            r"LoraConfig(target_modules=r'layers/\d+/attention') (LoraConfig.target_modules = "
+            r"'layers/\d+/attention' in gin), or train the full model (no LoRA)"
         )
 
 
@@ -180,7 +199,7 @@ def apply_lora(model: Transformer, lora: LoraConfig) -> Transformer:
     """A copy of `model` with zero-B adapters on the targeted projections (qwix)."""
     import qwix
 
-    _check_model(model.config)
+    _check_model(model.config, lora)
     provider = _provider(lora)
     tokens = jnp.zeros((1, 2), jnp.int32)
     valid = jnp.ones((1, 2), bool)
@@ -204,6 +223,7 @@ def apply_lora(model: Transformer, lora: LoraConfig) -> Transformer:
 
 def lora_model(config: ModelConfig, lora: LoraConfig, seed: int = 0) -> Transformer:
     """A random-init model with adapters (tests; the trainer builds adapters abstractly)."""
+    _check_model(config, lora)  # before the model is built
     return apply_lora(Transformer(config, rngs=nnx.Rngs(seed)), lora)
 
 

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl import lora as lora_lib
+from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask, sequence_mask  # noqa: F401
+from jaxrl.models.moe import load_balancing_loss
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import (
     PolicyLoss,
@@ -47,6 +49,11 @@ class LossConfig:
     a field the loss does not take (`rho` for a clipped loss, `clip_eps` for AIPO) is an error.
     `temperature` must be the sampler's: log pi is computed under the same distribution the
     behaviour log-probs were (no top-k / top-p in RL).
+
+    `router_aux_loss_coef` (mixture-of-experts policies, RL and SFT steps alike): the weight of
+    the load-balancing loss (`jaxrl.models.moe.load_balancing_loss`) added to the loss; None
+    takes the model config's `router_aux_loss_coef` (the checkpoint's), 0 turns the term off
+    (the `router_aux_loss` metric is still reported). Ignored for a dense model.
     """
 
     name: str = "aipo"
@@ -60,12 +67,27 @@ class LossConfig:
     entropy_coef: float = 0.0
     temperature: float = 1.0
     vocab_chunk_size: int = 0
+    router_aux_loss_coef: float | None = None
 
     def validate(self) -> None:
         self.make_loss()
         make_advantage_estimator(self.advantage_name)
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0")
+        coef = self.router_aux_loss_coef
+        if coef is not None and not coef >= 0:
+            raise ValueError(
+                f"LossConfig.router_aux_loss_coef={coef} must be >= 0 (0: no load-balancing "
+                "term; None: the model config's router_aux_loss_coef)"
+            )
+
+    def router_aux_coef(self, config: ModelConfig) -> float:
+        """The load-balancing loss's weight for a policy of `config`: 0 for a dense model, else
+        `router_aux_loss_coef`, or the model config's when None."""
+        if not config.num_experts:
+            return 0.0
+        coef = self.router_aux_loss_coef
+        return float(config.router_aux_loss_coef if coef is None else coef)
 
     def make_loss(self) -> PolicyLoss:
         """The configured `PolicyLoss` (the preset with this config's overrides)."""
@@ -117,23 +139,55 @@ def _accumulate(
     return grads, metrics
 
 
+def _hidden_and_aux(model: Transformer, tokens, positions, mask, valid_bt, with_aux=True):
+    """`(hidden, aux)`: the final hidden states and, for a mixture-of-experts model (and
+    `with_aux`), the load-balancing loss over the tokens `valid_bt` marks, from the same forward
+    pass (else None, and the forward is the plain `hidden_states`)."""
+    if not (with_aux and model.config.num_experts):
+        hidden, _ = model.hidden_states(tokens, positions, mask)
+        return hidden, None
+    hidden, _, stats = model.hidden_states(tokens, positions, mask, router_stats=True)
+    return hidden, load_balancing_loss(stats, valid_bt)
+
+
+def _with_aux(loss: jax.Array, metrics: dict, aux: jax.Array | None, coef: float):
+    """`loss + coef * aux` and the metrics with `loss` the total and the unweighted
+    `router_aux_loss` (unchanged for a dense model: `aux` None)."""
+    if aux is None:
+        return loss, metrics
+    loss = loss + coef * aux if coef else loss
+    return loss, metrics | jax.lax.stop_gradient({"loss": loss, "router_aux_loss": aux})
+
+
 # --- SFT -----------------------------------------------------------------------------------------
 
 
-def sft_loss(graphdef, params: Params, batch: dict, vocab_chunk_size: int | None):
+def sft_loss(
+    graphdef,
+    params: Params,
+    batch: dict,
+    vocab_chunk_size: int | None,
+    router_aux_loss_coef: float = 0.0,
+):
     """Mean next-token cross-entropy over `loss_mask_bs` (targets at s, predicted from s-1).
 
     batch: `tokens_bs` int32, `loss_mask_bs` bool (True on tokens the model must emit); packed
     (`jaxrl.rl.packing.pack_sft_batch`) it also holds `segment_bs` and `positions_bs`.
+
+    A mixture-of-experts model adds `router_aux_loss_coef` times the load-balancing loss over
+    the attended tokens (packed: the segments' tokens) and reports it as `router_aux_loss`;
+    `loss` is then the total.
     """
     model: Transformer = nnx.merge(graphdef, params)
     tokens, loss_mask = batch["tokens_bs"], batch["loss_mask_bs"]
     if "segment_bs" in batch:
         mask_bss, positions = SegmentMask(batch["segment_bs"]), batch["positions_bs"]
+        valid = batch["segment_bs"] > 0
     else:  # every column is attended: right padding follows the targets
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        mask_bss = SegmentMask.from_valid(tokens != -1)
-    hidden, _ = model.hidden_states(tokens, positions, mask_bss)
+        valid = tokens != -1
+        mask_bss = SegmentMask.from_valid(valid)
+    hidden, aux = _hidden_and_aux(model, tokens, positions, mask_bss, valid)
     logprobs = token_logprobs(
         hidden[:, :-1], model.unembedding(), tokens[:, 1:], vocab_chunk_size=vocab_chunk_size
     )
@@ -141,7 +195,8 @@ def sft_loss(graphdef, params: Params, batch: dict, vocab_chunk_size: int | None
     count = jnp.maximum(mask.sum(), 1)
     nll = -jnp.sum(jnp.where(mask, logprobs, 0.0)) / count
     accuracy = jnp.sum(mask & (logprobs > jnp.log(0.5))) / count
-    return nll, {"loss": nll, "token_confident_fraction": accuracy}
+    metrics = {"loss": nll, "token_confident_fraction": accuracy}
+    return _with_aux(nll, metrics, aux, router_aux_loss_coef)
 
 
 def with_base(base: Params | None, params: Params) -> Params:
@@ -159,8 +214,12 @@ def sft_step(
     optimizer,
     grad_accum_steps: int,
     vocab_chunk_size: int | None,
+    router_aux_loss_coef: float = 0.0,
 ):
-    loss_fn = lambda p, b: sft_loss(graphdef, with_base(base, p), b, vocab_chunk_size)
+    """One optimizer update on an SFT batch; `router_aux_loss_coef`: the load-balancing loss's
+    weight for a mixture-of-experts model (`LossConfig.router_aux_coef`; ignored when dense)."""
+    coef = router_aux_loss_coef
+    loss_fn = lambda p, b: sft_loss(graphdef, with_base(base, p), b, vocab_chunk_size, coef)
     micro = _split_micro(batch, grad_accum_steps)
     counts_m = jnp.sum(micro["loss_mask_bs"][:, :, 1:], axis=(1, 2)).astype(jnp.float32)
     weights_m = counts_m / jnp.maximum(counts_m.sum(), 1.0)
@@ -181,23 +240,35 @@ def completion_logprobs(
 ) -> tuple[jax.Array, jax.Array | None]:
     """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`; a packed
     batch is gathered from its `pack_groups` groups (`jaxrl.rl.packing`)."""
+    logprobs, entropy, _ = _completion_forward(model, batch, loss, with_entropy, pack_groups)
+    return logprobs, entropy
+
+
+def _completion_forward(model, batch, loss, with_entropy, pack_groups, with_aux=False):
+    """`completion_logprobs`, and with `with_aux` the load-balancing loss of a mixture-of-experts
+    model over every token of the forward pass (prompts included; not padding, not invalid
+    rows; None for a dense model)."""
     if isinstance(batch, PackedRolloutBatch):
         mask_rll = SegmentMask(batch.segment_rl, batch.prefix_rl)
-        hidden, _ = model.hidden_states(batch.tokens_rl, batch.positions_rl, mask_rll)
+        tokens, positions, valid = batch.tokens_rl, batch.positions_rl, batch.segment_rl > 0
+        hidden, aux = _hidden_and_aux(model, tokens, positions, mask_rll, valid, with_aux)
         hidden_btd = batch.completion_hidden(hidden, pack_groups)
     else:
         tokens, mask, positions = batch.sequence()
-        hidden, _ = model.hidden_states(tokens, positions, SegmentMask.from_valid(mask))
+        mask_bss = SegmentMask.from_valid(mask)
+        valid = mask & batch.valid_b[:, None]
+        hidden, aux = _hidden_and_aux(model, tokens, positions, mask_bss, valid, with_aux)
         hidden_btd = batch.completion_hidden(hidden)
     chunk = loss.vocab_chunk_size or None
     if with_entropy:
-        return token_logprobs_and_entropy(
+        logprobs, entropy = token_logprobs_and_entropy(
             hidden_btd,
             model.unembedding(),
             batch.completion_ids_bt,
             temperature=loss.temperature,
             vocab_chunk_size=chunk,
         )
+        return logprobs, entropy, aux
     logprobs = token_logprobs(
         hidden_btd,
         model.unembedding(),
@@ -205,7 +276,7 @@ def completion_logprobs(
         temperature=loss.temperature,
         vocab_chunk_size=chunk,
     )
-    return logprobs, None
+    return logprobs, None, aux
 
 
 def rl_loss(
@@ -214,11 +285,14 @@ def rl_loss(
     """The configured policy loss on one micro-batch; `micro` holds the fields of `batch_type`
     (`RolloutBatch` or `PackedRolloutBatch`, packed in `groups` groups per micro-batch) plus
     `advantages_b` (computed on the whole batch, since groups span micro-batches) and, with a KL
-    term, `ref_logprobs_bt`."""
+    term, `ref_logprobs_bt`. A mixture-of-experts model adds `LossConfig.router_aux_coef` times
+    the load-balancing loss of the same forward pass (`router_aux_loss`; `loss` the total)."""
     model: Transformer = nnx.merge(graphdef, params)
     names = {f.name for f in dataclasses.fields(batch_type)}
     batch = batch_type(**{k: v for k, v in micro.items() if k in names})
-    logprobs, entropy = completion_logprobs(model, batch, loss, loss.entropy_coef > 0, groups)
+    logprobs, entropy, aux = _completion_forward(
+        model, batch, loss, loss.entropy_coef > 0, groups, with_aux=True
+    )
     inputs = PolicyLossInputs(
         logprobs_bt=logprobs,
         behaviour_logprobs_bt=batch.behaviour_logprobs_bt,
@@ -227,7 +301,8 @@ def rl_loss(
         ref_logprobs_bt=micro.get("ref_logprobs_bt"),
         entropy_bt=entropy,
     )
-    return loss.make_loss()(inputs)
+    value, metrics = loss.make_loss()(inputs)
+    return _with_aux(value, metrics, aux, loss.router_aux_coef(model.config))
 
 
 def rl_step(

@@ -83,6 +83,10 @@ class Trainer:
     over micro-batches, clipped and fed to the optimizer in float32. Params stored below float32
     (bf16) get float32 master weights in the optimizer state (`with_master_weights`,
     `self.master_weights`): Adam and the update run on them and `state.params` is their cast.
+
+    Mixture-of-experts policies: both steps add `loss.router_aux_coef(model_config)` times the
+    load-balancing loss (`LossConfig.router_aux_loss_coef`; by default the model config's) and
+    report it as `router_aux_loss`; dense models' steps are unchanged.
     """
 
     def __init__(
@@ -161,8 +165,16 @@ class Trainer:
         )
         self.replicated = ax.replicated(mesh)
         common = dict(graphdef=graphdef, optimizer=optimizer, grad_accum_steps=grad_accum_steps)
+        aux_coef = self.loss.router_aux_coef(model_config)  # 0 for a dense model
         self._sft = jax.jit(
-            lambda s, b, base: sft_step(s, b, base, vocab_chunk_size=vocab_chunk_size, **common),
+            lambda s, b, base: sft_step(
+                s,
+                b,
+                base,
+                vocab_chunk_size=vocab_chunk_size,
+                router_aux_loss_coef=aux_coef,
+                **common,
+            ),  # fmt: skip
             in_shardings=(self.state_shardings, None, None),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=0,
