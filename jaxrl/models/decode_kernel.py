@@ -25,11 +25,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd as flax_spmd
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxrl.infra import sharding as ax
+from jaxrl.models.kernel_sharding import decode_per_device
 
 MIN_BLOCK = 16  # Triton's smallest matmul side
 BLOCK_K = 128
@@ -177,21 +176,7 @@ def decode_attention(
     visible_bc = jnp.pad(visible_bc.astype(bool), ((0, rows - b), (0, 0)))
     layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     local = functools.partial(_local, block_k=block_k, splits=splits, interpret=interpret)
-    rules = flax_spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        out = local(layer_1, q_bkgd, k_cache, v_cache, visible_bc)
-    else:
-        spec = lambda *axes: ax.logical_to_pspec(axes, rules)  # noqa: E731
-        q_spec = spec(ax.ACT_BATCH, ax.ACT_KV_HEADS, None, None)
-        kv_spec = spec(None, ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)
-        out = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(spec(None), q_spec, kv_spec, kv_spec, spec(ax.ACT_BATCH, None)),
-            out_specs=q_spec,
-            check_vma=False,
-        )(layer_1, q_bkgd, k_cache, v_cache, visible_bc)
+    out = decode_per_device(local, layer_1, q_bkgd, k_cache, v_cache, visible_bc)
     return out[:b, :, :g].reshape(b, 1, h, d).astype(q_b1hd.dtype)
 
 

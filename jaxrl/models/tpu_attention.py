@@ -99,7 +99,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +106,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxrl.models.decode_kernel import platform
+from jaxrl.models.kernel_sharding import self_attention_per_device
 from jaxrl.models.tpu_attention_tiles import block_visits, visit_lists, visited
 
 MASKED = -1e30  # a masked score: finite, so exp(MASKED - m) is 0 and never NaN
@@ -552,46 +553,12 @@ def _rows_per_call(t: int, blocks) -> int:
 
 
 def flash_self_attention(q_bthd, k_btkd, v_btkd, mask) -> jax.Array:
-    """`flash_attention` under the installed sharding rules: each device runs the kernels on its
-    shard (the batch split as `act_batch` says, the query and kv heads as `act_heads` /
-    `act_kv_heads`, the sequence whole) inside `jax.shard_map`, since the partitioner cannot
-    split a kernel call. `mask`: a `jaxrl.models.masks.SegmentMask`. Interpret mode off a TPU
+    """`flash_attention` under the installed sharding rules, per device inside `jax.shard_map`
+    (`jaxrl.models.kernel_sharding.self_attention_per_device`). `mask`: a
+    `jaxrl.models.masks.SegmentMask`. Interpret mode off a TPU
     (`jaxrl.models.decode_kernel.platform`), which is how its numerics are tested on the CPU."""
-    from flax.core import spmd as flax_spmd
-
-    from jaxrl.infra import sharding as ax
-    from jaxrl.models.decode_kernel import platform
-
-    segment, prefix = mask.segment_bt, mask.prefix_bt
-    prefix = segment if prefix is None else prefix
     local = functools.partial(_flash_local, interpret=platform() != "tpu")
-    rules = flax_spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return local(q_bthd, k_btkd, v_btkd, segment, prefix)
-
-    def split(logical, size):
-        """The mesh axes `logical` maps to, or None where they do not divide `size` (the
-        engine's prefill of one prompt on a dp mesh): that dimension stays whole."""
-        (mapped,) = ax.logical_to_pspec((logical,), rules)
-        names = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
-        return mapped if size % math.prod(mesh.shape[n] for n in names) == 0 else None
-
-    batch = split(ax.ACT_BATCH, q_bthd.shape[0])
-    heads = split(ax.ACT_HEADS, q_bthd.shape[2])
-    kv_heads = split(ax.ACT_KV_HEADS, k_btkd.shape[2])
-    if (heads is None) != (kv_heads is None):  # a query head's kv head must be on its device
-        heads = kv_heads = None
-    P = jax.sharding.PartitionSpec
-    q_spec, kv_spec = P(batch, None, heads, None), P(batch, None, kv_heads, None)
-    ids_spec = P(batch)
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, ids_spec, ids_spec),
-        out_specs=q_spec,
-        check_vma=False,
-    )(q_bthd, k_btkd, v_btkd, segment, prefix)
+    return self_attention_per_device(local, q_bthd, k_btkd, v_btkd, mask)
 
 
 def _flash_local(q, k, v, segment, prefix, *, interpret: bool) -> jax.Array:
