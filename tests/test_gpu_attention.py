@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import inputs, kernel_errors, rel_err, rows, value_and_grads
 
 from jaxrl.models.gpu_attention import block_visits, dense_reference, flash_attention
 from jaxrl.rl.packing import segment_mask
@@ -19,45 +20,16 @@ B, T, H, K, D = 2, 64, 4, 2, 32
 BLOCKS = dict(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
 
 
-reference = dense_reference
-
-
-def _value_and_grads(attention):
-    """out and d(sum(out * w))/d(q, k, v), jitted."""
-
-    @jax.jit
-    def run(q, k, v, segment, prefix, w):
-        def loss(q, k, v):
-            out = attention(q, k, v, segment, prefix)
-            return (out * w).sum(), out
-
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        return out, grads
-
-    return run
-
-
-kernel_run = _value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
-reference_run = _value_and_grads(reference)
+kernel_run = value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
+reference_run = value_and_grads(dense_reference)
 
 
 def _inputs(seed, b=B, t=T, h=H, kv=K, d=D):
-    rng = np.random.default_rng(seed)
-    q, w = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(2))
-    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
-    return q, k, v, w
+    return inputs(seed, b, t, h, kv, d)
 
 
-def _rows(*rows):
-    """[B, T] segment and prefix from rows of (length, segment, prefix) runs; the rest 0."""
-    segment, prefix = np.zeros((len(rows), T), np.int32), np.zeros((len(rows), T), np.int32)
-    for r, runs in enumerate(rows):
-        col = 0
-        for length, seg, pre in runs:
-            segment[r, col : col + length], prefix[r, col : col + length] = seg, pre
-            col += length
-        assert col <= T
-    return jnp.asarray(segment), jnp.asarray(prefix)
+def _rows(*runs_per_row):
+    return rows(T, *runs_per_row)
 
 
 def padded():
@@ -77,24 +49,11 @@ def shared_prompt():
     return _rows(unit_a, unit_b)
 
 
-def rel_err(a, b) -> float:
-    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
-
-
-def _errors(got, want) -> dict:
-    (out, grads), (out_ref, grads_ref) = got, want
-    errors = {"out": rel_err(out, out_ref)}
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
-        assert bool(jnp.isfinite(g).all()), name
-        errors[name] = rel_err(g, g_ref)
-    return errors
-
-
 @pytest.mark.parametrize("layout", [padded, packed, shared_prompt])
 def test_exact_against_dense_reference(layout):
     q, k, v, w = _inputs(0)
     segment, prefix = layout()
-    errors = _errors(
+    errors = kernel_errors(
         kernel_run(q, k, v, segment, prefix, w), reference_run(q, k, v, segment, prefix, w)
     )
     print(f"{layout.__name__}: max relative errors {errors}")
@@ -113,8 +72,10 @@ def test_unaligned_length_and_small_head_dim_are_padded_inside():
     q, k, v, w = _inputs(1, t=t, d=d)
     segment = jnp.asarray(np.repeat([[1] * 30 + [2] * 20], B, axis=0), jnp.int32)
     segment = segment.at[1, :5].set(0)
-    got = _value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
-    errors = _errors(got(q, k, v, segment, segment, w), reference_run(q, k, v, segment, segment, w))
+    got = value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
+    errors = kernel_errors(
+        got(q, k, v, segment, segment, w), reference_run(q, k, v, segment, segment, w)
+    )
     print(f"T=50, D=8: max relative errors {errors}")
     assert max(errors.values()) < 1e-5, errors
     assert got(q, k, v, segment, segment, w)[0].shape == (B, t, H, d)

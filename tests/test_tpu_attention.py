@@ -9,8 +9,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from attention_cases import inputs, kernel_errors, rel_err, rows, value_and_grads
 
 from jaxrl.models.gpu_attention import dense_reference
 from jaxrl.models.masks import SegmentMask, segment_mask
@@ -22,42 +22,16 @@ B, T, H, K, D = 2, 60, 4, 2, 16
 BLOCKS = dict(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
 
 
-def _value_and_grads(attention):
-    """out and d(sum(out * w))/d(q, k, v), jitted."""
-
-    @jax.jit
-    def run(q, k, v, segment, prefix, w):
-        def loss(q, k, v):
-            out = attention(q, k, v, segment, prefix)
-            return (out * w).sum(), out
-
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        return out, grads
-
-    return run
-
-
-kernel_run = _value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
-reference_run = _value_and_grads(dense_reference)
+kernel_run = value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
+reference_run = value_and_grads(dense_reference)
 
 
 def _inputs(seed, b=B, t=T, h=H, kv=K, d=D):
-    rng = np.random.default_rng(seed)
-    q, w = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for _ in range(2))
-    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
-    return q, k, v, w
+    return inputs(seed, b, t, h, kv, d)
 
 
-def _rows(*rows):
-    """[B, T] segment and prefix from rows of (length, segment, prefix) runs; the rest 0."""
-    segment, prefix = np.zeros((len(rows), T), np.int32), np.zeros((len(rows), T), np.int32)
-    for r, runs in enumerate(rows):
-        col = 0
-        for length, seg, pre in runs:
-            segment[r, col : col + length], prefix[r, col : col + length] = seg, pre
-            col += length
-        assert col <= T
-    return jnp.asarray(segment), jnp.asarray(prefix)
+def _rows(*runs_per_row):
+    return rows(T, *runs_per_row)
 
 
 def padded():
@@ -77,25 +51,12 @@ def shared_prompt():
     return _rows(unit_a, unit_b)
 
 
-def rel_err(a, b) -> float:
-    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
-
-
-def _errors(got, want) -> dict:
-    (out, grads), (out_ref, grads_ref) = got, want
-    errors = {"out": rel_err(out, out_ref)}
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
-        assert bool(jnp.isfinite(g).all()), name
-        errors[name] = rel_err(g, g_ref)
-    return errors
-
-
 @pytest.mark.parametrize("layout", [padded, packed, shared_prompt])
 def test_exact_against_dense_reference(layout):
     q, k, v, w = _inputs(0)
     segment, prefix = layout()
     got = kernel_run(q, k, v, segment, prefix, w)
-    errors = _errors(got, reference_run(q, k, v, segment, prefix, w))
+    errors = kernel_errors(got, reference_run(q, k, v, segment, prefix, w))
     print(f"{layout.__name__}: max relative errors {errors}")
     assert max(errors.values()) < 1e-5, errors
     out, (dq, _, _) = got
@@ -156,12 +117,14 @@ def test_batch_split_when_the_tile_lists_exceed_smem(monkeypatch):
     t = 64
     per_row = 4 * max((t // 16) * (1 + t // 32), (t // 32) * (1 + t // 16))
     monkeypatch.setattr(tpu_attention, "SMEM_LIST_BYTES", per_row)
-    run = _value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
+    run = value_and_grads(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
     q, k, v, w = _inputs(3)
     segment, prefix = packed()
     forward = jax.make_jaxpr(lambda *a: flash_attention(*a, interpret=True, **BLOCKS))
     assert str(forward(q, k, v, segment, prefix)).count("pallas_call[") == B  # a call per row
-    errors = _errors(run(q, k, v, segment, prefix, w), reference_run(q, k, v, segment, prefix, w))
+    errors = kernel_errors(
+        run(q, k, v, segment, prefix, w), reference_run(q, k, v, segment, prefix, w)
+    )
     assert max(errors.values()) < 1e-5, errors
     monkeypatch.setattr(tpu_attention, "SMEM_LIST_BYTES", per_row - 4)
     with pytest.raises(ValueError, match="pass larger blocks"):
