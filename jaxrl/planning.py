@@ -22,6 +22,7 @@ one micro-batch"; `PerStepCost` scales them to a whole step from two extra probe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -132,20 +133,23 @@ class ProgramReport:
         flops, bytes_, _ = hlo_cost.totals(hlo_cost.kernels(self.compiled.as_text()))
         return flops, bytes_
 
+    @functools.cached_property
+    def _arrays(self) -> list[tuple[str, int]]:
+        """Every array the program's unfused computations produce, largest first (the HLO
+        parsed once for `largest_buffers` and `square_buffers`)."""
+        if self.compiled is None:
+            return []
+        return hlo_cost.largest_arrays(self.compiled.as_text(), count=None)
+
     def largest_buffers(self, count: int = 5) -> list[tuple[str, int]]:
         """The largest arrays the program's instructions produce outside fused computations
         (shape, bytes), largest first: where its temporaries go."""
-        if self.compiled is None:
-            return []
-        return hlo_cost.largest_arrays(self.compiled.as_text(), count)
+        return self._arrays[:count]
 
     def square_buffers(self, length: int) -> list[tuple[str, int]]:
         """The arrays the program allocates with two trailing dims of `length` (attention
         scores `[..., T, T]` over a sequence of `length`), largest first."""
-        if self.compiled is None:
-            return []
-        arrays = hlo_cost.largest_arrays(self.compiled.as_text(), count=None)
-        return [(s, n) for s, n in arrays if hlo_cost.dims(s)[-2:] == [length, length]]
+        return [(s, n) for s, n in self._arrays if hlo_cost.dims(s)[-2:] == [length, length]]
 
     @property
     def total_bytes(self) -> int:
