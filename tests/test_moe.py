@@ -286,7 +286,7 @@ def test_every_token_on_the_same_experts_drops_nothing(moe_dir):
     x = jax.random.normal(jax.random.key(0), (3, 12, 64))
     with jax.default_matmul_precision("highest"):
         ours = np.asarray(mlp(x))
-        probs, weights, experts = mlp.route(x.reshape(-1, 64))
+        probs, weights, experts, _ = mlp.route(x.reshape(-1, 64))
     assert (np.asarray(experts) == [0, 1]).all()
     np.testing.assert_allclose(np.asarray(weights), 0.5, rtol=1e-6)
     ref = _dense_experts(mlp, np.asarray(x), [0, 1], [0.5, 0.5])

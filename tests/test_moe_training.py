@@ -90,7 +90,8 @@ def _step(config, kind, batch, coef, accum=1):
 def _aux_loss(params, tokens, positions, attended, valid):
     model = nnx.merge(_GRAPHDEF, params)
     mask = SegmentMask.from_valid(attended)
-    _, _, stats = model.hidden_states(tokens, positions, mask, router_stats=True)
+    _, _, info = model.hidden_states(tokens, positions, mask, router_stats=True)
+    stats = info.stats
     return load_balancing_loss(stats, valid)
 
 

@@ -101,6 +101,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl.generation import engine_routing
 from jaxrl.generation.engine_device import MIN_CAPACITY, EngineDevice
 from jaxrl.generation.engine_programs import EnginePrograms, bucket, pow2_buckets
 from jaxrl.generation.engine_requests import EngineStats, GroupResult, KeptRow, Request
@@ -125,6 +126,7 @@ class _Live:
     logprobs: list[list[float]]
     open_rows: int
     versions: list[list[int]] = dataclasses.field(default_factory=list)
+    routing: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # sample -> record
 
 
 class Engine(EngineDevice):
@@ -489,6 +491,7 @@ class Engine(EngineDevice):
             self.stats.decode_calls += 1
             self.stats.slot_steps += n_steps * active
             self.stats.kept_tokens += int(out_valid.sum())
+            records = self._stopped_records(owner, live, pos, running, active)
 
             for rid in list(running):
                 group = running[rid]
@@ -500,6 +503,8 @@ class Engine(EngineDevice):
                     group.logprobs[g].extend(out_logprobs[kept, s].tolist())
                     group.versions[g].extend([self.version] * int(kept.sum()))
                     if not live[s]:
+                        if records is not None:
+                            group.routing[g] = records[s]
                         owner[s], group.slots[g] = None, -1
                         group.open_rows -= 1
                         if group.request.keep_cache and rid not in self._cancelled:
@@ -507,9 +512,10 @@ class Engine(EngineDevice):
                             row = KeptRow(s, ids, self.stats.decode_calls)
                             self._kept[rid, g], owner[s] = row, _KEPT
                         if group.request.per_sample and rid not in self._cancelled:
+                            routing = engine_routing.rows_of(group.routing, [g])
                             yield GroupResult.of(group.request, [group.tokens[g]],
                                                  [group.logprobs[g]], [group.versions[g]],
-                                                 self.pad_id, (g,))  # fmt: skip
+                                                 self.pad_id, (g,), routing)  # fmt: skip
                 if group.open_rows == 0:
                     del running[rid]
                     self._ids.discard(rid)
@@ -517,8 +523,10 @@ class Engine(EngineDevice):
                         self._cancelled.discard(rid)
                         continue
                     if not group.request.per_sample:
+                        routing = engine_routing.rows_of(group.routing, range(len(group.slots)))
                         yield GroupResult.of(group.request, group.tokens, group.logprobs,
-                                             group.versions, self.pad_id)  # fmt: skip
+                                             group.versions, self.pad_id,
+                                             routing=routing)  # fmt: skip
 
     def cached_sequences(self) -> dict[int, tuple[int, int, list[int]]]:
         """Slot -> (request id, sample index, the ids whose keys / values the slot's cache holds:

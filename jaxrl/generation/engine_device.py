@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from flax import nnx
 
-from jaxrl.generation import kv_memory
+from jaxrl.generation import engine_routing, kv_memory
 from jaxrl.generation.engine_programs import bucket, extend_row_buckets, pow2_buckets
 from jaxrl.generation.engine_requests import Request
 from jaxrl.generation.sampling import SamplingConfig
@@ -72,6 +72,25 @@ class EngineDevice:
             span = bucket(start + len(ids), self.span_buckets, self.capacity)
             self._cache = self.programs.run("extend", params, self._cache, *one, span=span)
         return None, 0
+
+    def _stopped_records(self, owner, live, pos, running, active) -> dict[int, np.ndarray] | None:
+        """A mixture-of-experts model's routing records of the rows that stopped in the last
+        decode call (slot -> `[pos + 1, L, k]`: every position the row ran, and -1 for its last
+        token), read before their slots serve other rows; None when the engine keeps none."""
+        if not self.programs.record:
+            return None
+        stopped = [s for s in range(active) if owner[s] in running and not live[s]]
+        if not stopped:
+            return {}
+        rows = bucket(len(stopped), pow2_buckets(1, self.num_slots), self.num_slots)
+        slots = np.zeros(rows, np.int32)
+        slots[: len(stopped)] = stopped
+        span = bucket(int(pos[stopped].max()), self.span_buckets, self.capacity)
+        read = engine_routing.read_rows(self.model_config, self._cache[1], slots, span)
+        return {
+            s: engine_routing.with_unrecorded_last(read[i, : int(pos[s])])
+            for i, s in enumerate(stopped)
+        }
 
     # --- the cache's length -------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
+from jaxrl.generation import engine_routing
 from jaxrl.generation.engine_layout import (  # noqa: F401  (LAYER_LAYOUTS, UNROLL_SHARE: here too)
     LAYER_LAYOUTS,
     UNROLL_SHARE,
@@ -157,6 +158,8 @@ class EnginePrograms:
             self._unstack = jax.jit(unstack, out_shardings=out)
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call, self.pad_id = num_slots, steps_per_call, pad_id
+        # Mixture-of-experts models: the cache is (KV cache, routing record) (`engine_routing`).
+        self.record = engine_routing.records(model_config)
         self.prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
         self.decode = jax.jit(
             self._decode_impl, static_argnames=("sampling", "span", "active"), donate_argnums=(1,)
@@ -289,14 +292,24 @@ class EnginePrograms:
         """NamedShardings of a KV cache of `positions` positions on the mesh (None without)."""
         if self.mesh is None:
             return None
-        abstract = jax.eval_shape(lambda: init_cache(self.model_config, self.num_slots, positions))
+        abstract = jax.eval_shape(lambda: self._init(positions))
         axes = (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)
-        return jax.tree.map(
-            lambda c: jax.sharding.NamedSharding(
-                self.mesh, ax.logical_to_pspec((None,) * (c.ndim - 4) + axes, self.rules)
-            ),
-            abstract,
-        )
+
+        def sharding(c, logical):
+            return jax.sharding.NamedSharding(self.mesh, ax.logical_to_pspec(logical, self.rules))
+
+        kv_part = lambda c: sharding(c, (None,) * (c.ndim - 4) + axes)  # noqa: E731
+        if not self.record:
+            return jax.tree.map(kv_part, abstract)
+        routing = jax.tree.map(lambda r: sharding(r, engine_routing.routing_axes(r)), abstract[1])
+        return jax.tree.map(kv_part, abstract[0]), routing
+
+    def _init(self, positions: int):
+        """A zero KV cache of `num_slots` rows (and, recording, an empty routing record)."""
+        kv = init_cache(self.model_config, self.num_slots, positions)
+        if not self.record:
+            return kv
+        return kv, engine_routing.init_routing(self.model_config, self.num_slots, positions)
 
     def lower_prefill(self, abstract_params, cache, prompts: int, width: int):
         """The prefill program lowered for abstract inputs (`Engine.lower_prefill`)."""
@@ -340,7 +353,7 @@ class EnginePrograms:
     def abstract_cache(self, positions: int):
         """ShapeDtypeStructs of a KV cache of `positions` positions, with its shardings on a
         mesh."""
-        abstract = jax.eval_shape(lambda: init_cache(self.model_config, self.num_slots, positions))
+        abstract = jax.eval_shape(lambda: self._init(positions))
         shardings = self.cache_shardings(positions)
         if shardings is None:
             return abstract
@@ -348,11 +361,7 @@ class EnginePrograms:
 
     def new_cache(self, positions: int):
         """A zero KV cache of `positions` positions per slot, placed on the mesh."""
-        return self.call_on_mesh(
-            lambda: jax.jit(
-                lambda: constrain_cache(init_cache(self.model_config, self.num_slots, positions))
-            )()
-        )
+        return self.call_on_mesh(lambda: jax.jit(lambda: self._constrain(self._init(positions)))())
 
     def grow_cache(self, cache, extra: int):
         """`cache` with `extra` more zero positions per slot. Not donated: the grown cache has
@@ -363,9 +372,10 @@ class EnginePrograms:
         def pad(cache):
             widths = [(0, 0)] * cache.ndim
             widths[axis] = (0, extra)
-            return jnp.pad(cache, widths)
+            empty = -1 if cache.dtype == engine_routing.ROUTING_DTYPE else 0  # a routing record
+            return jnp.pad(cache, widths, constant_values=empty)
 
-        grow = jax.jit(lambda c: constrain_cache(jax.tree.map(pad, c)))
+        grow = jax.jit(lambda c: self._constrain(jax.tree.map(pad, c)))
         return self.call_on_mesh(grow, cache)
 
     def _prefill_impl(self, params, cache, tokens_pt, valid_pt, dest_s, src_s):
@@ -377,13 +387,34 @@ class EnginePrograms:
         fresh = constrain_cache(init_cache(self.model_config, batch, width))
         # A `SegmentMask` (dense `causal_mask(valid_pt)` off the GPU kernels): on a GPU the
         # prefill's self-attention runs the fused kernel (`Transformer.hidden_states`).
-        _, fresh = model.hidden_states(
-            tokens_pt, positions_from_mask(valid_pt), SegmentMask.from_valid(valid_pt), fresh, 0
-        )
+        fresh = self._forward(
+            model, tokens_pt, positions_from_mask(valid_pt), SegmentMask.from_valid(valid_pt),
+            fresh, 0, fresh=True,
+        )[1]  # fmt: skip
         axis = 1 if self.model_config.scan_layers else 0  # caches [L, B, C, K, D]: slots on 1
-        return constrain_cache(
+        return self._constrain(
             jax.tree.map(lambda full, new: _copy_rows(full, new, dest_s, src_s, axis), cache, fresh)
         )
+
+    def _forward(self, model, tokens_bt, positions_bt, mask, cache, index, fresh=False):
+        """`model.hidden_states` over the engine's cache: `(hidden, cache)`, the routing record
+        (a mixture-of-experts model's) written where the keys / values are, from `index` (per
+        row); `fresh`: `cache` is a fresh KV cache written from 0, the record made here."""
+        if not self.record:
+            return model.hidden_states(tokens_bt, positions_bt, mask, cache, index)
+        kv = cache if fresh else cache[0]
+        hidden, kv, info = model.hidden_states(
+            tokens_bt, positions_bt, mask, kv, index, record_routing=True
+        )
+        if fresh:
+            return hidden, (kv, engine_routing.as_layout(self.model_config, info.experts))
+        routing = engine_routing.write_rows(self.model_config, cache[1], info.experts, index)
+        return hidden, (kv, routing)
+
+    def _constrain(self, cache):
+        if not self.record:
+            return constrain_cache(cache)
+        return constrain_cache(cache[0]), engine_routing.constrain_routing(cache[1])
 
     def _extend_impl(self, params, cache, tokens_rw, start_r, slot_r, *, span: int):
         """Runs `tokens_rw[r]` through the model at positions `start_r[r]...` of slot
@@ -405,7 +436,7 @@ class EnginePrograms:
         views = jax.tree.map(view, cache)
         positions_rw = start_r[:, None] + jnp.arange(tokens_rw.shape[1])[None, :]
         mask_rwl = jnp.arange(span)[None, None, :] <= positions_rw[:, :, None]
-        _, views = model.hidden_states(tokens_rw, positions_rw, mask_rwl, views, start_r)
+        _, views = self._forward(model, tokens_rw, positions_rw, mask_rwl, views, start_r)
         slots = jax.tree.leaves(cache)[0].shape[axis]
         if jax.tree.leaves(cache)[0].shape[axis + 1] == span:
             # The decode call's prefix (`span` positions): each slot takes its row by one gather
@@ -419,9 +450,9 @@ class EnginePrograms:
                 picked = jnp.take(new, row_s, axis=axis).astype(full.dtype)
                 return jnp.where(has_s.reshape(shape), picked, full)
 
-            return constrain_cache(jax.tree.map(put, cache, views))
+            return self._constrain(jax.tree.map(put, cache, views))
         order = jnp.arange(slot_r.shape[0], dtype=jnp.int32)
-        return constrain_cache(
+        return self._constrain(
             jax.tree.map(lambda full, new: _copy_rows(full, new, slot_r, order, axis), cache, views)
         )
 
@@ -509,8 +540,8 @@ class EnginePrograms:
             model: Transformer = nnx.merge(
                 self.graphdef, jax.tree.unflatten(params_def, param_leaves)
             )
-            hidden, prefix = model.hidden_states(
-                token_s[:, None], write_s[:, None], mask_s1l, prefix, write_s
+            hidden, prefix = self._forward(
+                model, token_s[:, None], write_s[:, None], mask_s1l, prefix, write_s
             )
             logits_sv = model.logits(hidden)[:, 0]
             new_s, logprob_s = draw(logits_sv, req_s, sample_s, index_s)
@@ -540,8 +571,8 @@ class EnginePrograms:
         )
         prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
         if in_place:
-            return constrain_cache(prefix), state, outs
+            return self._constrain(prefix), state, outs
         cache = jax.tree.map(
             lambda c, p: jax.lax.dynamic_update_slice(c, p, (0,) * c.ndim), cache, prefix
         )
-        return constrain_cache(cache), state, outs
+        return self._constrain(cache), state, outs

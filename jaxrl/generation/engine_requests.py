@@ -60,6 +60,8 @@ class GroupResult:
     versions_gn: int32 policy version that sampled each token (-1 where masked).
     samples: the sample index of each row (a `Request.per_sample` result: one row); None: rows
       0..G-1, the whole group.
+    routing_g: a mixture-of-experts model's routing record per row, int16
+      `[len(prompt) + lengths_g[g], L, k]` (`jaxrl.generation.engine_routing`); None when dense.
     """
 
     request_id: int
@@ -69,6 +71,7 @@ class GroupResult:
     mask_gn: np.ndarray
     versions_gn: np.ndarray | None = None
     samples: tuple[int, ...] | None = None
+    routing_g: tuple[np.ndarray, ...] | None = None
 
     @property
     def lengths_g(self) -> np.ndarray:
@@ -76,10 +79,10 @@ class GroupResult:
 
     @classmethod
     def of(
-        cls, request: Request, tokens, logprobs, versions, pad_id: int, samples=None
+        cls, request: Request, tokens, logprobs, versions, pad_id: int, samples=None, routing=None
     ) -> GroupResult:
-        """The result of `request` from each row's token, log-prob and version lists (rows
-        `samples`, default all)."""
+        """The result of `request` from each row's token, log-prob and version lists and routing
+        records (rows `samples`, default all)."""
         g, n = len(tokens), request.budget
         tokens_gn = np.full((g, n), pad_id, np.int32)
         logprobs_gn = np.zeros((g, n), np.float32)
@@ -89,7 +92,8 @@ class GroupResult:
             tokens_gn[row, : len(toks)], logprobs_gn[row, : len(lps)] = toks, lps
             mask_gn[row, : len(toks)], versions_gn[row, : len(toks)] = True, vs
         return cls(request.request_id, tuple(request.prompt), tokens_gn, logprobs_gn, mask_gn,
-                   versions_gn, None if samples is None else tuple(samples))  # fmt: skip
+                   versions_gn, None if samples is None else tuple(samples),
+                   None if routing is None else tuple(routing))  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -171,6 +171,11 @@ class EngineSampler:
             tokens_bn=np.concatenate([g.tokens_gn for g in groups]),
             logprobs_bn=np.concatenate([g.logprobs_gn for g in groups]),
             mask_bn=np.concatenate([g.mask_gn for g in groups]),
+            routing_b=(
+                None
+                if groups[0].routing_g is None
+                else tuple(r for g in groups for r in g.routing_g)
+            ),
         )
 
 

@@ -47,11 +47,17 @@ class SampleOutput:
       (0 where masked).
     mask_bn: True for completion tokens (up to and including the stop token).
     lengths_b: number of completion tokens per row.
+    routing_b: a mixture-of-experts model's routing record (the continuous-batching engine's;
+      `jaxrl.models.moe`), per row an int16 `[len(prompt) + lengths_b[b], num_layers, top_k]`:
+      the experts each layer chose for each position of the sequence as the generator ran it,
+      -1 where nothing was recorded (the last sampled token, never run through the model; dense
+      layers). None for a dense model or a sampler that does not record.
     """
 
     tokens_bn: np.ndarray
     logprobs_bn: np.ndarray
     mask_bn: np.ndarray
+    routing_b: tuple[np.ndarray, ...] | None = None
 
     @property
     def lengths_b(self) -> np.ndarray:

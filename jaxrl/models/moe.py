@@ -41,6 +41,10 @@ from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models.config import ModelConfig
 
 
+# The dtype of routing records (expert ids; -1: none recorded).
+ROUTING_DTYPE = jnp.int16
+
+
 class RouterStats(NamedTuple):
     """Per-token router statistics summed over the sparse layers: `counts_bte[b, t, e]` how many
     layers chose expert e for token (b, t) among their top k, `probs_bte` the sum of the router
@@ -49,6 +53,27 @@ class RouterStats(NamedTuple):
     counts_bte: jax.Array
     probs_bte: jax.Array
     layers: int
+
+
+class RoutingInfo(NamedTuple):
+    """What sparse layers report beside their output: `RouterStats` (or None) and the routers'
+    own top-k experts (`ROUTING_DTYPE`, or None): `[B, T, k]` from one layer, `[B, T, L, k]`
+    from `Transformer.hidden_states` (-1 on dense layers)."""
+
+    stats: RouterStats | None
+    experts: jax.Array | None
+
+
+def routing_mismatch(own_btlk: jax.Array, recorded_btlk: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(disagreeing, compared)`: how many (token, layer) pairs with a record (`recorded >= 0`)
+    chose a different set of experts than `own`, and how many were compared (float32)."""
+    have = recorded_btlk[..., 0] >= 0
+    same = jnp.all(
+        jnp.sort(own_btlk.astype(jnp.int32), axis=-1)
+        == jnp.sort(recorded_btlk.astype(jnp.int32), axis=-1),
+        axis=-1,
+    )
+    return jnp.sum(have & ~same).astype(jnp.float32), jnp.sum(have).astype(jnp.float32)
 
 
 def load_balancing_loss(stats: RouterStats, valid_bt: jax.Array | None = None) -> jax.Array:
@@ -82,29 +107,56 @@ class MoEMLP(nnx.Module):
             rngs, (n, f, e), (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED), pd, std
         )
 
-    def route(self, x_ne: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def route(
+        self, x_ne: jax.Array, replay_nk: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """Router probabilities `[N, num_experts]` (float32), the top-k weights `[N, k]` (compute
-        dtype; renormalised if `norm_topk_prob`) and expert indices `[N, k]`."""
+        dtype; renormalised if `norm_topk_prob`), the experts used `[N, k]` and the router's own
+        top-k choice `[N, k]`.
+
+        `replay_nk` (routing replay): experts recorded elsewhere (the generator), used instead of
+        the top-k on the tokens where they are given (-1: not recorded, the router chooses); the
+        weights are then this router's probabilities of the replayed experts, renormalised as
+        usual, so the router still gets gradients through them."""
         c = self.config
         logits = jnp.dot(x_ne, self.router_kernel[...].astype(c.jnp_dtype))
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, c.num_experts_per_tok)
+        weights, own = jax.lax.top_k(probs, c.num_experts_per_tok)
+        experts = own
+        if replay_nk is not None:
+            replayed = replay_nk[:, :1] >= 0
+            experts = jnp.where(replayed, replay_nk.astype(own.dtype), own)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
         if c.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return probs, weights.astype(c.jnp_dtype), experts
+        return probs, weights.astype(c.jnp_dtype), experts, own
 
-    def __call__(self, x_bte: jax.Array, with_stats: bool = False):
-        """`[B, T, E]` -> `[B, T, E]`; with `with_stats`, also this layer's `RouterStats`."""
+    def __call__(
+        self,
+        x_bte: jax.Array,
+        with_stats: bool = False,
+        replay_btk: jax.Array | None = None,
+        record: bool = False,
+    ):
+        """`[B, T, E]` -> `[B, T, E]`. With `with_stats` or `record`, `(out, RoutingInfo)`: this
+        layer's `RouterStats` (with_stats) and its router's own top-k `[B, T, k]` as
+        `ROUTING_DTYPE` (record). `replay_btk`: experts to use instead of the router's where
+        given (`route`)."""
         b, t, e = x_bte.shape
         x_ne = x_bte.reshape(b * t, e)
-        probs, weights, experts = self.route(x_ne)
+        replay = None if replay_btk is None else replay_btk.reshape(b * t, -1)
+        probs, weights, experts, own = self.route(x_ne, replay)
         out = self._experts(x_ne, weights, experts).reshape(b, t, e)
         out = ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
-        if not with_stats:
+        if not (with_stats or record):
             return out
-        n = self.config.num_experts
-        counts = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32), axis=1)
-        return out, RouterStats(counts.reshape(b, t, n), probs.reshape(b, t, n), 1)
+        stats = None
+        if with_stats:
+            n = self.config.num_experts
+            counts = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32), axis=1)
+            stats = RouterStats(counts.reshape(b, t, n), probs.reshape(b, t, n), 1)
+        chosen = own.reshape(b, t, -1).astype(ROUTING_DTYPE) if record else None
+        return out, RoutingInfo(stats, chosen)
 
     def _experts(self, x_ne: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array) -> jax.Array:
         """Every token through its k experts, weighted and summed: the (token, expert) pairs
@@ -119,6 +171,7 @@ class MoEMLP(nnx.Module):
         gate = jax.lax.ragged_dot(x_sorted, self.gate_kernel[...].astype(dtype), group_sizes)
         up = jax.lax.ragged_dot(x_sorted, self.up_kernel[...].astype(dtype), group_sizes)
         hidden = jax.nn.silu(gate) * up
+        down_axes = (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED)
         y_sorted = jax.lax.ragged_dot(hidden, self.down_kernel[...].astype(dtype), group_sizes)
         inverse = jnp.argsort(order)  # pair p sits at row inverse[p] of the sorted rows
         y_nke = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)

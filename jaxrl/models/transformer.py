@@ -40,7 +40,7 @@ from jaxrl.models.attention_forms import (  # noqa: F401  (public here: decode_a
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpu_attention import flash_self_attention
 from jaxrl.models.masks import SegmentMask, causal_mask  # noqa: F401  (causal_mask: public here)
-from jaxrl.models.moe import MoEMLP, RouterStats, load_balancing_loss
+from jaxrl.models.moe import ROUTING_DTYPE, MoEMLP, RouterStats, RoutingInfo, load_balancing_loss
 from jaxrl.models.pallas_attention import splash_self_attention
 from jaxrl.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -227,24 +227,35 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoEMLP(config, rngs, std) if moe else MLP(config, rngs, std)
 
     def __call__(
-        self, x_bte, cos_btd, sin_btd, mask_bts, cache=None, cache_index=None, router_stats=False
+        self,
+        x_bte,
+        cos_btd,
+        sin_btd,
+        mask_bts,
+        cache=None,
+        cache_index=None,
+        router_stats=False,
+        replay_btk=None,
+        record=False,
     ):
-        """`(out, cache)`, or with `router_stats` `(out, cache, RouterStats | None)` (None for a
-        dense layer)."""
+        """`(out, cache)`; with `router_stats`, `record` or `replay_btk` (a sparse MLP's routing,
+        `MoEMLP.__call__`) `(out, cache, RoutingInfo)` (empty for a dense layer)."""
         attn_out, cache = self.attention(
             self.input_norm(x_bte), cos_btd, sin_btd, mask_bts, cache, cache_index
         )
         h = x_bte + attn_out
-        if router_stats:
-            stats = None
-            if isinstance(self.mlp, MoEMLP):
-                mlp_out, stats = self.mlp(self.post_attention_norm(h), with_stats=True)
-            else:
-                mlp_out = self.mlp(self.post_attention_norm(h))
-            out = ax.constrain(h + mlp_out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
-            return out, cache, stats
-        out = h + self.mlp(self.post_attention_norm(h))
-        return ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), cache
+        if not (router_stats or record or replay_btk is not None):
+            out = h + self.mlp(self.post_attention_norm(h))
+            return ax.constrain(out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), cache
+        info = RoutingInfo(None, None)
+        if isinstance(self.mlp, MoEMLP):
+            mlp_out = self.mlp(self.post_attention_norm(h), router_stats, replay_btk, record)
+            if router_stats or record:
+                mlp_out, info = mlp_out
+        else:
+            mlp_out = self.mlp(self.post_attention_norm(h))
+        out = ax.constrain(h + mlp_out, (ax.ACT_BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
+        return out, cache, info
 
 
 class Transformer(nnx.Module):
@@ -292,6 +303,8 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
         router_stats: bool = False,
+        routing: jax.Array | None = None,
+        record_routing: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states `[B, T, E]` and the updated cache (None without a cache).
 
@@ -299,9 +312,12 @@ class Transformer(nnx.Module):
         a cache: training, `__call__`), which stays per-token for the fused GPU kernel
         (`flash_kernels`) and is made dense for every other attention form.
 
-        `router_stats` (mixture-of-experts models, no cache): returns `(hidden, None,
-        RouterStats)`, the routing statistics `jaxrl.models.moe.load_balancing_loss` reduces to
-        the auxiliary loss (a dense model's stats count 0 layers)."""
+        Mixture-of-experts models (`jaxrl.models.moe`): with `router_stats`, `routing` or
+        `record_routing`, returns `(hidden, cache, RoutingInfo)`: `router_stats` (no cache) the
+        routing statistics `load_balancing_loss` reduces to the auxiliary loss (a dense model's
+        count 0 layers); `record_routing` each layer's own top-k experts `[B, T, L, k]` (-1 on
+        dense layers: the generation engine's routing record); `routing` `[B, T, L, k]` experts
+        to use instead of the routers' choice where given (>= 0: routing replay)."""
         target = decode_kernel.platform()
         if self.config.attention_impl == "cudnn" and target != "gpu":
             raise ValueError(
@@ -316,14 +332,25 @@ class Transformer(nnx.Module):
         inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope)
         cos, sin = rope_cos_sin(positions_bt, inv_freq, self.config.jnp_dtype)
         policy = remat.remat_policy(self.config.remat_policy)
+        routed = router_stats or record_routing or routing is not None
 
-        def run_layer(x, layer, layer_cache):
-            return layer(x, cos, sin, mask_bts, layer_cache, cache_index)
+        def run_layer(x, layer, layer_cache, replay_btk=None):
+            if not routed:
+                return layer(x, cos, sin, mask_bts, layer_cache, cache_index)
+            return layer(
+                x, cos, sin, mask_bts, layer_cache, cache_index, router_stats, replay_btk,
+                record_routing,
+            )  # fmt: skip
 
-        if router_stats:
-            return self._hidden_with_router_stats(x, cos, sin, mask_bts, cache, policy)
         if self.config.remat_policy != "none":
             run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not self.config.scan_layers)
+        if routed:
+            if router_stats and cache is not None:
+                raise ValueError("router_stats=True is for whole-sequence forwards (no KV cache)")
+            hidden, cache, info = _routed_layers(
+                self, run_layer, x, cache, mask_bts, router_stats, routing, record_routing
+            )
+            return self.final_norm(hidden), cache, info
         if self.config.scan_layers and in_place_decode_step(self.config, cache, mask_bts):
             # The stacked cache rides in the scan's carry with the layer index, so each layer
             # writes and reads it in place (as scan inputs and outputs, every step would slice
@@ -356,45 +383,6 @@ class Transformer(nnx.Module):
             new_cache.append(layer_cache)
         return self.final_norm(x), (None if cache is None else tuple(new_cache))
 
-    def _hidden_with_router_stats(self, x, cos, sin, mask_bts, cache, policy):
-        """`hidden_states(..., router_stats=True)`: the layers as there, the sparse layers'
-        router statistics summed over layers on the side."""
-        c = self.config
-        if cache is not None:
-            raise ValueError("router_stats=True is for whole-sequence forwards (no KV cache)")
-        b, t = x.shape[:2]
-        zeros = jnp.zeros((b, t, max(c.num_experts, 1)), jnp.float32)
-
-        def run_layer(x, layer):
-            out, _, stats = layer(x, cos, sin, mask_bts, None, None, router_stats=True)
-            if stats is None:  # a dense layer
-                return out, zeros, zeros
-            return out, stats.counts_bte, stats.probs_bte
-
-        if c.remat_policy != "none":
-            run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not c.scan_layers)
-        if c.scan_layers:
-            # Every layer alike (ModelConfig refuses mixed dense / sparse stacks).
-            def run_stacked(carry, layer):
-                x, counts, probs = carry
-                x, layer_counts, layer_probs = run_layer(x, layer)
-                return x, counts + layer_counts, probs + layer_probs
-
-            scan = nnx.scan(
-                run_stacked,
-                in_axes=(nnx.Carry, 0),
-                out_axes=nnx.Carry,
-                transform_metadata={nnx.PARTITION_NAME: ax.LAYERS},
-            )
-            x, counts, probs = scan((x, zeros, zeros), self.layers)
-        else:
-            counts = probs = zeros
-            for layer in self.layers:
-                x, layer_counts, layer_probs = run_layer(x, layer)
-                counts, probs = counts + layer_counts, probs + layer_probs
-        total = RouterStats(counts, probs, len(c.moe_layers))
-        return self.final_norm(x), None, total
-
     def logits_and_aux_loss(
         self, tokens_bt: jax.Array, valid_bt: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
@@ -403,13 +391,13 @@ class Transformer(nnx.Module):
         `config.router_aux_loss_coef` (or its own weight) times the loss."""
         if valid_bt is None:
             valid_bt = jnp.ones(tokens_bt.shape, bool)
-        hidden, _, stats = self.hidden_states(
+        hidden, _, info = self.hidden_states(
             tokens_bt,
             positions_from_mask(valid_bt),
             SegmentMask.from_valid(valid_bt),
             router_stats=True,
         )
-        return self.logits(hidden), load_balancing_loss(stats, valid_bt)
+        return self.logits(hidden), load_balancing_loss(info.stats, valid_bt)
 
     def unembedding(self) -> jax.Array:
         """The output projection `[E, V]` in the compute dtype (the embedding when tied)."""
@@ -428,6 +416,68 @@ class Transformer(nnx.Module):
             tokens_bt, positions_from_mask(valid_bt), SegmentMask.from_valid(valid_bt)
         )
         return self.logits(hidden)
+
+
+def _routed_layers(model, run_layer, x, cache, mask_bts, with_stats, replay_btlk, record):
+    """`hidden_states`' layers when routing is asked for (`router_stats`, replay or record):
+    `(x, cache, RoutingInfo)`, the sparse layers' statistics summed over layers in the carry,
+    their own top-k stacked on axis 2, the replayed experts fed to layer l from
+    `replay_btlk[:, :, l]`."""
+    c = model.config
+    b, t = x.shape[:2]
+    zeros = jnp.zeros((b, t, max(c.num_experts, 1)), jnp.float32) if with_stats else None
+    none_btk = jnp.full((b, t, max(c.num_experts_per_tok, 1)), -1, ROUTING_DTYPE)
+
+    def step(carry, layer, layer_cache, replay_btk):
+        x, counts, probs = carry
+        x, layer_cache, info = run_layer(x, layer, layer_cache, replay_btk)
+        if with_stats and info.stats is not None:
+            counts, probs = counts + info.stats.counts_bte, probs + info.stats.probs_bte
+        chosen = (none_btk if info.experts is None else info.experts) if record else None
+        return (x, counts, probs), (layer_cache, chosen)
+
+    if c.scan_layers and in_place_decode_step(c, cache, mask_bts):
+        if with_stats or replay_btlk is not None:
+            raise ValueError("an in-place decode step records routing only (no stats, no replay)")
+
+        def run_stacked(carry, layer):
+            x, keys, values, i = carry
+            (x, _, _), ((keys, values, _), chosen) = step(
+                (x, None, None), layer, (keys, values, i), None
+            )
+            return (x, keys, values, i + 1), chosen
+
+        scan = nnx.scan(
+            run_stacked,
+            in_axes=(nnx.Carry, 0),
+            out_axes=(nnx.Carry, 0),
+            transform_metadata={nnx.PARTITION_NAME: ax.LAYERS},
+        )
+        (x, keys, values, _), chosen_l = scan((x, *cache, jnp.zeros((), jnp.int32)), model.layers)
+        cache, counts, probs = (keys, values), None, None
+    elif c.scan_layers:
+        replay_l = None if replay_btlk is None else jnp.moveaxis(replay_btlk, 2, 0)
+        scan = nnx.scan(
+            step,
+            in_axes=(nnx.Carry, 0, None if cache is None else 0, None if replay_l is None else 0),
+            out_axes=(nnx.Carry, 0),
+            transform_metadata={nnx.PARTITION_NAME: ax.LAYERS},
+        )
+        carry = (x, zeros, zeros)
+        (x, counts, probs), (cache, chosen_l) = scan(carry, model.layers, cache, replay_l)
+    else:
+        carry, new_cache, chosen = (x, zeros, zeros), [], []
+        for i, layer in enumerate(model.layers):
+            replay_btk = None if replay_btlk is None else replay_btlk[:, :, i]
+            layer_cache = None if cache is None else cache[i]
+            carry, (layer_cache, layer_chosen) = step(carry, layer, layer_cache, replay_btk)
+            new_cache.append(layer_cache)
+            chosen.append(layer_chosen)
+        (x, counts, probs), cache = carry, None if cache is None else tuple(new_cache)
+        chosen_l = jnp.stack(chosen) if record else None
+    stats = RouterStats(counts, probs, len(c.moe_layers)) if with_stats else None
+    experts = jnp.moveaxis(chosen_l, 0, 2) if record else None
+    return x, cache, RoutingInfo(stats, experts)
 
 
 def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> jax.Array:
