@@ -2,7 +2,9 @@
 
 Decodes without special tokens (the `<eos>` that ended a completion is not part of its text) and
 scores with a registered (or given) reward function; a reward that raises or returns non-finite
-values stops the run with a message naming it.
+values stops the run with a message naming it. A mixture-of-experts generator's routing record
+(`GeneratedBatch.routing`, one `[len(prompt) + len(completion), layers, k]` per row; None for a
+dense model) goes into each row's `Rollout.routing`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RewardExecutor:
         raw_mean = float(rewards.mean())
         if self.shuffle_seed is not None:
             rewards = shuffled_rewards(rewards, self.shuffle_seed, batch.batch_index)
+        routing = getattr(batch, "routing", None)
         rollouts = [
             Rollout(
                 prompt_ids=np.asarray(batch.prompt_ids[i], np.int32),
@@ -53,6 +56,7 @@ class RewardExecutor:
                 policy_version=batch.policy_version,
                 reward=float(rewards[i]),
                 group_id=int(batch.group_ids[i]),
+                routing=None if routing is None else routing[i],
             )
             for i in range(len(texts))
         ]

@@ -2,8 +2,9 @@
 key-value store that carry the scored batches from the generator processes to the trainer
 processes, and the few JSON values both sides agree on (`start`, `room/k`, `done`).
 
-A batch is a bytes value, zlib-compressed JSON of `ScoredBatch.to_json` (float32 log-probs
-exact), under `batch/k`; the lead trainer deletes it once the step that trained on it is done.
+A batch is a bytes value, zlib-compressed JSON of `ScoredBatch.to_json` (float32 log-probs and
+mixture-of-experts routing records exact), under `batch/k`; the lead trainer deletes it once
+the step that trained on it is done.
 """
 
 from __future__ import annotations

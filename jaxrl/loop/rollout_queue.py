@@ -63,7 +63,8 @@ class ScoredBatch:
 
     def to_json(self) -> dict[str, Any]:
         """Plain lists and numbers; float32 log-probs survive the JSON round trip bit for bit
-        (a float32 is exactly representable as the float64 that JSON writes)."""
+        (a float32 is exactly representable as the float64 that JSON writes). A routing record
+        (mixture-of-experts generators) is bytes in base64 (`encode_routing`), not a list."""
         return {
             "batch_index": self.batch_index,
             "policy_version": self.policy_version,
@@ -82,6 +83,7 @@ class ScoredBatch:
                     else {"token_versions": np.asarray(r.token_versions).tolist()}
                 )
                 | ({} if r.loss_mask is None else {"loss_mask": np.asarray(r.loss_mask).tolist()})
+                | ({} if r.routing is None else {"routing": encode_routing(r.routing)})
                 for r in self.rollouts
             ],
         }
@@ -101,10 +103,40 @@ class ScoredBatch:
                     np.asarray(r["token_versions"], np.int32) if "token_versions" in r else None
                 ),
                 loss_mask=np.asarray(r["loss_mask"], bool) if "loss_mask" in r else None,
+                routing=decode_routing(r["routing"]) if "routing" in r else None,
             )
             for r in blob["rollouts"]
         ]
         return cls(int(blob["batch_index"]), version, rollouts, dict(blob["metrics"]))
+
+
+def encode_routing(routing: np.ndarray) -> dict[str, Any]:
+    """A routing record (`Rollout.routing`, int16 `[n, layers, k]`, -1 = none) as JSON: its
+    shape and its bytes in base64, one byte per entry (`id + 1`) when every expert id is below
+    255 (models of up to 255 experts), else little-endian int16. Exact both ways
+    (`decode_routing`); a list of numbers would be several times the size."""
+    routing = np.asarray(routing, np.int16)
+    if not routing.size or (routing.min() >= -1 and routing.max() < 255):
+        data, kind = (routing + 1).astype(np.uint8), "uint8+1"
+    else:
+        data, kind = routing.astype("<i2"), "int16le"
+    return {
+        "shape": list(routing.shape),
+        "encoding": kind,
+        "data": base64.b64encode(data.tobytes()).decode(),
+    }
+
+
+def decode_routing(blob: dict[str, Any]) -> np.ndarray:
+    """The int16 record `encode_routing` wrote."""
+    raw = base64.b64decode(blob["data"])
+    if blob["encoding"] == "uint8+1":
+        values = np.frombuffer(raw, np.uint8).astype(np.int16) - 1
+    elif blob["encoding"] == "int16le":
+        values = np.frombuffer(raw, "<i2").astype(np.int16)
+    else:
+        raise ValueError(f"unknown routing record encoding {blob['encoding']!r}")
+    return values.reshape([int(n) for n in blob["shape"]])
 
 
 @dataclasses.dataclass

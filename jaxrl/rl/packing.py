@@ -47,6 +47,16 @@ the unit's completions: `predict_index_bt` points G rows at one state), its toke
 own token t - 1. The prompt runs through the model once per unit, and its gradient is the sum of
 the completions' (the gather's transpose adds them up): the repeated layout's gradient, less
 (G - 1) / G of the prompt's FLOPs.
+
+Routing records (mixture-of-experts routing replay, `RolloutBatch.routing_bslk`): `routing_rllk`
+`[R, L, layers, k]` holds, at each packed token, the record of the same token in the padded batch
+(-1 on a row's unused tail), so the trainer's forward replays each position's experts exactly as
+in the padded layout. With shared prompts a unit's prompt appears once, with the record of the
+unit's first rollout: the engine prefills a group's prompt once and its G samples share that
+prefill's records, so any of them serves. Rollouts with an identical prompt but a different
+prompt record (the same prompt sampled in two requests, by different versions) go to different
+units, so every completion attends to its prompt as its own generator ran it. A batch without
+routing (a dense model) packs exactly as before, `routing_rllk` None.
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ class PackedRolloutBatch:
     reward_b: jax.Array
     group_id_b: jax.Array
     valid_b: jax.Array
+    routing_rllk: jax.Array | None = None  # int16 [R, L, layers, k]: tokens_rl's routing records
 
     @property
     def batch_size(self) -> int:
@@ -198,15 +209,19 @@ def _pack_groups(sequences: list[np.ndarray], row_length: int, groups: int, what
     return tokens, segment, positions, placement
 
 
-def _shared_units(prompts, completions, row_length: int, first: int) -> tuple[list, list]:
+def _shared_units(
+    prompts, completions, row_length: int, first: int, keys=None
+) -> tuple[list, list]:
     """One packing group's units `[prompt, c_1, ..., c_n]` (rollouts with identical prompts, in
     batch order; a unit is closed when the next completion would not fit the row) and, per unit,
     the batch indices of its completions (`first` is the group's first index). Rollouts without
-    completion tokens take no tokens."""
+    completion tokens take no tokens. `keys` (bytes per rollout): only rollouts whose prompts
+    and keys are both equal share a prompt (their prompts' routing records)."""
     by_prompt: dict[bytes, list[int]] = {}
     for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         if len(completion):
-            by_prompt.setdefault(prompt.tobytes(), []).append(i)
+            key = prompt.tobytes() + (b"" if keys is None else b"|" + keys[i])
+            by_prompt.setdefault(key, []).append(i)
     units, owners = [], []
     for members in by_prompt.values():
         prompt = prompts[members[0]]
@@ -252,13 +267,22 @@ def pack_rollout_batch(
     # Every present token (a multi-turn episode's observations too); the loss mask is a subset.
     lengths = np.asarray(batch.completion_length_b)
     completions = [completion_ids[i, : lengths[i]] if valid[i] else empty for i in range(b)]
+    routing = _routing_parts(batch, prompt_mask, lengths, valid)
     where: dict[int, tuple[int, int, int]] = {}  # rollout -> (group, unit, completion's part)
     if share_prompts:
-        units_g = []
+        units_g, owners_g = [], []
+        keys = None if routing is None else [p.tobytes() for p, _ in routing]
         for g in range(groups):
             block = slice(g * per, (g + 1) * per)
-            units, owners = _shared_units(prompts[block], completions[block], row_length, g * per)
+            units, owners = _shared_units(
+                prompts[block],
+                completions[block],
+                row_length,
+                g * per,
+                None if keys is None else keys[block],
+            )
             units_g.append(units)
+            owners_g.append(owners)
             for u, owner in enumerate(owners):
                 where.update({i: (g, u, j) for j, i in enumerate(owner, start=1)})
     else:  # one part per unit: the prompt and the completion as one sequence
@@ -266,7 +290,12 @@ def pack_rollout_batch(
         _too_long([len(s) for s in sequences], row_length, "rollout")
         units_g = [[[s] for s in sequences[g * per : (g + 1) * per]] for g in range(groups)]
         where = {i: (i // per, i % per, 0) for i in range(b) if len(sequences[i])}
+        owners_g = None
     tokens, segment, prefix, positions, placement = _pack_units(units_g, row_length)
+    packed_routing = None
+    if routing is not None:
+        layers_k = np.shape(batch.routing_bslk)[2:]
+        packed_routing = _pack_routing(routing, where, placement, owners_g, tokens.shape, layers_k)
     # Completion token t of rollout i is predicted by the state before it: for t > 0 its own
     # token t - 1, for t = 0 the prompt's last token. Padding columns point at the group's
     # first token (masked in the loss).
@@ -290,8 +319,46 @@ def pack_rollout_batch(
         prefix_rl=prefix,
         positions_rl=positions,
         predict_index_bt=index,
+        routing_rllk=packed_routing,
         **fields,
     )
+
+
+def _routing_parts(batch: RolloutBatch, prompt_mask, lengths, valid):
+    """Per rollout, (its prompt's routing `[P_i, layers, k]`, its completion's `[T_i, ...]`)
+    out of `batch.routing_bslk` (None when the batch has no routing)."""
+    if batch.routing_bslk is None:
+        return None
+    routing = np.asarray(batch.routing_bslk)
+    p = prompt_mask.shape[1]
+    empty = routing[0, :0]
+    return [
+        (routing[i, :p][prompt_mask[i]], routing[i, p : p + lengths[i]])
+        if valid[i]
+        else (empty, empty)
+        for i in range(len(routing))
+    ]
+
+
+def _pack_routing(routing, where, placement, owners_g, shape, layers_k) -> np.ndarray:
+    """`routing_rllk` (module docstring): each packed token's routing record, -1 elsewhere.
+    `where[i] = (group, unit, part)`: rollout i's completion is part `part` of the unit (0:
+    the plain layout's `[prompt, completion]` sequence); `owners_g[g][u]` the rollouts of a
+    shared unit (its prompt's record is the first one's)."""
+    rows_per_group = shape[0] // max(len(placement), 1)
+    out = np.full((*shape, *layers_k), -1, np.int16)
+    for i, (g, u, j) in where.items():
+        r, cols = placement[g][u]
+        row = g * rows_per_group + r
+        prompt, completion = routing[i]
+        if j == 0:  # the plain layout: prompt and completion as one sequence
+            sequence = np.concatenate([prompt, completion])
+            out[row, cols[0] : cols[0] + len(sequence)] = sequence
+            continue
+        out[row, cols[j] : cols[j] + len(completion)] = completion
+        if owners_g[g][u][0] == i:  # the unit's prompt, once: its first rollout's record
+            out[row, cols[0] : cols[0] + len(prompt)] = prompt
+    return out
 
 
 # `Trainer(pack_length=AUTO)`: a row length derived from each batch's shapes.

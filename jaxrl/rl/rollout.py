@@ -18,6 +18,11 @@ compiles once per bucket:
     reward_b                f32   [B]
     group_id_b              int32 [B]     rows with equal ids are samples of the same prompt
     valid_b                 bool  [B]     False on rows that only fill the bucket
+    routing_bslk            int16 [B, P + T, L, k] or None: a mixture-of-experts generator's
+                                          routing record (`Rollout.routing`), aligned with the
+                                          columns of `sequence()`; -1 on padding and on rows that
+                                          only fill the bucket. None when the rollouts carry none
+                                          (dense models: the batch and its programs as before)
 
 Left-padded prompts followed by right-padded completions make one [B, P + T] teacher-forcing
 sequence in which every prompt ends at column P-1, so the hidden states predicting the completion
@@ -28,6 +33,13 @@ the model's turns and the environment's observations in the order the engine saw
 observation tokens are attended to (they are among the first `completion_length_b` columns) but
 not trained on (`completion_mask_bt` False there): every loss, KL and normaliser reads them only
 through the mask, so their placeholder log-probs (0) and versions (-1) change nothing.
+
+Routing replay (mixture-of-experts policies, issue 53): the generator records, for every position
+of a sampled sequence, the top-k experts each layer's router chose (`SampleOutput.routing_b`), and
+the record travels with the rollout (`Rollout.routing`) as its behaviour log-probs do: through
+the rollout queue, its JSON (`jaxrl.loop.rollout_queue.encode_routing`), the role split's channel,
+streaming and the checkpoint, into `RolloutBatch.routing_bslk` and, packed,
+`PackedRolloutBatch.routing_rllk`, which the trainer's forward replays.
 """
 
 from __future__ import annotations
@@ -59,6 +71,10 @@ class Rollout:
       loss_mask: bool [T_i], True on the tokens the model sampled (trained), False on tokens a
         multi-turn environment appended (observations: attended, never trained); None when every
         completion token was sampled.
+      routing: int16 [P_i + T_i, L, k], a mixture-of-experts generator's routing record: the k
+        experts each of the model's L layers chose at each position of the sequence (prompt then
+        completion), -1 where nothing was recorded (the last sampled token, which the generator
+        never ran; dense layers). None for a dense model (or a generator that does not record).
     """
 
     prompt_ids: np.ndarray
@@ -69,6 +85,7 @@ class Rollout:
     group_id: int
     token_versions: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
+    routing: np.ndarray | None = None
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.behaviour_logprobs):
@@ -86,6 +103,30 @@ class Rollout:
                 f"completion has {len(self.completion_ids)} tokens but a loss mask of "
                 f"{len(self.loss_mask)}"
             )
+        if self.routing is not None:
+            object.__setattr__(self, "routing", _checked_routing(self))
+
+
+def _checked_routing(rollout: Rollout) -> np.ndarray:
+    """`rollout.routing` as int16 `[P + T, L, k]`, or a ValueError naming the fix."""
+    routing = np.asarray(rollout.routing)
+    n = len(rollout.prompt_ids) + len(rollout.completion_ids)
+    if routing.ndim != 3 or len(routing) != n or not np.issubdtype(routing.dtype, np.integer):
+        raise ValueError(
+            f"routing record of shape {routing.shape} ({routing.dtype}) for a rollout of "
+            f"{len(rollout.prompt_ids)} prompt + {len(rollout.completion_ids)} completion tokens; "
+            f"expected integers [{n}, num_layers, top_k], one row per position of the prompt "
+            "then the completion: take row b of the sampler's record as `routing_b[b][: "
+            "len(prompt_b) + lengths_b[b]]` (None for a dense model)"
+        )
+    if routing.dtype != np.int16:
+        if routing.size and (routing.min() < -1 or routing.max() > np.iinfo(np.int16).max):
+            raise ValueError(
+                f"routing record holds expert ids in [{routing.min()}, {routing.max()}]; expected "
+                "-1 (nothing recorded) or an expert index that fits int16"
+            )
+        routing = routing.astype(np.int16)
+    return routing
 
 
 @struct.dataclass
@@ -102,6 +143,7 @@ class RolloutBatch:
     reward_b: jax.Array
     group_id_b: jax.Array
     valid_b: jax.Array
+    routing_bslk: jax.Array | None = None
 
     @property
     def batch_size(self) -> int:
@@ -156,8 +198,12 @@ def rollouts_from_samples(
       rewards: B scores (e.g. `compute_rewards(...)` on `decode_completions(...)`).
       group_ids: B ids; rows with equal ids are samples of the same prompt (the group baseline).
       policy_version: the version of the weights that sampled them (0 for on-policy scripts).
+
+    A mixture-of-experts sampler's routing record (`samples.routing_b`) goes with each row
+    (`Rollout.routing`: its prompt and completion, checked against their lengths).
     """
     lengths_b = np.asarray(samples.mask_bn).sum(axis=-1)
+    routing_b = getattr(samples, "routing_b", None)
     n = len(prompt_ids)
     if not len(lengths_b) == len(rewards) == len(group_ids) == n:
         raise ValueError(
@@ -172,6 +218,7 @@ def rollouts_from_samples(
             policy_version=int(policy_version),
             reward=float(rewards[i]),
             group_id=int(group_ids[i]),
+            routing=None if routing_b is None else routing_b[i],
         )
         for i in range(n)
     ]
@@ -223,7 +270,9 @@ def collate_rollouts(
     tokens would bias the loss. Extra rows (when `batch_size > len(rollouts)`) are invalid:
     all-False masks, group id -1, reward 0. A rollout's `loss_mask` (multi-turn) becomes its
     row of `completion_mask_bt`; its observation tokens' behaviour log-probs are written as 0
-    whatever the rollout holds, so the batch does not depend on placeholders.
+    whatever the rollout holds, so the batch does not depend on placeholders. Routing records
+    (`Rollout.routing`) fill `routing_bslk` column for column with `sequence()` (-1 elsewhere);
+    every rollout carries one or none does (None: the batch a dense model always had).
     """
     n = len(rollouts)
     batch_size = n if batch_size is None else batch_size
@@ -239,6 +288,7 @@ def collate_rollouts(
     reward = np.zeros((batch_size,), np.float32)
     group = np.full((batch_size,), -1, np.int32)
     valid = np.zeros((batch_size,), bool)
+    routing = _routing_buffer(rollouts, batch_size, prompt_len + completion_len)
     for i, r in enumerate(rollouts):
         p, t = len(r.prompt_ids), len(r.completion_ids)
         if p == 0 or p > prompt_len or t > completion_len:
@@ -255,6 +305,9 @@ def collate_rollouts(
         completion_length[i] = t
         behaviour[i, :t] = np.where(trained, r.behaviour_logprobs, 0.0)
         version[i], reward[i], group[i], valid[i] = r.policy_version, r.reward, r.group_id, True
+        if routing is not None:
+            routing[i, prompt_len - p : prompt_len] = r.routing[:p]
+            routing[i, prompt_len : prompt_len + t] = r.routing[p:]
     return RolloutBatch(
         prompt_ids_bp=prompt_ids,
         prompt_mask_bp=prompt_mask,
@@ -266,4 +319,27 @@ def collate_rollouts(
         reward_b=reward,
         group_id_b=group,
         valid_b=valid,
+        routing_bslk=routing,
     )
+
+
+def _routing_buffer(rollouts: Sequence[Rollout], batch_size: int, width: int):
+    """An all -1 int16 `[batch_size, width, L, k]` for the rollouts' routing records, or None
+    when none carries one; refuses a mix, or records of different `[L, k]`."""
+    routed = [r.routing is not None for r in rollouts]
+    if not any(routed):
+        return None
+    if not all(routed):
+        raise ValueError(
+            f"{sum(routed)} of {len(routed)} rollouts carry a routing record (rollout "
+            f"{routed.index(False)} does not): a batch replays the generator's routing on every "
+            "row or on none. Build all its rollouts from one mixture-of-experts generator that "
+            "records routing, or drop the records (Rollout(routing=None)) from all of them"
+        )
+    shapes = {r.routing.shape[1:] for r in rollouts}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"routing records of different [num_layers, top_k] in one batch: {sorted(shapes)}; "
+            "the rollouts of a batch come from one model"
+        )
+    return np.full((batch_size, width, *shapes.pop()), -1, np.int16)

@@ -20,7 +20,9 @@ waits for a batch's longest completion, and a weight push waits for the batch in
   waiting); the engine asks for newer weights before every device call (every
   `steps_per_call` decode steps) and swaps them in without draining. Each token records the
   version that sampled it (`Rollout.token_versions`); AIPO's per-token ratio uses the
-  per-token behaviour log-probs, so a trajectory spanning versions needs no special maths. On a
+  per-token behaviour log-probs, so a trajectory spanning versions needs no special maths. A
+  mixture-of-experts engine's routing records (`GroupResult.routing_g`) go with the rollouts
+  (`Rollout.routing`), through the queue and the checkpoint, for the trainer to replay. On a
   swap the running rows' KV is kept, or recomputed with the new weights
   (`RLConfig.kv_on_update`; see `jaxrl.generation.engine`).
 * **Dynamic sampling** (`RLConfig.oversample > 1`): a group whose samples all got one reward
@@ -160,9 +162,12 @@ class PromptGroups:
             seconds=0.0,
         )
         rollouts, metrics = ctl.rewarder.score(generated)  # one group: filtered in `produce`
+        # A mixture-of-experts engine's routing records, one per sample (None: dense).
+        routing_g = getattr(group, "routing_g", None)
+        routing_g = [None] * g if routing_g is None else routing_g
         rollouts = [
-            dataclasses.replace(r, token_versions=v.astype(np.int32))
-            for r, v in zip(rollouts, versions, strict=True)
+            dataclasses.replace(r, token_versions=v.astype(np.int32), routing=routing)
+            for r, v, routing in zip(rollouts, versions, routing_g, strict=True)
         ]
         return ScoredBatch(group.request_id, oldest, rollouts, metrics)
 
