@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrl import lora as lora_lib
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask, sequence_mask  # noqa: F401
-from jaxrl.models.moe import load_balancing_loss
+from jaxrl.models.moe import load_balancing_loss, routing_mismatch
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import (
     PolicyLoss,
@@ -54,6 +54,13 @@ class LossConfig:
     the load-balancing loss (`jaxrl.models.moe.load_balancing_loss`) added to the loss; None
     takes the model config's `router_aux_loss_coef` (the checkpoint's), 0 turns the term off
     (the `router_aux_loss` metric is still reported). Ignored for a dense model.
+
+    `routing_replay` (mixture-of-experts policies; arXiv 2510.11370): the trainer's forward
+    passes use the experts the generator chose for each token and layer (the rollouts' routing
+    record, `Rollout.routing`) instead of their routers' top-k, the gate weights still this
+    router's probabilities of those experts; tokens without a record route themselves. Whenever
+    the batch carries a record, `routing/mismatch_fraction` reports the share of recorded
+    (token, layer) pairs whose top-k the trainer's router would have chosen differently.
     """
 
     name: str = "aipo"
@@ -68,6 +75,7 @@ class LossConfig:
     temperature: float = 1.0
     vocab_chunk_size: int = 0
     router_aux_loss_coef: float | None = None
+    routing_replay: bool = False
 
     def validate(self) -> None:
         self.make_loss()
@@ -80,6 +88,23 @@ class LossConfig:
                 f"LossConfig.router_aux_loss_coef={coef} must be >= 0 (0: no load-balancing "
                 "term; None: the model config's router_aux_loss_coef)"
             )
+
+    def check_replay(self, config: ModelConfig, generator_kind: str, episodes: bool) -> None:
+        """Refuses routing replay where no routing record can come: a dense policy, a generator
+        other than the continuous-batching engine (the one that records), multi-turn episodes
+        (their rollouts are assembled from several engine requests and carry no record)."""
+        if not self.routing_replay:
+            return
+        why = None
+        if not config.num_experts:
+            why = "the policy is dense (routing replay is for mixture-of-experts models)"
+        elif generator_kind != "engine":
+            why = (f"the generator is {generator_kind!r}, which keeps no routing record: use "
+                   "GeneratorConfig.kind = 'engine'")  # fmt: skip
+        elif episodes:
+            why = "multi-turn episodes carry no routing record"
+        if why is not None:
+            raise ValueError(f"LossConfig.routing_replay = True but {why}; set it to False")
 
     def router_aux_coef(self, config: ModelConfig) -> float:
         """The load-balancing loss's weight for a policy of `config`: 0 for a dense model, else
@@ -139,15 +164,44 @@ def _accumulate(
     return grads, metrics
 
 
-def _hidden_and_aux(model: Transformer, tokens, positions, mask, valid_bt, with_aux=True):
-    """`(hidden, aux)`: the final hidden states and, for a mixture-of-experts model (and
-    `with_aux`), the load-balancing loss over the tokens `valid_bt` marks, from the same forward
-    pass (else None, and the forward is the plain `hidden_states`)."""
-    if not (with_aux and model.config.num_experts):
+def _hidden_and_aux(
+    model: Transformer, tokens, positions, mask, valid_bt, with_aux=True, routing=None, replay=False
+):
+    """`(hidden, aux, metrics)`: the final hidden states; for a mixture-of-experts model (and
+    `with_aux`) the load-balancing loss over the tokens `valid_bt` marks, from the same forward
+    pass (else None, and the forward is the plain `hidden_states`); with a routing record
+    (`routing`, aligned with `tokens`) `routing/mismatch_fraction`, the record replayed when
+    `replay` (`LossConfig.routing_replay`)."""
+    with_aux = with_aux and bool(model.config.num_experts)
+    if replay and routing is None:
+        raise ValueError(
+            "LossConfig.routing_replay is on but the rollouts carry no routing record: sample "
+            "with the continuous-batching engine (GeneratorConfig.engine), which records it for "
+            "mixture-of-experts policies"
+        )
+    if routing is not None and not model.config.num_experts:
+        routing = None  # a dense policy has nothing to replay
+    if not (with_aux or routing is not None):
         hidden, _ = model.hidden_states(tokens, positions, mask)
-        return hidden, None
-    hidden, _, stats = model.hidden_states(tokens, positions, mask, router_stats=True)
-    return hidden, load_balancing_loss(stats, valid_bt)
+        return hidden, None, {}
+    hidden, _, info = model.hidden_states(
+        tokens,
+        positions,
+        mask,
+        router_stats=with_aux,
+        routing=routing if replay else None,
+        record_routing=routing is not None,
+    )
+    aux = load_balancing_loss(info.stats, valid_bt) if with_aux else None
+    metrics = {}
+    if routing is not None:
+        layers = jnp.asarray([model.config.is_moe_layer(i) for i in range(model.config.num_layers)])
+        recorded = jnp.where((valid_bt[:, :, None] & layers[None, None, :])[..., None], routing, -1)
+        wrong, compared = routing_mismatch(info.experts, recorded)
+        metrics["routing/mismatch_fraction"] = jax.lax.stop_gradient(
+            wrong / jnp.maximum(compared, 1.0)
+        )
+    return hidden, aux, metrics
 
 
 def _with_aux(loss: jax.Array, metrics: dict, aux: jax.Array | None, coef: float):
@@ -187,7 +241,7 @@ def sft_loss(
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         valid = tokens != -1
         mask_bss = SegmentMask.from_valid(valid)
-    hidden, aux = _hidden_and_aux(model, tokens, positions, mask_bss, valid)
+    hidden, aux, _ = _hidden_and_aux(model, tokens, positions, mask_bss, valid)
     logprobs = token_logprobs(
         hidden[:, :-1], model.unembedding(), tokens[:, 1:], vocab_chunk_size=vocab_chunk_size
     )
@@ -240,24 +294,32 @@ def completion_logprobs(
 ) -> tuple[jax.Array, jax.Array | None]:
     """fp32 log pi of each completion token `[B, T]` (and entropy) under `temperature`; a packed
     batch is gathered from its `pack_groups` groups (`jaxrl.rl.packing`)."""
-    logprobs, entropy, _ = _completion_forward(model, batch, loss, with_entropy, pack_groups)
+    logprobs, entropy, _, _ = _completion_forward(model, batch, loss, with_entropy, pack_groups)
     return logprobs, entropy
 
 
 def _completion_forward(model, batch, loss, with_entropy, pack_groups, with_aux=False):
     """`completion_logprobs`, and with `with_aux` the load-balancing loss of a mixture-of-experts
     model over every token of the forward pass (prompts included; not padding, not invalid
-    rows; None for a dense model)."""
+    rows; None for a dense model); the routing record of the batch replayed with
+    `loss.routing_replay`, `routing/mismatch_fraction` in the metrics (`_hidden_and_aux`)."""
+    replay = loss.routing_replay
     if isinstance(batch, PackedRolloutBatch):
         mask_rll = SegmentMask(batch.segment_rl, batch.prefix_rl)
         tokens, positions, valid = batch.tokens_rl, batch.positions_rl, batch.segment_rl > 0
-        hidden, aux = _hidden_and_aux(model, tokens, positions, mask_rll, valid, with_aux)
+        routing = batch.routing_rllk
+        hidden, aux, metrics = _hidden_and_aux(
+            model, tokens, positions, mask_rll, valid, with_aux, routing, replay
+        )
         hidden_btd = batch.completion_hidden(hidden, pack_groups)
     else:
         tokens, mask, positions = batch.sequence()
         mask_bss = SegmentMask.from_valid(mask)
         valid = mask & batch.valid_b[:, None]
-        hidden, aux = _hidden_and_aux(model, tokens, positions, mask_bss, valid, with_aux)
+        routing = batch.routing_bslk
+        hidden, aux, metrics = _hidden_and_aux(
+            model, tokens, positions, mask_bss, valid, with_aux, routing, replay
+        )
         hidden_btd = batch.completion_hidden(hidden)
     chunk = loss.vocab_chunk_size or None
     if with_entropy:
@@ -268,7 +330,7 @@ def _completion_forward(model, batch, loss, with_entropy, pack_groups, with_aux=
             temperature=loss.temperature,
             vocab_chunk_size=chunk,
         )
-        return logprobs, entropy, aux
+        return logprobs, entropy, aux, metrics
     logprobs = token_logprobs(
         hidden_btd,
         model.unembedding(),
@@ -276,7 +338,7 @@ def _completion_forward(model, batch, loss, with_entropy, pack_groups, with_aux=
         temperature=loss.temperature,
         vocab_chunk_size=chunk,
     )
-    return logprobs, None, aux
+    return logprobs, None, aux, metrics
 
 
 def rl_loss(
@@ -290,7 +352,7 @@ def rl_loss(
     model: Transformer = nnx.merge(graphdef, params)
     names = {f.name for f in dataclasses.fields(batch_type)}
     batch = batch_type(**{k: v for k, v in micro.items() if k in names})
-    logprobs, entropy, aux = _completion_forward(
+    logprobs, entropy, aux, routing_metrics = _completion_forward(
         model, batch, loss, loss.entropy_coef > 0, groups, with_aux=True
     )
     inputs = PolicyLossInputs(
@@ -302,7 +364,7 @@ def rl_loss(
         entropy_bt=entropy,
     )
     value, metrics = loss.make_loss()(inputs)
-    return _with_aux(value, metrics, aux, loss.router_aux_coef(model.config))
+    return _with_aux(value, metrics | routing_metrics, aux, loss.router_aux_coef(model.config))
 
 
 def rl_step(

@@ -231,6 +231,7 @@ def rl_main(
         )
         if episodes is not None:
             check_episode_job(rl, episodes, env_source, roles if jax.process_count() > 1 else None)
+        loss.check_replay(model_config, gen.kind, episodes=episodes is not None)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))

@@ -11,6 +11,7 @@ the trainer runs exactly the engine's computation; without it, it routes by its 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,9 @@ from jaxrl.models import moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask
 from jaxrl.models.transformer import Transformer
+from jaxrl.rl import Rollout, collate_rollouts
+from jaxrl.rl.packing import PackedRolloutBatch, pack_rollout_batch
+from jaxrl.train_steps import LossConfig, _completion_forward
 
 MOE = ModelConfig(
     "qwen3_moe", 128, 64, 96, 2, 4, 2, 16, num_experts=8, num_experts_per_tok=2,
@@ -32,7 +36,7 @@ MOE = ModelConfig(
 )  # fmt: skip
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8, ignore_eos=True)
 PROMPTS = ((5, 9, 17, 33, 2), (7, 7, 80, 12, 40, 41, 3, 90), (100, 4))
-SKEW = jnp.asarray(np.random.default_rng(3).normal(0.0, 0.15, MOE.num_experts), jnp.float32)
+SKEW = jnp.asarray(np.random.default_rng(3).normal(0.0, 0.04, MOE.num_experts), jnp.float32)
 
 
 def _skewed_route(self, x_ne, replay_nk=None):
@@ -64,24 +68,43 @@ def _sample(model, skewed: bool, monkeypatch, **engine_kwargs):
         return {g.request_id: g for g in engine.run(params, jax.random.key(1))}
 
 
-def _teacher_forced(model, group, row, replay: bool):
-    """`(log-probs of the row's completion, the model's own top-k [P + T, L, k])` from one
-    whole-sequence forward, replaying the row's record when `replay`."""
-    tokens = np.concatenate([group.prompt, group.tokens_gn[row, : group.lengths_g[row]]])
-    record = group.routing_g[row]
-    valid = np.ones((1, len(tokens)), bool)
+WIDTH = 16  # prompt + completion of every row, right-padded
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "replay"))
+def _forward(graphdef, params, tokens, valid, record, *, replay: bool):
+    model = nnx.merge(graphdef, params)
     hidden, _, info = model.hidden_states(
-        jnp.asarray(tokens)[None],
-        jnp.arange(len(tokens))[None],
+        tokens,
+        jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
         SegmentMask.from_valid(valid),
-        routing=jnp.asarray(record)[None] if replay else None,
+        routing=record if replay else None,
         record_routing=True,
     )
-    logprobs = jax.nn.log_softmax(model.logits(hidden)[0], axis=-1)
-    p = len(group.prompt)
-    completion = tokens[p:]
-    picked = logprobs[p - 1 : len(tokens) - 1][np.arange(len(completion)), completion]
-    return np.asarray(picked), np.asarray(info.experts[0])
+    return jax.nn.log_softmax(model.logits(hidden), axis=-1), info.experts
+
+
+def _teacher_forced(model, groups, replay: bool):
+    """Per row of every group (request-major): `(log-probs of its completion, the model's own
+    top-k [P + T, L, k])` from one whole-sequence forward of all rows, each replaying its own
+    record when `replay`."""
+    rows = [(g, r) for g in groups.values() for r in range(2)]
+    tokens = np.zeros((len(rows), WIDTH), np.int32)
+    record = np.full((len(rows), WIDTH, MOE.num_layers, 2), -1, np.int16)
+    lengths = []
+    for i, (g, r) in enumerate(rows):
+        seq = np.concatenate([g.prompt, g.tokens_gn[r, : g.lengths_g[r]]])
+        tokens[i, : len(seq)], record[i, : len(seq)] = seq, g.routing_g[r]
+        lengths.append((len(g.prompt), len(seq)))
+    graphdef, params = nnx.split(model)
+    valid = np.arange(WIDTH)[None, :] < np.array([n for _, n in lengths])[:, None]
+    logprobs, own = _forward(graphdef, params, tokens, valid, record, replay=replay)
+    logprobs, own = np.asarray(logprobs), np.asarray(own)
+    out = []
+    for i, (p, n) in enumerate(lengths):
+        picked = logprobs[i, p - 1 : n - 1][np.arange(n - p), tokens[i, p:n]]
+        out.append((picked, own[i, :n]))
+    return out
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -92,6 +115,7 @@ def test_engine_records_the_routing_it_ran(scan_layers, monkeypatch):
     model = _model(scan_layers)
     groups = _sample(model, False, monkeypatch, num_slots=4, steps_per_call=3)
     compared = 0
+    forced = iter(_teacher_forced(model, groups, replay=False))
     for group in groups.values():
         assert group.routing_g is not None and len(group.routing_g) == 2
         for row in range(2):
@@ -99,7 +123,7 @@ def test_engine_records_the_routing_it_ran(scan_layers, monkeypatch):
             total = len(group.prompt) + int(group.lengths_g[row])
             assert record.shape == (total, MOE.num_layers, 2) and record.dtype == np.int16
             assert (record[-1] == -1).all() and (record[:-1] >= 0).all()
-            _, own = _teacher_forced(model, group, row, replay=False)
+            _, own = next(forced)
             np.testing.assert_array_equal(np.sort(record[:-1], -1), np.sort(own[:-1], -1))
             compared += total - 1
     assert compared > 60
@@ -110,24 +134,100 @@ def test_engine_records_the_routing_it_ran(scan_layers, monkeypatch):
     assert result.routing_g is None and engine.programs.record is False
 
 
-def test_replay_reproduces_the_engine_logprobs_where_routing_disagrees(monkeypatch):
+def test_replay_reproduces_the_engine_logprobs_where_routing_disagrees():
     """With the generator's routers skewed, replaying the record gives the engine's behaviour
     log-probs (max error ~1e-6); the trainer's own routing (no replay) disagrees on a share of
     the (token, layer) choices and its log-probs miss by far more (the negative control)."""
     model = _model(False)
-    groups = _sample(model, True, monkeypatch, num_slots=8, steps_per_call=4)
+    groups = _skewed_groups()
     replay_err, own_err, disagree, total = 0.0, 0.0, 0, 0
+    replayed = iter(_teacher_forced(model, groups, replay=True))
+    routed = iter(_teacher_forced(model, groups, replay=False))
     for group in groups.values():
         for row in range(2):
             n = int(group.lengths_g[row])
             behaviour = group.logprobs_gn[row, :n]
-            with_replay, own = _teacher_forced(model, group, row, replay=True)
-            without, _ = _teacher_forced(model, group, row, replay=False)
+            with_replay, own = next(replayed)
+            without, _ = next(routed)
             replay_err = max(replay_err, float(np.abs(with_replay - behaviour).max()))
             own_err = max(own_err, float(np.abs(without - behaviour).max()))
             record = group.routing_g[row][:-1]
             same = (np.sort(record, -1) == np.sort(own[:-1], -1)).all(-1)
             disagree, total = disagree + int((~same).sum()), total + same.size
+    print(f"replay {replay_err:.2e}, own {own_err:.2e}, disagreeing {disagree}/{total}")
     assert replay_err < 2e-5, replay_err
     assert disagree / total > 0.05, (disagree, total)
     assert own_err > 100 * max(replay_err, 1e-6), (own_err, replay_err)
+
+
+@functools.cache
+def _skewed_groups():
+    """The skewed engine's groups (one run shared by the trainer-side tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        return _sample(_model(False), True, patch, num_slots=8, steps_per_call=4)
+
+
+def _rollouts(groups):
+    return [
+        Rollout(
+            prompt_ids=np.asarray(g.prompt, np.int32),
+            completion_ids=g.tokens_gn[row, : g.lengths_g[row]],
+            behaviour_logprobs=g.logprobs_gn[row, : g.lengths_g[row]],
+            policy_version=0,
+            reward=float(row),
+            group_id=g.request_id,
+            routing=g.routing_g[row],
+        )
+        for g in groups.values()
+        for row in range(2)
+    ]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_trainer_forward_replays_the_rollouts_record(packed):
+    """Through the trainer's batch (padded, or packed with shared prompts): with
+    `LossConfig.routing_replay` the forward's log-probs are the engine's behaviour log-probs
+    (so AIPO's ratios are 1 at the behaviour version) and without it they are not; both report
+    a `routing/mismatch_fraction` (the share of recorded (token, layer) choices the trainer's
+    router makes differently; with replay its later layers see the engine's inputs, so the
+    two differ), and replay without a record is refused."""
+    model = _model(False)
+    batch = collate_rollouts(
+        _rollouts(_skewed_groups()), prompt_len=8, completion_len=8, pad_id=0, batch_size=8
+    )
+    if packed:
+        batch = pack_rollout_batch(batch, row_length=32, groups=1, share_prompts=True)
+    mask = np.asarray(batch.completion_mask_bt & batch.valid_b[:, None])
+    behaviour = np.asarray(batch.behaviour_logprobs_bt)
+    errors, fractions = {}, {}
+    for replay in (True, False):
+        loss = LossConfig(routing_replay=replay)
+        logprobs, _, _, metrics = _completion_forward(model, batch, loss, False, 1)
+        errors[replay] = float(np.abs(np.where(mask, np.asarray(logprobs) - behaviour, 0)).max())
+        fractions[replay] = float(metrics["routing/mismatch_fraction"])
+    assert errors[True] < 2e-5 and errors[False] > 100 * max(errors[True], 1e-6), errors
+    assert min(fractions.values()) > 0.05, fractions
+    print(f"max |log-prob error| {errors}, mismatch fraction {fractions}")
+    plain = dataclasses.replace(batch, **{_routing_field(batch): None})
+    with pytest.raises(ValueError, match="carry no routing record"):
+        _completion_forward(model, plain, LossConfig(routing_replay=True), False, 1)
+
+
+def _routing_field(batch) -> str:
+    return "routing_rllk" if isinstance(batch, PackedRolloutBatch) else "routing_bslk"
+
+
+def test_replay_refused_where_no_record_can_come():
+    """Routing replay on a dense policy, a static sampler or multi-turn episodes: refused with
+    the fix before anything runs."""
+    replay = LossConfig(routing_replay=True)
+    dense = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8)
+    for config, kind, episodes, what in [
+        (dense, "engine", False, "the policy is dense"),
+        (MOE, "static", False, "GeneratorConfig.kind = 'engine'"),
+        (MOE, "engine", True, "multi-turn episodes"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            replay.check_replay(config, kind, episodes=episodes)
+    replay.check_replay(MOE, "engine", episodes=False)
+    LossConfig().check_replay(dense, "static", episodes=True)

@@ -45,6 +45,9 @@ class GeneratedBatch:
     policy_version: int
     batch_index: int
     seconds: float
+    # A mixture-of-experts engine's routing records, one per row (`SampleOutput.routing_b`:
+    # `[len(prompt) + len(completion), L, k]`); None for a dense model or the static sampler.
+    routing: tuple[np.ndarray, ...] | None = None
 
 
 class GeneratorExecutor:
@@ -91,4 +94,5 @@ class GeneratorExecutor:
             policy_version=policy_version,
             batch_index=batch_index,
             seconds=time.perf_counter() - start,
+            routing=out.routing_b,
         )

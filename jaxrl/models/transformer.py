@@ -332,25 +332,31 @@ class Transformer(nnx.Module):
         inv_freq = inverse_frequencies(self.config.head_dim, self.config.rope)
         cos, sin = rope_cos_sin(positions_bt, inv_freq, self.config.jnp_dtype)
         policy = remat.remat_policy(self.config.remat_policy)
-        routed = router_stats or record_routing or routing is not None
-
-        def run_layer(x, layer, layer_cache, replay_btk=None):
-            if not routed:
-                return layer(x, cos, sin, mask_bts, layer_cache, cache_index)
-            return layer(
-                x, cos, sin, mask_bts, layer_cache, cache_index, router_stats, replay_btk,
-                record_routing,
-            )  # fmt: skip
-
-        if self.config.remat_policy != "none":
-            run_layer = nnx.remat(run_layer, policy=policy, prevent_cse=not self.config.scan_layers)
-        if routed:
+        remat_layer = lambda f: nnx.remat(  # noqa: E731
+            f, policy=policy, prevent_cse=not self.config.scan_layers
+        )
+        if router_stats or record_routing or routing is not None:
             if router_stats and cache is not None:
                 raise ValueError("router_stats=True is for whole-sequence forwards (no KV cache)")
+
+            def run_routed(x, layer, layer_cache, replay_btk):
+                return layer(
+                    x, cos, sin, mask_bts, layer_cache, cache_index, router_stats, replay_btk,
+                    record_routing,
+                )  # fmt: skip
+
+            if self.config.remat_policy != "none":
+                run_routed = remat_layer(run_routed)
             hidden, cache, info = _routed_layers(
-                self, run_layer, x, cache, mask_bts, router_stats, routing, record_routing
+                self, run_routed, x, cache, mask_bts, router_stats, routing, record_routing
             )
             return self.final_norm(hidden), cache, info
+
+        def run_layer(x, layer, layer_cache):
+            return layer(x, cos, sin, mask_bts, layer_cache, cache_index)
+
+        if self.config.remat_policy != "none":
+            run_layer = remat_layer(run_layer)
         if self.config.scan_layers and in_place_decode_step(self.config, cache, mask_bts):
             # The stacked cache rides in the scan's carry with the layer index, so each layer
             # writes and reads it in place (as scan inputs and outputs, every step would slice
