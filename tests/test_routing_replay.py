@@ -17,11 +17,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.lora import LoraConfig
 from jaxrl.models import moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask
@@ -29,6 +33,7 @@ from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.rl.packing import PackedRolloutBatch, pack_rollout_batch
 from jaxrl.train_steps import LossConfig, _completion_forward
+from jaxrl.trainer import Trainer
 
 MOE = ModelConfig(
     "qwen3_moe", 128, 64, 96, 2, 4, 2, 16, num_experts=8, num_experts_per_tok=2,
@@ -231,3 +236,23 @@ def test_replay_refused_where_no_record_can_come():
             replay.check_replay(config, kind, episodes=episodes)
     replay.check_replay(MOE, "engine", episodes=False)
     LossConfig().check_replay(dense, "static", episodes=True)
+
+
+def test_lora_trainer_step_replays_the_record():
+    """A LoRA trainer (attention adapters on the mixture-of-experts policy; experts cannot take
+    adapters) replays the record in its jitted RL step: at the adapters' start (B = 0, the
+    base's log-probs) AIPO's log-ratios against the skewed engine's behaviour log-probs are ~0
+    while the trainer's routers disagree with the record on a share of the choices."""
+    model = _model(False)
+    params = nnx.to_pure_dict(nnx.state(model))
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1), num_devices=1))
+    lora = LoraConfig(target_modules=r"layers/\d+/attention")
+    trainer = Trainer(MOE, mesh, TRAINER_RULES, optax.sgd(0.0), lora=lora,
+                      loss=LossConfig(routing_replay=True))  # fmt: skip
+    batch = collate_rollouts(
+        _rollouts(_skewed_groups()), prompt_len=8, completion_len=8, pad_id=0, batch_size=8
+    )
+    _, metrics = trainer.rl_step(trainer.init(params), batch)
+    metrics = jax.device_get(metrics)
+    assert metrics["abs_log_ratio_max"] < 2e-5, metrics["abs_log_ratio_max"]
+    assert metrics["routing/mismatch_fraction"] > 0.05, metrics
