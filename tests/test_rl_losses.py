@@ -195,3 +195,16 @@ def test_registry_and_validation(data):
         make_loss("aipo", kl_coef=0.1)(inputs.replace(ref_logprobs_bt=None))
     with pytest.raises(ValueError, match="entropy_bt"):
         make_loss("aipo", entropy_coef=0.1)(inputs.replace(entropy_bt=None))
+
+
+def test_behaviour_kl_metric(data):
+    """`behaviour_kl`: KL(mu || pi) per token, k3 on mu's samples ((r - 1) - log r with
+    r = pi / mu), averaged over the real tokens: ~0 on policy, > 0 otherwise."""
+    inputs, r = data
+    _, metrics = AIPOLoss()(inputs)
+    log_r = (r["logpi"] - r["logmu"])[r["mask"]]
+    expected = np.mean(np.expm1(log_r) - log_r)
+    np.testing.assert_allclose(float(metrics["behaviour_kl"]), expected, rtol=1e-5)
+    assert expected > 0.1
+    _, on_policy = AIPOLoss()(inputs.replace(behaviour_logprobs_bt=inputs.logprobs_bt))
+    assert abs(float(on_policy["behaviour_kl"])) < 1e-7

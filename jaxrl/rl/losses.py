@@ -166,6 +166,9 @@ class PolicyLoss:
             metrics["entropy"] = normalise(inputs.entropy_bt, mask_bt, self.normaliser)
         loss = normalise(total_bt, mask_bt, self.normaliser)
         ratio_bt = jnp.exp(log_ratio_bt)
+        # KL(behaviour || policy) per token, k3 on the behaviour's samples: staleness, and any
+        # generator / trainer mismatch (numerics, routing) on top of it.
+        behaviour_kl_bt = kl_penalty(behaviour_bt, logprobs_bt, "k3")
         metrics |= {
             "loss": loss,
             "num_tokens": jnp.sum(mask_bt),
@@ -173,6 +176,7 @@ class PolicyLoss:
             "ratio_max": jnp.max(jnp.where(mask_bt, ratio_bt, 0.0)),
             # On-policy (sync, fp32) this must be ~0: a sampler / trainer mismatch shows here.
             "abs_log_ratio_max": jnp.max(jnp.abs(log_ratio_bt)),
+            "behaviour_kl": jnp.sum(jnp.where(mask_bt, behaviour_kl_bt, 0.0)) / num_tokens,
         }
         return loss, jax.lax.stop_gradient(metrics)
 
