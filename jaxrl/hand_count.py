@@ -4,6 +4,10 @@ its compiled FLOPs and bytes against (`launch.plan` prints the ratios).
 Counted from the model's shapes, the mesh and the batch, per device and for a whole step (all
 layers, all micro-batches, every decode row), with the terms named:
 
+A mixture-of-experts model (`jaxrl.models.moe`) counts FLOPs on the weights a token multiplies
+(`active_weights`: the router and k experts on a sparse layer) and bytes on the weights stored
+(`stored_weights`: every expert, read or gathered).
+
 - **decode step** (one token for each of the device's rows): FLOPs 2 x the matmul weights per row,
   plus attention 4 x heads x head_dim per visible key; bytes: every weight read once (the
   embedding table only at the rows' tokens), each row's keys and values read once up to its span,
@@ -50,9 +54,28 @@ def _size(dtype: str) -> int:
 
 
 def layer_weights(c: ModelConfig) -> int:
-    """Matmul weights of one decoder layer (attention projections and the gated MLP)."""
+    """Matmul weights of one dense decoder layer (attention projections and the gated MLP)."""
     e, d = c.hidden_size, c.head_dim
     return e * d * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * e * c.intermediate_size
+
+
+def stored_weights(c: ModelConfig) -> int:
+    """Matmul weights of all the decoder layers as stored: a sparse (mixture-of-experts) layer
+    holds the router and every expert's SwiGLU in place of the dense MLP."""
+    sparse = len(c.moe_layers)
+    e = c.hidden_size
+    moe = c.num_experts * (e + 3 * e * c.moe_intermediate_size) - 3 * e * c.intermediate_size
+    return c.num_layers * layer_weights(c) + sparse * moe
+
+
+def active_weights(c: ModelConfig) -> int:
+    """Matmul weights of all the decoder layers that one token multiplies: on a sparse layer the
+    router and its k experts' SwiGLU (the active parameters of a mixture of experts), on a dense
+    layer all of them (`stored_weights` for a dense model)."""
+    sparse = len(c.moe_layers)
+    e, k = c.hidden_size, c.num_experts_per_tok
+    moe = e * c.num_experts + k * 3 * e * c.moe_intermediate_size - 3 * e * c.intermediate_size
+    return c.num_layers * layer_weights(c) + sparse * moe
 
 
 def _split(n: float, parts: int) -> float:
@@ -65,10 +88,11 @@ def decode_step(
     """One decode step of `rows` rows (per device) attending `span` positions of a cache of
     `capacity` positions, `cache_bytes` per device (keys and values, all layers)."""
     pb = _size(c.param_dtype)
-    matmul = c.num_layers * layer_weights(c) + c.vocab_size * c.hidden_size  # layers + LM head
+    head = c.vocab_size * c.hidden_size
+    matmul = active_weights(c) + head  # layers (a token's experts) + LM head
     heads = _split(c.num_heads, tp)
-    terms = {
-        "weights": _split(matmul * pb, tp) + rows * c.hidden_size * pb,
+    terms = {  # every expert read: a batch of rows reaches nearly all of them
+        "weights": _split((stored_weights(c) + head) * pb, tp) + rows * c.hidden_size * pb,
         "K/V read": cache_bytes * span / capacity,
         "K/V written": cache_bytes / capacity,
     }
@@ -82,13 +106,13 @@ def prefill(
     """The engine's prefill of `prompts` prompts (per device) of `prompt_len` tokens into a cache
     of `capacity` positions, `cache_bytes` per device (every slot's copy written)."""
     pb = _size(c.param_dtype)
-    matmul = c.num_layers * layer_weights(c)
+    matmul = active_weights(c)
     tokens = prompts * prompt_len
     heads = _split(c.num_heads, tp)
     pairs = prompts * prompt_len * (prompt_len + 1) / 2
     flops = 2 * _split(matmul, tp) * tokens + 4 * heads * c.head_dim * c.num_layers * pairs
     terms = {
-        "weights": _split(matmul * pb, tp) + tokens * c.hidden_size * pb,
+        "weights": _split(stored_weights(c) * pb, tp) + tokens * c.hidden_size * pb,
         "activations": tokens * c.num_layers * _activations(c, tp) * _size(c.dtype) * 2,
         "K/V written": cache_bytes * prompt_len / capacity,
     }
@@ -96,10 +120,16 @@ def prefill(
 
 
 def _activations(c: ModelConfig, tp: int) -> float:
-    """Elements a token's layer writes (each read once after): the residual stream and the two
-    norms' (6 E in all), q / k / v and the attention output, the MLP's gate, up and product."""
+    """Elements a token's layer writes (each read once after), averaged over the layers: the
+    residual stream and the two norms' (6 E in all), q / k / v and the attention output, the
+    MLP's gate, up and product; on a sparse layer the router's probabilities, the token's k rows
+    in expert order (in and out, 2 k E) and k experts' gate, up and product."""
     heads = 2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim
-    return 6 * c.hidden_size + _split(heads + 3 * c.intermediate_size, tp)
+    sparse = len(c.moe_layers) / c.num_layers
+    e, k = c.hidden_size, c.num_experts_per_tok
+    mlp = 3 * c.intermediate_size
+    moe = c.num_experts + 2 * k * e + 3 * k * c.moe_intermediate_size
+    return 6 * e + _split(heads, tp) + (1 - sparse) * _split(mlp, tp) + sparse * moe
 
 
 def train_step(
@@ -121,7 +151,7 @@ def train_step(
     tokens = rollouts * t
     remat = c.remat_policy == "full"
     passes = 4 if remat else 3
-    layers = c.num_layers * layer_weights(c)
+    layers = active_weights(c)
     head = c.vocab_size * e
     heads = _split(c.num_heads, tp)
     pairs = rollouts * t * (t + 1) / 2
@@ -131,7 +161,7 @@ def train_step(
         + 6 * _split(head, tp) * rollouts * completion_len
         + attention
     )
-    weights = _split(layers + head, tp) * cb
+    weights = _split(stored_weights(c) + head, tp) * cb
     terms = {
         "weights gathered": micro_batches * (passes - 1) * 2 * weights,
         "weight gradients": micro_batches * (2 * weights + 2 * state_bytes / 3),

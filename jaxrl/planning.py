@@ -146,6 +146,13 @@ class ProgramReport:
         (shape, bytes), largest first: where its temporaries go."""
         return self._arrays[:count]
 
+    def largest_collectives(self, count: int = 3) -> list[tuple[str, str, int, int, str]]:
+        """The program's largest collectives (`hlo_cost.largest_collectives`: opcode, shape,
+        bytes, devices per group, the JAX operation's name), largest first."""
+        if self.compiled is None:
+            return []
+        return hlo_cost.largest_collectives(self.compiled.as_text(), count)
+
     def square_buffers(self, length: int) -> list[tuple[str, int]]:
         """The arrays the program allocates with two trailing dims of `length` (attention
         scores `[..., T, T]` over a sequence of `length`), largest first."""

@@ -92,6 +92,12 @@ def hand_count_lines(
             f"{shape} {size / GiB:.2f} GiB" for shape, size in report.largest_buffers()
         )
         lines.append(f"  {report.name}: largest buffers: {biggest}")
+        collectives = ", ".join(
+            f"{op} {shape} {size / GiB:.2f} GiB over {group or 'all'} devices ({_short(name)})"
+            for op, shape, size, group, name in report.largest_collectives()
+        )
+        if collectives:
+            lines.append(f"  {report.name}: largest collectives: {collectives}")
         if sequence and sequence in dims:
             lines.append(
                 f"  {report.name}: [{sequence}, {sequence}] scores not looked for: the sequence "
@@ -106,3 +112,8 @@ def hand_count_lines(
                 + ", ".join(f"{shape} {size / GiB:.2f} GiB" for shape, size in square[:3])
             )
     return lines
+
+
+def _short(op_name: str, parts: int = 3) -> str:
+    """The last `parts` scopes of a JAX operation's name (where in the model it sits)."""
+    return "/".join(op_name.split("/")[-parts:]) or "unnamed"

@@ -440,6 +440,22 @@ def _tpu_flash(matmuls: int, streamed: tuple[int, ...]):
     return model
 
 
+def _grouped(operands: list[str], output: str) -> tuple[float, float]:
+    """A grouped matmul (`jaxrl.models.grouped_matmul`; megablox `gmm` / `tgmm`): FLOPs of each
+    row through its own group's matrix only, `2 M K N`; `gmm` out `[M, N]` from lhs `[M, K]`,
+    `tgmm` out `[G, K, N]` from lhs `[K, M]` (M rows of all groups together); bytes: operands
+    and output once."""
+    out = _dims(output)
+    arrays = [_dims(x) for x in operands]
+    if len(out) == 2:
+        lhs = next((a for a in arrays if len(a) == 2 and a[0] == out[0]), None)
+        flops = 2.0 * out[0] * out[1] * lhs[1] if lhs else 0.0
+    else:
+        lhs = next((a for a in arrays if len(a) == 2 and out[1] in a), None)
+        flops = 2.0 * out[2] * math.prod(lhs) if lhs else 0.0
+    return flops, sum(shape_bytes(x) for x in operands) + shape_bytes(output)
+
+
 KERNEL_MODELS = {
     "flash_attention_forward": _flash(2),
     "flash_attention_dq": _flash(3),
@@ -449,6 +465,8 @@ KERNEL_MODELS = {
     "tpu_flash_attention_dq": _tpu_flash(3, (2, 3)),
     "tpu_flash_attention_dkdv": _tpu_flash(4, (1, 4)),
     "decode_attention_in_place_tpu": _decode(3),
+    "gmm": _grouped,
+    "tgmm": _grouped,
 }
 
 
@@ -457,7 +475,9 @@ def _kernel_model(instr: _Instr, shapes: dict[str, str]) -> tuple[float, float] 
     op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
     if not op_name:
         return None
-    path = op_name.group(1).split("/")
+    # A scope's name, also inside transformations (`transpose(jvp(jit(gmm)))`: a kernel of a
+    # jitted function's gradient).
+    path = set(re.findall(r"[\w.\-<>]+", op_name.group(1)))
     for name, model in KERNEL_MODELS.items():
         if name in path:
             return model([shapes.get(o, "") for o in instr.operands], instr.shape)
@@ -490,3 +510,25 @@ def largest_arrays(text: str, count: int | None = 5) -> list[tuple[str, int]]:
                 shape = f"{dtype}[{dims}]"
                 sizes[shape] = max(sizes.get(shape, 0), shape_bytes(shape))
     return sorted(sizes.items(), key=lambda x: -x[1])[:count]
+
+
+def largest_collectives(text: str, count: int = 3) -> list[tuple[str, str, int, int, str]]:
+    """The `count` largest collectives of a compiled program's HLO text (any computation; an
+    async `*-start` once), as (opcode, largest array shape, its bytes, devices per group, the
+    op_name of the JAX operation it came from), largest first."""
+    computations, _ = parse_module(text)
+    found = []
+    for instrs in computations.values():
+        for i in instrs:
+            opcode = i.opcode.removesuffix("-start")
+            if opcode not in COLLECTIVES:
+                continue
+            arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(i.shape)]
+            if not arrays:
+                continue
+            shape = max(arrays, key=shape_bytes)
+            op_name = re.search(r'op_name="([^"]*)"', i.attrs)
+            found.append(
+                (opcode, shape, shape_bytes(shape), _group(i), op_name.group(1) if op_name else "")
+            )
+    return sorted(found, key=lambda x: -x[2])[:count]

@@ -39,7 +39,7 @@ from flax import nnx
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models.config import ModelConfig
-
+from jaxrl.models.grouped_matmul import grouped_matmul
 
 # The dtype of routing records (expert ids; -1: none recorded).
 ROUTING_DTYPE = jnp.int16
@@ -168,11 +168,13 @@ class MoEMLP(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # pair p = order[i] is the i-th in expert order
         group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
         x_sorted = jnp.take(x_ne, order // k, axis=0)
-        gate = jax.lax.ragged_dot(x_sorted, self.gate_kernel[...].astype(dtype), group_sizes)
-        up = jax.lax.ragged_dot(x_sorted, self.up_kernel[...].astype(dtype), group_sizes)
+        gate = grouped_matmul(x_sorted, self.gate_kernel[...].astype(dtype), group_sizes)
+        up = grouped_matmul(x_sorted, self.up_kernel[...].astype(dtype), group_sizes)
         hidden = jax.nn.silu(gate) * up
         down_axes = (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED)
-        y_sorted = jax.lax.ragged_dot(hidden, self.down_kernel[...].astype(dtype), group_sizes)
+        y_sorted = grouped_matmul(
+            hidden, self.down_kernel[...].astype(dtype), group_sizes, w_axes=down_axes
+        )
         inverse = jnp.argsort(order)  # pair p sits at row inverse[p] of the sorted rows
         y_nke = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)
         return jnp.sum(y_nke * weights_nk[..., None], axis=1)

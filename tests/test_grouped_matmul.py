@@ -1,0 +1,142 @@
+"""The grouped matmul of the mixture-of-experts layers (`jaxrl.models.grouped_matmul`): the TPU
+path (Pallas megablox, in interpret mode here) and the GPU path (`tiled`, plain XLA) against
+`jax.lax.ragged_dot` in values and gradients, on one device and split over 8 simulated devices
+as the trainer's rules split experts; and the CPU path left as `ragged_dot`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.infra import sharding as ax
+from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.models import grouped_matmul as gm
+
+M, K, N = 40, 16, 24  # 40 rows: not a multiple of the 16-row tile (padded into the last group)
+SIZES = [(7, 0, 13, 0, 20), (0, 0, 40, 0, 0), (0, 10, 10, 10, 10)]  # empty groups, one group
+
+
+def _inputs(sizes, seed=0):
+    kx, kw, kc = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (M, K), jnp.float32)
+    w = jax.random.normal(kw, (len(sizes), K, N), jnp.float32)
+    cotangent = jax.random.normal(kc, (M, N), jnp.float32)
+    return x, w, jnp.asarray(sizes, jnp.int32), cotangent
+
+
+def _value_and_grads(f, x, w, sizes, cotangent):
+    out, vjp = jax.vjp(lambda x, w: f(x, w, sizes), x, w)
+    return (out, *vjp(cotangent))
+
+
+def _close(got, want, atol=1e-5):
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=atol)
+
+
+def test_megablox_equals_ragged_dot_in_values_and_gradients():
+    x, w, s, ct = _inputs(SIZES[0])
+    want = _value_and_grads(jax.lax.ragged_dot, x, w, s, ct)
+    tpu = lambda x, w, s: gm.grouped_matmul(x, w, s, platform="tpu")  # noqa: E731
+    _close(jax.jit(lambda *a: _value_and_grads(tpu, *a))(x, w, s, ct), want)
+
+
+@pytest.mark.parametrize("tile", [8, 64])
+def test_tiled_equals_ragged_dot_in_values_and_gradients(tile):
+    f = lambda x, w, s: gm.tiled(x, w, s, tile=tile)  # noqa: E731
+    run = jax.jit(lambda *a: _value_and_grads(f, *a))  # group sizes are data: one compile
+    for sizes in (*SIZES, (40, 0, 0, 0, 0), (0, 0, 0, 0, 40)):
+        x, w, s, ct = _inputs(sizes)
+        _close(run(x, w, s, ct), _value_and_grads(jax.lax.ragged_dot, x, w, s, ct))
+
+
+def test_local_group_sizes_clip_each_group_to_a_devices_rows():
+    sizes = jnp.asarray([7, 0, 13, 0, 20], jnp.int32)
+    per_device = [gm.local_group_sizes(sizes, d * 10, 10) for d in range(4)]
+    assert [list(map(int, p)) for p in per_device] == [
+        [7, 0, 3, 0, 0], [0, 0, 10, 0, 0], [0, 0, 0, 0, 10], [0, 0, 0, 0, 10],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_split_over_devices_equals_one_device(platform):
+    """Trainer rules on an (fsdp 4, tp 2) mesh: rows over fsdp, each expert's MLP width over tp:
+    the gate / up form splits N, the down form K (partial sums added)."""
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 2)), jax.devices()[:8])
+    x, w, s, ct = _inputs(SIZES[0], seed=1)
+    want = _value_and_grads(jax.lax.ragged_dot, x, w, s, ct)
+    down_axes = (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED)
+    for w_axes in (gm.WEIGHT_AXES, down_axes):
+        f = lambda x, w, s: gm.grouped_matmul(x, w, s, w_axes=w_axes, platform=platform)  # noqa: B023,E731
+        with ax.sharding_context(mesh, ax.rules_for_role("trainer")):
+            got = jax.jit(lambda *a: _value_and_grads(f, *a))(x, w, s, ct)  # noqa: B023
+        _close(got, want)
+
+
+def test_the_cpu_program_keeps_ragged_dot():
+    x, w, s, _ = _inputs(SIZES[0])
+    auto = jax.jit(lambda x, w, s: gm.grouped_matmul(x, w, s)).lower(x, w, s).as_text()
+    plain = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s)).lower(x, w, s).as_text()
+    assert auto == plain
+
+
+def test_hand_count_of_a_mixture_of_experts_counts_a_tokens_experts():
+    """Qwen3-30B-A3B: 3.3B active parameters a token (the layers' 2.73B and the two embedding
+    tables), 30.5B stored; a dense model's active and stored weights are its layers'."""
+    from jaxrl import hand_count
+    from jaxrl.models.presets import llama3_8b, qwen3_30b_a3b
+
+    moe, dense = qwen3_30b_a3b(), llama3_8b()
+    tables = 2 * moe.vocab_size * moe.hidden_size
+    assert hand_count.active_weights(moe) + tables == pytest.approx(3.35e9, rel=0.01)
+    assert hand_count.stored_weights(moe) + tables == pytest.approx(moe.num_params(), rel=1e-4)
+    layers = dense.num_layers * hand_count.layer_weights(dense)
+    assert hand_count.active_weights(dense) == hand_count.stored_weights(dense) == layers
+
+
+def test_the_cost_walker_counts_a_grouped_matmul_kernel_by_its_rows():
+    """`hlo_cost`'s model of the megablox kernels: 2 M K N for `gmm` (out [M, N]) and for `tgmm`
+    (out [G, K, N] from lhs [K, M]), whatever wraps their names (`transpose(jvp(jit(gmm)))`)."""
+    from jaxrl.infra import hlo_cost
+
+    gmm = hlo_cost._grouped(["s32[9]", "bf16[64,16]", "bf16[5,16,24]"], "bf16[64,24]")
+    tgmm = hlo_cost._grouped(["s32[9]", "bf16[16,64]", "bf16[64,24]"], "bf16[5,16,24]")
+    assert gmm[0] == tgmm[0] == 2 * 64 * 16 * 24
+    assert gmm[1] == 2 * (64 * 16 + 5 * 16 * 24 + 64 * 24) + 36
+
+
+def test_routed_experts_per_device_equal_the_layers_experts():
+    """`routed_experts` (each device sorts its own tokens) split over (fsdp 4, tp 2) equals
+    `MoEMLP._experts` on one device, values and gradients (within 1e-4 of gradients up to 12:
+    the tp halves of the MLP width add in another order)."""
+    from flax import nnx
+
+    from jaxrl.models.config import ModelConfig
+    from jaxrl.models.moe import MoEMLP
+
+    c = ModelConfig(
+        model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+        num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=8, dtype="float32", param_dtype="float32",
+    )  # fmt: skip
+    layer = MoEMLP(c, nnx.Rngs(0), 0.5)
+    x = jax.random.normal(jax.random.key(1), (16, 16), jnp.float32)
+    _, weights, experts, *_ = layer.route(x)
+    kernels = (layer.gate_kernel[...], layer.up_kernel[...], layer.down_kernel[...])
+
+    def loss(f, x, kernels):
+        return jnp.sum(jnp.sin(f(x, kernels)))
+
+    one = lambda x, k: layer._experts(x, weights, experts)  # noqa: E731
+    split = lambda x, k: gm.routed_experts(x, weights, experts, *k, platform="gpu")  # noqa: E731
+    want = jax.value_and_grad(lambda x: loss(one, x, kernels))(x)
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 2)), jax.devices()[:8])
+    with ax.sharding_context(mesh, ax.rules_for_role("trainer")):
+        got = jax.jit(jax.value_and_grad(lambda x, k: loss(split, x, k), argnums=(0, 1)))(
+            x, kernels
+        )
+    _close((got[0], got[1][0]), want, atol=1e-4)
+    grads = jax.grad(lambda k: loss(lambda x, k: gm.routed_experts(x, weights, experts, *k), x, k))
+    _close(got[1][1], grads(kernels), atol=1e-4)
