@@ -232,6 +232,13 @@ def rl_main(
         if episodes is not None:
             check_episode_job(rl, episodes, env_source, roles if jax.process_count() > 1 else None)
         loss.check_replay(model_config, gen.kind, episodes=episodes is not None)
+        if gen.weights != "native":
+            gen.validate()  # a known format, the engine
+        if gen.weights != "native" and lora is not None:
+            raise ValueError(
+                f"GeneratorConfig.weights={gen.weights!r} with LoRA is not built yet (base "
+                "quantized once, adapters unquantized): use GeneratorConfig.weights='native'"
+            )
     except ValueError as err:
         raise SystemExit(str(err)) from None
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
@@ -290,7 +297,9 @@ def rl_main(
         # The generator's sampler and weight store (async: on its own mesh, fed by pushes).
         weights, eval_sampler = None, None
         if gen_mesh is None:
-            sampler = colocated_sampler(trainer, tokenizer, **engine, precompile=gen.precompile)
+            sampler = colocated_sampler(
+                trainer, tokenizer, **engine, precompile=gen.precompile, weights=gen.weights
+            )
         else:
             gen_dtype = gen.resolve_dtype(gen_mesh)
             sync = make_weight_sync(
@@ -304,7 +313,7 @@ def rl_main(
             else:
                 sampler = mesh_sampler(
                     trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype,
-                    **engine, precompile=gen.precompile,
+                    **engine, precompile=gen.precompile, weights=gen.weights,
                 )  # fmt: skip
                 latest_only = role == "both" and feed_class(rl).latest_only(rl)
                 weights = GeneratorWeights(sync, latest_only=latest_only)

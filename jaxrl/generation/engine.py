@@ -178,6 +178,7 @@ class Engine(EngineDevice):
         rules: ax.LogicalRules | None = None,
         compile_only: bool = False,
         layer_layout: str = "auto",
+        weights: str = "native",
     ):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules, or neither")
@@ -235,6 +236,7 @@ class Engine(EngineDevice):
             rules=rules,
             stats=self.stats,
             layer_layout=layer_layout,
+            weights=weights,  # `GeneratorConfig.weights`: "int8" etc. (`generation.quantize`)
         )
         if not compile_only and not self.grows:
             self._check_fits(self.capacity)

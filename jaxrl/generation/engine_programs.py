@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
 
-from jaxrl.generation import engine_routing
+from jaxrl.generation import engine_routing, quantize
 from jaxrl.generation.engine_layout import (  # noqa: F401  (LAYER_LAYOUTS, UNROLL_SHARE: here too)
     LAYER_LAYOUTS,
     UNROLL_SHARE,
@@ -141,6 +141,7 @@ class EnginePrograms:
         rules: ax.LogicalRules | None,
         stats: EngineStats,
         layer_layout: str = "auto",
+        weights: str = "native",
     ):
         self.mesh, self.rules, self.stats = mesh, rules, stats
         self.unstack = unrolls(graphdef, model_config, mesh, rules, layer_layout)
@@ -157,6 +158,8 @@ class EnginePrograms:
             unstack = lambda p: unstack_layers(pure_params(p), self.source_layers)  # noqa: E731
             self._unstack = jax.jit(unstack, out_shardings=out)
         self.graphdef, self.model_config = graphdef, model_config
+        # 8-bit weights (`jaxrl.generation.quantize`): the engine's own copy, checked up front.
+        self.weights, self._quantize = quantize.engine_format(graphdef, model_config, mesh, weights)
         self.num_slots, self.steps_per_call, self.pad_id = num_slots, steps_per_call, pad_id
         # Mixture-of-experts models: the cache is (KV cache, routing record) (`engine_routing`).
         self.record = engine_routing.records(model_config)
@@ -186,14 +189,21 @@ class EnginePrograms:
         """The weights the programs take: `params` itself, or with per-layer weights
         (`unstack`, module docstring) the engine's copy of them, made once per weights object
         (`abstract`: ShapeDtypeStructs of it, for lowering; nothing runs)."""
-        if not self.unstack:
+        if not self.unstack and self._quantize is None:
             return params
+        convert = self._convert
         if abstract:
-            return self.call_on_mesh(jax.eval_shape, self._unstack, params)
+            return self.call_on_mesh(jax.eval_shape, convert, params)
         if self._converted is None or self._converted[0] is not params:
             self._converted = None  # the previous copy goes before the new one is made
-            self._converted = (params, self.call_on_mesh(self._unstack, params))
+            self._converted = (params, self.call_on_mesh(convert, params))
         return self._converted[1]
+
+    def _convert(self, params):
+        """The engine's copy: per-layer weights (`unstack`), then quantized (`weights`)."""
+        if self.unstack:
+            params = self._unstack(params)
+        return params if self._quantize is None else self._quantize(pure_params(params))
 
     def run(self, name: str, *args, **static):
         """Runs program `name` (its precompiled executable if `precompile` made one)."""

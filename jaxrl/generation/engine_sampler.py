@@ -49,11 +49,13 @@ class EngineSampler:
     Args: as for `Sampler`, plus the engine's `num_slots` (rounded up to a multiple of the
     data-parallel size) and `steps_per_call`; `precompile`: compile every program the engine
     can call for a sampling config before its first use of it (`warm_up`, `Engine.precompile`)
-    instead of one by one mid-run. A call's prompts may outnumber the slots (they queue), but
-    its `num_samples` may not. `max_total_len` None (the default): prompts up to the model's
-    context are accepted and the KV cache is sized from the calls (the longest prompt +
-    max_new_tokens so far, see `Engine.reserve`), so a long-context model with the default 256
-    slots allocates what its requests need, not `256 x max_position_embeddings` positions.
+    instead of one by one mid-run; `weights`: the engine's weight format
+    (`GeneratorConfig.weights`, `jaxrl.generation.quantize`). A call's prompts may outnumber
+    the slots (they queue), but its `num_samples` may not. `max_total_len` None (the
+    default): prompts up to the model's context are accepted and the KV cache is sized from
+    the calls (the longest prompt + max_new_tokens so far, see `Engine.reserve`), so a
+    long-context model with the default 256 slots allocates what its requests need, not
+    `256 x max_position_embeddings` positions.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class EngineSampler:
         mesh: jax.sharding.Mesh | None = None,
         rules: ax.LogicalRules | None = None,
         precompile: bool = False,
+        weights: str = "native",
     ):
         self.graphdef, self.model_config = graphdef, model_config
         self.precompile = precompile
@@ -97,6 +100,7 @@ class EngineSampler:
             prompt_buckets=prompt_buckets,
             mesh=mesh,
             rules=rules,
+            weights=weights,
         )
 
     @classmethod
@@ -203,6 +207,11 @@ def make_sampler(
             )
         kind = "static"
     precompile = kwargs.pop("precompile", False)
+    if kind == "static" and kwargs.get("weights", "native") != "native":
+        raise ValueError(
+            f"generator weights {kwargs['weights']!r} need the engine (single-process generator "
+            "mesh); the static sampler runs the weights as given: use weights='native'"
+        )
     if kind == "static":
         return cls_static(graphdef, model_config, **kwargs)
     return cls_engine(

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxrl import lora as lora_lib
 from jaxrl.generation.engine_sampler import GENERATORS, EngineSampler, make_sampler
+from jaxrl.generation.quantize import WEIGHT_FORMATS
 from jaxrl.generation.sampler import Sampler as StaticSampler
 from jaxrl.generation.sampling import Sampler
 from jaxrl.infra.sharding import param_shardings
@@ -53,6 +54,12 @@ class GeneratorConfig:
       batch, instead of one at a time when a new shape first comes up: a streaming run
       otherwise stalls its generator, and then its trainer, for each compile during its first
       hundred or so steps (cost: docs/benchmarks.md, "Engine precompile").
+    weights: the engine's copy of the weights (`jaxrl.generation.quantize`): "native" (as
+      given), or 8-bit with per-output-channel scales, made on the generator's devices once per
+      weights object (sync: once per step; async: once per pushed version): "int8_weights"
+      (weight-only), "int8_dynamic" (activations per token too), "int8" (the platform's choice:
+      dynamic on CPU, weight-only on GPU / TPU). Engine only, not with LoRA yet; the behaviour
+      log-probs are the quantized policy's (docs/quantization.md).
     """
 
     kind: str = "engine"
@@ -61,6 +68,7 @@ class GeneratorConfig:
     steps_per_call: int = 8
     max_len: int = 0
     precompile: bool = False
+    weights: str = "native"
 
     def validate(self) -> None:
         if self.kind not in GENERATORS:
@@ -68,6 +76,15 @@ class GeneratorConfig:
         if self.dtype not in GENERATOR_DTYPES:
             raise ValueError(
                 f"GeneratorConfig.dtype={self.dtype!r}; expected one of {GENERATOR_DTYPES}"
+            )
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"GeneratorConfig.weights={self.weights!r}; expected one of {WEIGHT_FORMATS}"
+            )
+        if self.weights != "native" and self.kind != "engine":
+            raise ValueError(
+                f"GeneratorConfig.weights={self.weights!r} needs kind='engine' (the static "
+                "sampler has no quantized path); use kind='engine' or weights='native'"
             )
         if self.slots < 0 or self.steps_per_call < 1 or self.max_len < 0:
             raise ValueError(
@@ -123,18 +140,27 @@ def mesh_sampler(
     num_slots: int = 256,
     steps_per_call: int = 8,
     precompile: bool = False,
+    weights: str = "native",
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
     `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
-    first use) or "static" (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
+    first use, `weights` its weight format: `GeneratorConfig.weights`) or "static"
+    (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
     (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
     pushed version."""
     lora = trainer.lora is not None
+    if lora and weights != "native":
+        raise ValueError(
+            f"generator weights {weights!r} with LoRA: not built yet (the base would be "
+            "quantized once and the adapters kept unquantized); use GeneratorConfig.weights="
+            "'native' for a LoRA policy"
+        )
+    generator = {"weights": weights} if weights != "native" else {}
     sampler = make_sampler(
         generator,
         trainer.graphdef,
@@ -142,6 +168,7 @@ def mesh_sampler(
         num_slots=num_slots,
         steps_per_call=steps_per_call,
         precompile=precompile,
+        **generator,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
         pad_id=tokenizer.pad_token_id,

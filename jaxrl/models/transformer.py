@@ -500,6 +500,8 @@ def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> ja
     (`jaxrl.lora`): inside `jnp.matmul` (itself jitted) or after a reshape, qwix cannot tell
     which parameter the right operand is, and the projection silently gets no adapter.
     """
+    if hasattr(w_k, "quantized_matmul"):  # the engine's int8 weights (generation.quantize)
+        return w_k.quantized_matmul(x_btk, contract, **kwargs)
     b, t = x_btk.shape[:2]
     dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
     y = jax.lax.dot_general(x_btk.reshape(b * t, *x_btk.shape[2:]), w_k, dims, **kwargs)

@@ -1,0 +1,227 @@
+"""8-bit generator weights: the engine's own int8 copy of the projection kernels.
+
+`GeneratorConfig.weights` (`jaxrl.generation.placement`) picks the generator's weight format:
+"native" (the weights as given: today's default), or int8 with one float32 scale per output
+channel (symmetric, `scale = max|w| / 127` over the contracted axes):
+
+* "int8_weights": weight-only; each matmul converts the int8 kernel to the activations' dtype
+  inside the matmul and scales its output (`x @ (q * s) == (x @ q) * s`, exact apart from the
+  weights' rounding).
+* "int8_dynamic": the activations are quantized too, per row (per token) and per matmul, and the
+  matmul runs int8 x int8 with int32 accumulation, then scales by both (W8A8).
+* "int8": the platform's choice: "int8_dynamic" on CPU (XLA:CPU runs int8 x int8 dots on the
+  VNNI / AMX units, ~5x its fp32 rate here; a converted-weight fp32 dot is no faster than fp32,
+  docs/quantization.md), "int8_weights" on GPU / TPU (decode is bound by reading the weights;
+  the activations keep their precision).
+
+Quantized: the q/k/v/o attention kernels, a dense MLP's gate/up/down kernels and an untied
+`lm_head`. Kept: the embedding (so a tied unembedding too), norms, biases, routers and a
+mixture-of-experts model's MLP kernels. The quantized leaves are `QuantizedKernel`s (a pytree of
+int8 values and float32 scales) in place of the kernel arrays; the model's `_matmul` multiplies
+by them (`QuantizedKernel.quantized_matmul`). They live only in the engine's copy of the weights
+(`EnginePrograms.engine_params`, made once per weights object on the engine's devices): the
+trainer's params, checkpoints and exports never hold int8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WEIGHT_FORMATS = ("native", "int8", "int8_weights", "int8_dynamic")
+# Leaves quantized, with how many leading axes each contracts (`transformer._matmul`).
+CONTRACT = {"q_kernel": 1, "k_kernel": 1, "v_kernel": 1, "o_kernel": 2}
+MLP_CONTRACT = {"gate_kernel": 1, "up_kernel": 1, "down_kernel": 1}
+RANK = {"q_kernel": 3, "k_kernel": 3, "v_kernel": 3, "o_kernel": 3, "lm_head": 2}
+# int8 x int8 products summed in int32: |sum| <= K * 127^2 stays below 2^31 for K up to this.
+MAX_DYNAMIC_CONTRACTION = (2**31 - 1) // (127 * 127)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class QuantizedKernel:
+    """A projection kernel as int8 `values` (the kernel's shape) and float32 `scales` (its output
+    axes' shape: `values.shape[contract:]`, with a leading layer axis when stacked); `mode`:
+    "int8_weights" or "int8_dynamic" (module docstring). Stands in for the kernel array in the
+    model: `kernel[...]` and `.astype` return it unchanged, `_matmul` calls `quantized_matmul`."""
+
+    values: jax.Array
+    scales: jax.Array
+    mode: str = "int8_weights"
+
+    def tree_flatten(self):
+        return (self.values, self.scales), self.mode
+
+    @classmethod
+    def tree_unflatten(cls, mode, children):
+        return cls(*children, mode=mode)
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    def __getitem__(self, key):
+        if key is Ellipsis:
+            return self
+        raise TypeError("a QuantizedKernel is read whole (kernel[...])")
+
+    def astype(self, dtype):
+        del dtype  # the matmul picks its operand dtype
+        return self
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The kernel the quantized one stands for: `values * scales`, the scales broadcast
+        over the contracted axes (after a leading layer axis when stacked)."""
+        contract = self.values.ndim - self.scales.ndim
+        lead = 0 if self.scales.shape == self.values.shape[contract:] else 1
+        scales = jnp.expand_dims(self.scales, tuple(range(lead, lead + contract)))
+        return (self.values.astype(jnp.float32) * scales).astype(dtype)
+
+    def quantized_matmul(self, x_btk, contract: int, preferred_element_type=None) -> jax.Array:
+        """`transformer._matmul(x, kernel)` on the quantized kernel: `[B, T, *K] -> [B, T, *N]`."""
+        b, t = x_btk.shape[:2]
+        if self.scales.shape != self.values.shape[contract:]:
+            raise ValueError(
+                f"QuantizedKernel: scales {self.scales.shape} do not match the output axes of "
+                f"values {self.values.shape} contracting {contract} axes"
+            )
+        x = x_btk.reshape(b * t, *x_btk.shape[2:])
+        out_dtype = preferred_element_type or x.dtype
+        dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
+        if self.mode == "int8_dynamic":
+            # Per-row symmetric scales of the activations over the contracted axes.
+            axes = tuple(range(1, contract + 1))
+            x32 = x.astype(jnp.float32)
+            amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+            row_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+            xq = jnp.clip(jnp.round(x32 / row_scale), -127, 127).astype(jnp.int8)
+            acc = jax.lax.dot_general(xq, self.values, dims, preferred_element_type=jnp.int32)
+            row_scale = row_scale.reshape(b * t, *(1,) * (acc.ndim - 1))
+            y = acc.astype(jnp.float32) * row_scale * self.scales
+        else:
+            y = jax.lax.dot_general(x, self.values.astype(x.dtype), dims)
+            y = y.astype(jnp.float32 if preferred_element_type else y.dtype)
+            y = y * self.scales.astype(y.dtype)
+        return y.astype(out_dtype).reshape(b, t, *self.values.shape[contract:])
+
+
+def resolve_format(weights: str, platform: str) -> str:
+    """The concrete format ("native", "int8_weights", "int8_dynamic") of `weights` on
+    `platform` ("cpu", "gpu", "tpu")."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"generator weights {weights!r}; expected one of {WEIGHT_FORMATS}")
+    if weights == "int8":
+        return "int8_dynamic" if platform == "cpu" else "int8_weights"
+    return weights
+
+
+def _targets(params: dict, model_config, stacked: bool):
+    """(path, leaf, contract) of every kernel to quantize in the pure dict `params`."""
+    out = []
+    layers = params.get("layers", {})
+    groups = [("layers",)] if stacked else [("layers", i) for i in layers]
+    for group in groups:
+        layer = layers if stacked else layers[group[1]]
+        for name, contract in CONTRACT.items():
+            if name in layer.get("attention", {}):
+                out.append(((*group, "attention", name), layer["attention"][name], contract))
+        if not model_config.moe_layers:  # experts (and a mixed model's dense MLPs) stay
+            for name, contract in MLP_CONTRACT.items():
+                if name in layer.get("mlp", {}):
+                    out.append(((*group, "mlp", name), layer["mlp"][name], contract))
+    if "lm_head" in params:
+        out.append((("lm_head",), params["lm_head"], 1))
+    return out
+
+
+def check_shapes(params: dict, model_config, stacked: bool) -> None:
+    """Refuses, from shapes alone, a kernel the per-output-channel scale layout cannot take: one
+    of another rank than the model's projections (a tree not of this model), or under
+    "int8_dynamic" a contraction long enough to overflow int32 accumulation."""
+    for path, leaf, _ in _targets(params, model_config, stacked):
+        name = path[-1]
+        rank = RANK.get(name, 2) + (1 if stacked and path[0] == "layers" else 0)
+        shape = tuple(np.shape(leaf))
+        if len(shape) != rank:
+            raise ValueError(
+                f"int8 generator weights: {'/'.join(map(str, path))} has shape {shape}; the "
+                f"per-output-channel scales take a rank-{rank} kernel of this model's layout. "
+                "Quantize only the Transformer's own params, or set GeneratorConfig.weights="
+                "'native'"
+            )
+
+
+def check_contraction(model_config, fmt: str) -> None:
+    """Refuses "int8_dynamic" for a model whose widest contraction (hidden size, MLP width,
+    heads x head dim) could overflow the int32 accumulator, before any device work."""
+    if fmt != "int8_dynamic":
+        return
+    c = model_config
+    widest = max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim)
+    if widest > MAX_DYNAMIC_CONTRACTION:
+        raise ValueError(
+            f"GeneratorConfig.weights='int8_dynamic': a contraction of {widest} int8 x int8 "
+            f"products can overflow int32 (at most {MAX_DYNAMIC_CONTRACTION}); use "
+            "weights='int8_weights' (weight-only) for this model"
+        )
+
+
+def quantize_kernel(w: jax.Array, contract: int, stacked: bool, mode: str) -> QuantizedKernel:
+    """Symmetric per-output-channel int8 of one kernel (module docstring)."""
+    lead = 1 if stacked else 0
+    axes = tuple(range(lead, lead + contract))
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+    return QuantizedKernel(values, jnp.squeeze(scale, axis=axes), mode)
+
+
+def quantize_params(params: dict, model_config, fmt: str, stacked: bool) -> dict:
+    """`params` (a pure dict of the model's weights) with its projection kernels replaced by
+    `QuantizedKernel`s of format `fmt` ("int8_weights" / "int8_dynamic"); run it under `jit`."""
+    check_shapes(params, model_config, stacked)
+    out = jax.tree.map(lambda x: x, params)  # a fresh nest of dicts over the same leaves
+    for path, leaf, contract in _targets(params, model_config, stacked):
+        node = out
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = quantize_kernel(leaf, contract, stacked and path[0] == "layers", fmt)
+    return out
+
+
+def weight_bytes(params) -> int:
+    """Bytes of a params tree (int8 values count one byte each)."""
+    leaves = jax.tree.leaves(params)
+    return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def engine_format(graphdef, model_config, mesh, weights: str):
+    """`(format, quantize)` for an engine running `graphdef` on `mesh` (None: the default
+    backend): the concrete format and the jitted function making the engine's quantized copy
+    (None for "native"). Refuses before any device work: an unknown format, a LoRA policy
+    (adapters are not quantized yet), a contraction "int8_dynamic" cannot accumulate, a kernel
+    the scale layout cannot take."""
+    from flax import nnx
+
+    from jaxrl.models.transformer import Transformer
+
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    fmt = resolve_format(weights, platform)
+    if fmt == "native":
+        return fmt, None
+    graph, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
+    if graphdef != graph:
+        raise ValueError(
+            f"generator weights {weights!r} are for a plain Transformer; this engine's model is "
+            "wrapped (LoRA adapters?): 8-bit weights with LoRA (base quantized once, adapters "
+            "unquantized) are not built yet. Set GeneratorConfig.weights='native', or merge the "
+            "adapters into a full-precision policy first"
+        )
+    check_contraction(model_config, fmt)
+    stacked = bool(model_config.scan_layers)
+    check_shapes(nnx.to_pure_dict(abstract), model_config, stacked)
+    return fmt, jax.jit(lambda params: quantize_params(params, model_config, fmt, stacked))

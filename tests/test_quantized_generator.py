@@ -1,0 +1,140 @@
+"""8-bit generator weights (`jaxrl.generation.quantize`, `GeneratorConfig.weights`): the
+per-channel quantization's error bound, the int8 engine's greedy tokens against fp32, the
+behaviour log-probs being the quantized policy's own, the refusals before any device work, and
+the caller's (trainer's) params never touched."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl import lora as lora_lib
+from jaxrl.generation import quantize
+from jaxrl.generation.engine import Engine, Request
+from jaxrl.generation.placement import GeneratorConfig
+from jaxrl.generation.sampling import SamplingConfig, processed_logprobs
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.transformer import Transformer
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 40]]
+CONFIG = ModelConfig("llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A tied model with unrolled layers and an untied one (lm_head quantized too) with scanned
+    layers."""
+    tied = Transformer(CONFIG, rngs=nnx.Rngs(0), init_std=0.3)
+    config = CONFIG.replace(tie_word_embeddings=False, scan_layers=True)
+    untied = Transformer(config, rngs=nnx.Rngs(1), init_std=0.3)
+    return {"tied": tied, "untied": untied}
+
+
+def _run(model, weights, sampling, key=0):
+    engine, params = Engine.for_model(model, num_slots=4, steps_per_call=4, weights=weights)
+    requests = [Request(i, p, 2, sampling, max_new_tokens=8) for i, p in enumerate(PROMPTS)]
+    return engine, params, sorted(engine.generate(params, requests, jax.random.key(key)),
+                                  key=lambda g: g.request_id)  # fmt: skip
+
+
+def test_per_channel_error_is_at_most_half_a_step():
+    rng = np.random.default_rng(0)
+    run = jax.jit(quantize.quantize_kernel, static_argnums=(1, 2, 3))
+    for lead in ((), (3,)):
+        for shape, contract in (((16, 4, 8), 1), ((4, 8, 16), 2), ((16, 24), 1)):
+            w = rng.normal(size=lead + shape) * np.linspace(0.01, 3.0, shape[-1])
+            q = run(w.astype(np.float32), contract, bool(lead), "int8_weights")
+            values, scales = np.asarray(q.values), np.asarray(q.scales)
+            assert values.dtype == np.int8 and scales.shape == lead + shape[contract:]
+            axes = tuple(range(len(lead), len(lead) + contract))
+            np.testing.assert_allclose(scales, np.abs(w).max(axis=axes) / 127, rtol=1e-6)
+            assert np.abs(values.astype(np.int32)).max() == 127  # each channel's max: 127
+            error = np.abs(values * np.expand_dims(scales, axes) - w)
+            assert (error <= np.expand_dims(scales, axes) / 2 + 1e-6).all()
+            np.testing.assert_allclose(q.dequantize(), values * np.expand_dims(scales, axes))
+
+
+@pytest.mark.parametrize(
+    ("name", "weights"), [("tied", "int8_weights"), ("untied", "int8_dynamic")]
+)
+def test_int8_greedy_tokens_mostly_equal_fp32(models, name, weights):
+    greedy = SamplingConfig(8, greedy=True)
+    _, _, full = _run(models[name], "native", greedy)
+    engine, _, low = _run(models[name], weights, greedy)
+    same, total, worst = 0, 0, 0.0
+    for f, q in zip(full, low, strict=True):
+        agree = np.cumprod(f.tokens_gn[0] == q.tokens_gn[0]).astype(bool)
+        same, total = same + int(agree.sum()), total + len(agree)
+        worst = max(worst, float(np.abs(f.logprobs_gn[0] - q.logprobs_gn[0])[agree].max()))
+    print(f"[int8] {name} {weights}: {same}/{total} greedy tokens before the first difference, "
+          f"max |log-prob difference| there {worst:.4f}")  # fmt: skip
+    # A random tiny model has near-ties (large logits from init_std 0.3): greedy paths part.
+    assert same >= 0.5 * total and worst < 0.25, (same, total, worst)
+    assert engine.programs.weights == weights
+
+
+@pytest.mark.parametrize(("name", "weights"), [("untied", "int8_weights"), ("tied", "int8")])
+def test_engine_logprobs_are_the_quantized_policys(models, name, weights):
+    model = models[name]
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    sampling = SamplingConfig(8, temperature=1.0)
+    engine, params, groups = _run(model, weights, sampling, key=3)
+    # The caller's (the trainer's: checkpoints, exports) params are untouched, full precision.
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    jax.tree.map(np.testing.assert_array_equal, before, nnx.to_pure_dict(params))
+    quantized = engine.programs.engine_params(params)
+    assert quantized is engine.programs.engine_params(params)  # made once per weights object
+    assert quantize.weight_bytes(quantized) < 0.6 * quantize.weight_bytes(params)
+    if weights == "int8_weights":  # the dequantized weights in a plain fp32 model
+        dequant = jax.tree.map(
+            lambda x: x.dequantize() if isinstance(x, quantize.QuantizedKernel) else x,
+            quantized, is_leaf=lambda x: isinstance(x, quantize.QuantizedKernel),
+        )  # fmt: skip
+        policy = dequant
+    else:  # "int8" on CPU: activations quantized per token, as in a whole-sequence forward
+        assert engine.programs.weights == "int8_dynamic"
+        policy = quantized
+    graphdef = engine.programs.graphdef
+    forward = jax.jit(
+        lambda p, tokens: processed_logprobs(nnx.merge(graphdef, p)(tokens), sampling)
+    )
+    worst = 0.0
+    with jax.default_matmul_precision("highest"):
+        for g in groups:
+            for s in range(2):
+                p, t = list(g.prompt), g.tokens_gn[s]
+                ref = np.asarray(forward(policy, jnp.asarray([p + list(t)])))[0]
+                ref = ref[np.arange(len(p) - 1, len(p) - 1 + len(t)), t]
+                worst = max(
+                    worst, float(np.abs(np.where(g.mask_gn[s], ref - g.logprobs_gn[s], 0)).max())
+                )
+    assert worst <= 1e-4, worst
+
+
+def test_refusals_come_before_device_work(models):
+    graphdef = nnx.graphdef(models["tied"])
+    with jax.transfer_guard("disallow"):
+        with pytest.raises(ValueError, match="expected one of"):
+            GeneratorConfig(weights="int4").validate()
+        with pytest.raises(ValueError, match="needs kind='engine'"):
+            GeneratorConfig(kind="static", weights="int8").validate()
+        with pytest.raises(ValueError, match="expected one of"):
+            quantize.engine_format(graphdef, CONFIG, None, "fp4")
+        lora = lora_lib.LoraConfig(rank=2, alpha=4.0)
+        wrapped, _ = lora_lib.abstract_lora(CONFIG, lora)
+        with pytest.raises(ValueError, match="LoRA"):
+            quantize.engine_format(wrapped, CONFIG, None, "int8")
+        wide = CONFIG.replace(intermediate_size=quantize.MAX_DYNAMIC_CONTRACTION + 1)
+        wide_graph = nnx.graphdef(nnx.eval_shape(lambda: Transformer(wide, rngs=nnx.Rngs(0))))
+        with pytest.raises(ValueError, match="overflow int32"):
+            quantize.engine_format(wide_graph, wide, None, "int8_dynamic")
+        assert quantize.engine_format(wide_graph, wide, None, "int8_weights")[0] == "int8_weights"
+        abstract = nnx.to_pure_dict(
+            nnx.state(nnx.eval_shape(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0))))
+        )
+        abstract["layers"][0]["attention"]["q_kernel"] = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+        with pytest.raises(ValueError, match="per-output-channel scales take a rank-3"):
+            quantize.check_shapes(abstract, CONFIG, stacked=False)
