@@ -60,17 +60,22 @@ def test_local_group_sizes_clip_each_group_to_a_devices_rows():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_split_over_devices_equals_one_device(platform):
-    """Trainer rules on an (fsdp 4, tp 2) mesh: rows over fsdp, each expert's MLP width over tp:
-    the gate / up form splits N, the down form K (partial sums added)."""
-    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 2)), jax.devices()[:8])
-    x, w, s, ct = _inputs(SIZES[0], seed=1)
+@pytest.mark.parametrize(
+    "platform,role", [("gpu", "trainer"), ("tpu", "generator"), ("gpu", "generator")]
+)
+def test_split_over_devices_equals_one_device(platform, role):
+    """Trainer rules on an (fsdp 4, tp 2) mesh: rows over fsdp, every expert gathered, each
+    expert's MLP width over tp (the gate / up form splits N, the down form K: partial sums
+    added). Generator rules on (dp 4, tp 2): rows over dp, experts split over tp (each device
+    multiplies its experts' rows; the devices' results added)."""
+    axes = ("fsdp", "tp") if role == "trainer" else ("dp", "tp")
+    mesh = make_mesh(MeshConfig(axes, (4, 2)), jax.devices()[:8])
+    x, w, s, ct = _inputs((7, 0, 13, 20), seed=1)
     want = _value_and_grads(jax.lax.ragged_dot, x, w, s, ct)
     down_axes = (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED)
     for w_axes in (gm.WEIGHT_AXES, down_axes):
         f = lambda x, w, s: gm.grouped_matmul(x, w, s, w_axes=w_axes, platform=platform)  # noqa: B023,E731
-        with ax.sharding_context(mesh, ax.rules_for_role("trainer")):
+        with ax.sharding_context(mesh, ax.rules_for_role(role)):
             got = jax.jit(lambda *a: _value_and_grads(f, *a))(x, w, s, ct)  # noqa: B023
         _close(got, want)
 
@@ -126,17 +131,17 @@ def test_routed_experts_per_device_equal_the_layers_experts():
     _, weights, experts, *_ = layer.route(x)
     kernels = (layer.gate_kernel[...], layer.up_kernel[...], layer.down_kernel[...])
 
-    def loss(f, x, kernels):
-        return jnp.sum(jnp.sin(f(x, kernels)))
+    def value_and_grads(platform):
+        def loss(x, k):
+            return jnp.sum(jnp.sin(gm.routed_experts(x, weights, experts, *k, platform=platform)))
 
-    one = lambda x, k: layer._experts(x, weights, experts)  # noqa: E731
-    split = lambda x, k: gm.routed_experts(x, weights, experts, *k, platform="gpu")  # noqa: E731
-    want = jax.value_and_grad(lambda x: loss(one, x, kernels))(x)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    want = value_and_grads(None)(x, kernels)  # ragged_dot, one device: as _experts
+    _close(
+        [gm.routed_experts(x, weights, experts, *kernels)], [layer._experts(x, weights, experts)]
+    )
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 2)), jax.devices()[:8])
     with ax.sharding_context(mesh, ax.rules_for_role("trainer")):
-        got = jax.jit(jax.value_and_grad(lambda x, k: loss(split, x, k), argnums=(0, 1)))(
-            x, kernels
-        )
-    _close((got[0], got[1][0]), want, atol=1e-4)
-    grads = jax.grad(lambda k: loss(lambda x, k: gm.routed_experts(x, weights, experts, *k), x, k))
-    _close(got[1][1], grads(kernels), atol=1e-4)
+        got = value_and_grads("gpu")(x, kernels)
+    _close(jax.tree.leaves(got), jax.tree.leaves(want), atol=1e-4)

@@ -75,9 +75,11 @@ def grouped_matmul(
     group_sizes_g = group_sizes_g.astype(jnp.int32)
     if platform == "tpu" and megablox_supports(x_mk.dtype, w_gkn.dtype):
         interpret = attention_forms.decode_kernel.platform() != "tpu"
-        local = lambda x, w, g: megablox(x, w, g, interpret=interpret)  # noqa: E731
+        local = lambda x, w, g, first: megablox(x, w, g, interpret=interpret, first=first)  # noqa: E731
     elif platform == "gpu":
-        local = lambda x, w, g: tiled(x, w, g, tile=tile_rows(x.shape[0], w.shape[0]))  # noqa: E731
+        local = lambda x, w, g, first: tiled(  # noqa: E731
+            x, w, g, tile=tile_rows(x.shape[0], g.shape[0]), first=first
+        )
     else:
         return jax.lax.ragged_dot(x_mk, w_gkn, group_sizes_g)
     return _per_device(local, x_mk, w_gkn, group_sizes_g, w_axes)
@@ -96,10 +98,11 @@ def megablox_supports(*dtypes) -> bool:
     return all(jnp.dtype(d) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) for d in dtypes)
 
 
-def megablox(x_mk, w_gkn, group_sizes_g, *, interpret: bool = False) -> jax.Array:
+def megablox(x_mk, w_gkn, group_sizes_g, *, interpret: bool = False, first=None) -> jax.Array:
     """The megablox grouped matmul (differentiable: megablox's `gmm` / `tgmm` VJP) on one
-    device's rows and every group's matrix. M is padded to a multiple of the row tile with zero
-    rows counted into the last group (they add nothing to its weights' gradient) and cut off."""
+    device's rows. M is padded to a multiple of the row tile with zero rows counted into the
+    last group (they add nothing to its weights' gradient) and cut off. `w_gkn` may hold groups
+    `first, first + 1, ...` only (megablox's `group_offset`): rows of the others are zeros."""
     from jax.experimental.pallas.ops.tpu.megablox import ops
 
     m, k = x_mk.shape
@@ -113,13 +116,13 @@ def megablox(x_mk, w_gkn, group_sizes_g, *, interpret: bool = False) -> jax.Arra
     dtype = jnp.result_type(x_mk.dtype, w_gkn.dtype)
     with jax.named_scope("grouped_matmul"):
         out = ops.gmm(
-            x_mk.astype(dtype), w_gkn.astype(dtype), group_sizes_g, dtype, tiling, None, None,
-            False, interpret,
+            x_mk.astype(dtype), w_gkn.astype(dtype), group_sizes_g, dtype, tiling,
+            None if first is None else jnp.asarray(first, jnp.int32), None, False, interpret,
         )  # fmt: skip
     return out[:m].astype(x_mk.dtype)
 
 
-def tiled(x_mk, w_gkn, group_sizes_g, *, tile: int = TILE_ROWS) -> jax.Array:
+def tiled(x_mk, w_gkn, group_sizes_g, *, tile: int = TILE_ROWS, first=0) -> jax.Array:
     """The grouped matmul in plain XLA over row tiles that each belong to one group: the rows
     cut into `tile`-row tiles, a tile that two groups share visited once per group (at most
     `M / tile + G - 1` visits), each visit's rows outside its group masked to zero, then one
@@ -127,13 +130,16 @@ def tiled(x_mk, w_gkn, group_sizes_g, *, tile: int = TILE_ROWS) -> jax.Array:
     and a scatter-add of the results into the rows. Exact (the masked rows add zeros), with
     `2 (M + (G - 1) tile) K N` FLOPs at most, not the dense form's `2 G M K N`; differentiable
     as any XLA program (the gathers' transposes add the visits' products into x's rows and
-    the groups' matrices)."""
+    the groups' matrices). `w_gkn` may hold groups `first, first + 1, ...` of `group_sizes_g`
+    only (experts split over devices): rows of the other groups are zeros."""
     m, k = x_mk.shape
     g, _, n = w_gkn.shape
     tiles = -(-m // tile)
     visits = tiles + g - 1
-    ends = jnp.cumsum(group_sizes_g)
-    starts = ends - group_sizes_g
+    first = 0 if first is None else first
+    ends = jax.lax.dynamic_slice_in_dim(jnp.cumsum(group_sizes_g), first, g)
+    starts = ends - jax.lax.dynamic_slice_in_dim(group_sizes_g, first, g)
+    group_sizes_g = ends - starts
     first = starts // tile
     count = jnp.where(group_sizes_g > 0, (ends - 1) // tile - first + 1, 0)
     before = jnp.cumsum(count) - count  # visits of the groups before each group
@@ -183,32 +189,41 @@ def _mapped(logical: str | None, size: int, rules, mesh) -> tuple[str, ...]:
 
 
 def _per_device(local, x_mk, w_gkn, group_sizes_g, w_axes) -> jax.Array:
-    """`local(x, w, group_sizes)` on each device's rows (`act_batch`'s axes) with every group's
-        matrix, split along K and N as `w_axes` say (a split K: each device's partial sum, added
-    outside the `shard_map`, which keeps the gradient plain). Directly without
-        rules or a mesh."""
+    """`local(x, w, group_sizes, first)` on each device's shard, directly without rules or a
+    mesh. The rows split as `act_batch` says (each device's group sizes clipped to its rows);
+    the matrices split along K and N as `w_axes` say (a split K: each device's partial sum,
+    added outside the `shard_map`, which keeps the gradient plain). Groups split over mesh axes
+    that do not split the rows (the generator's experts over tp, its rows over dp) stay split:
+    each device multiplies the rows of its own groups (`first`: its first group; zeros for the
+    other rows) and the devices' results are added. Groups split over the rows' axes (the
+    trainer's experts and batch over fsdp) are gathered: every device holds every group."""
     rules = flax_spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
-        return local(x_mk, w_gkn, group_sizes_g)
+        return local(x_mk, w_gkn, group_sizes_g, None)
     m, k = x_mk.shape
-    n = w_gkn.shape[2]
+    g, _, n = w_gkn.shape
     k_axes = _mapped(w_axes[1], k, rules, mesh)
     n_axes = _mapped(w_axes[2], n, rules, mesh)
-    rows = tuple(a for a in _mapped(ax.ACT_BATCH, m, rules, mesh) if a not in k_axes + n_axes)
+    taken = k_axes + n_axes
+    rows = tuple(a for a in _mapped(ax.ACT_BATCH, m, rules, mesh) if a not in taken)
+    groups = _mapped(w_axes[0], g, rules, mesh)
+    if not groups or set(groups) & set(rows + taken):
+        groups = ()
     spec = lambda *axes: jax.sharding.PartitionSpec(*(a or None for a in axes))  # noqa: E731
 
     def body(x, w, sizes):
         if rows:
             r = x.shape[0]
             sizes = local_group_sizes(sizes, jax.lax.axis_index(rows) * r, r)
-        return local(x, w, sizes)[None]  # a partial sum where K is split
+        first = jax.lax.axis_index(groups) * w.shape[0] if groups else None
+        return local(x, w, sizes, first)[None]  # a partial sum where K or the groups are split
 
     partial = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(spec(rows, k_axes), spec(None, k_axes, n_axes), spec(None)),
-        out_specs=spec(k_axes, rows, n_axes),
+        in_specs=(spec(rows, k_axes), spec(groups, k_axes, n_axes), spec(None)),
+        out_specs=spec(groups + k_axes, rows, n_axes),
         check_vma=False,
     )(x_mk, w_gkn, group_sizes_g)
     return partial[0] if partial.shape[0] == 1 else jnp.sum(partial, axis=0, dtype=partial.dtype)
