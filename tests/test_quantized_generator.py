@@ -87,6 +87,10 @@ def test_engine_logprobs_are_the_quantized_policys(models, name, weights):
     jax.tree.map(np.testing.assert_array_equal, before, nnx.to_pure_dict(params))
     quantized = engine.programs.engine_params(params)
     assert quantized is engine.programs.engine_params(params)  # made once per weights object
+    pushed = jax.tree.map(jnp.copy, params)  # a new version: quantized on device, no host copy
+    with jax.transfer_guard("disallow"):
+        engine.programs.engine_params(pushed)
+    quantized = engine.programs.engine_params(params)
     assert quantize.weight_bytes(quantized) < 0.6 * quantize.weight_bytes(params)
     if weights == "int8_weights":  # the dequantized weights in a plain fp32 model
         dequant = jax.tree.map(
