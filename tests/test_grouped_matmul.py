@@ -106,10 +106,13 @@ def test_the_cost_walker_counts_a_grouped_matmul_kernel_by_its_rows():
     (out [G, K, N] from lhs [K, M]), whatever wraps their names (`transpose(jvp(jit(gmm)))`)."""
     from jaxrl.infra import hlo_cost
 
-    gmm = hlo_cost._grouped(["s32[9]", "bf16[64,16]", "bf16[5,16,24]"], "bf16[64,24]")
-    tgmm = hlo_cost._grouped(["s32[9]", "bf16[16,64]", "bf16[64,24]"], "bf16[5,16,24]")
+    gmm = hlo_cost._grouped(["s32[6]", "bf16[64,16]", "bf16[5,16,24]"], "bf16[64,24]")
+    tgmm = hlo_cost._grouped(["s32[6]", "bf16[16,64]", "bf16[64,24]"], "bf16[5,16,24]")
     assert gmm[0] == tgmm[0] == 2 * 64 * 16 * 24
-    assert gmm[1] == 2 * (64 * 16 + 5 * 16 * 24 + 64 * 24) + 36
+    assert gmm[1] == 2 * (64 * 16 + 5 * 16 * 24 + 64 * 24) + 24
+    # 1 of the 5 groups on this device (group_offset): a fifth of the rows on average
+    local = hlo_cost._grouped(["s32[6]", "bf16[64,16]", "bf16[1,16,24]"], "bf16[64,24]")
+    assert local[0] == pytest.approx(2 * 64 * 16 * 24 / 5)
 
 
 def test_routed_experts_per_device_equal_the_layers_experts():

@@ -447,13 +447,20 @@ def _grouped(operands: list[str], output: str) -> tuple[float, float]:
     and output once."""
     out = _dims(output)
     arrays = [_dims(x) for x in operands]
+    # The kernel's first operand, group offsets `[G + 1]`; a device holding G_local of the G
+    # groups (`group_offset`) multiplies their rows only: M G_local / G on average.
+    groups = arrays[0][0] - 1 if arrays and len(arrays[0]) == 1 else 0
     if len(out) == 2:
         lhs = next((a for a in arrays if len(a) == 2 and a[0] == out[0]), None)
+        rhs = next((a for a in arrays if len(a) == 3), None)
         flops = 2.0 * out[0] * out[1] * lhs[1] if lhs else 0.0
+        local = rhs[0] if rhs else groups
     else:
         lhs = next((a for a in arrays if len(a) == 2 and out[1] in a), None)
         flops = 2.0 * out[2] * math.prod(lhs) if lhs else 0.0
-    return flops, sum(shape_bytes(x) for x in operands) + shape_bytes(output)
+        local = out[0]
+    share = local / groups if 0 < local < groups else 1.0
+    return flops * share, sum(shape_bytes(x) for x in operands) + shape_bytes(output)
 
 
 KERNEL_MODELS = {

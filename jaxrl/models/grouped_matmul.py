@@ -48,8 +48,8 @@ from jaxrl.infra import sharding as ax
 from jaxrl.models import attention_forms
 
 # Tile sizes (rows, contraction, output columns) of the megablox kernels, each clipped to its
-# dimension: 512 rows, 1024-wide blocks of K and N (Qwen3-30B-A3B's 2048 x 768 experts: two
-# blocks of K, one of N).
+# dimension: up to 512 rows (`tile_rows`), 1024-wide blocks of K and N (Qwen3-30B-A3B's
+# 2048 x 768 experts: two blocks of K, one of N).
 TILE_M, TILE_K, TILE_N = 512, 1024, 1024
 TILE_ROWS = 256  # rows per tile of the `tiled` form (GPU)
 _SUBLANES = 16  # a tile of rows is a multiple of this (bf16 packs 16 rows in a TPU vreg)
@@ -85,12 +85,14 @@ def grouped_matmul(
     return _per_device(local, x_mk, w_gkn, group_sizes_g, w_axes)
 
 
-def tile_rows(m: int, groups: int) -> int:
-    """Rows per tile of the `tiled` form for `m` rows in `groups` groups: the largest power of
-    two at most `m / (8 groups)` (the tiles that groups share then add at most an eighth of the
-    rows), 8 to `TILE_ROWS`. Smaller tiles gather each group's matrix more often."""
+def tile_rows(m: int, groups: int, most: int = TILE_ROWS) -> int:
+    """Rows per tile for `m` rows in `groups` groups (the `tiled` form; megablox's row tile with
+    `most=TILE_M`): the largest power of two at most `m / (8 groups)` (the tiles that groups
+    share then add at most an eighth of the rows), 16 to `most`. Smaller tiles fetch each
+    group's matrix more often; larger ones multiply more rows that belong to another group (a
+    decode step's 512 rows in 512-row tiles: every expert's tile, 32x the rows)."""
     tile = 1 << max(int(m // (8 * groups)).bit_length() - 1, 0)
-    return int(min(max(tile, 8), TILE_ROWS))
+    return int(min(max(tile, _SUBLANES), most))
 
 
 def megablox_supports(*dtypes) -> bool:
@@ -107,7 +109,7 @@ def megablox(x_mk, w_gkn, group_sizes_g, *, interpret: bool = False, first=None)
 
     m, k = x_mk.shape
     n = w_gkn.shape[2]
-    tm = min(TILE_M, _round_up(m, _SUBLANES))
+    tm = min(tile_rows(m, group_sizes_g.shape[0], TILE_M), _round_up(m, _SUBLANES))
     pad = _round_up(m, tm) - m
     if pad:
         x_mk = jnp.pad(x_mk, ((0, pad), (0, 0)))
