@@ -44,6 +44,22 @@ def arith_tiny(vocab_size: int, tokenizer) -> ModelConfig:
     )
 
 
+def arith_tiny_moe(vocab_size: int, tokenizer) -> ModelConfig:
+    """`arith_tiny` with sparse MLPs (Qwen3-MoE, q/k RMSNorm): in both layers 8 SwiGLU experts of
+    width 192, top 2 renormalised, so a token's active MLP is arith_tiny's (2 x 192 = 384): 1.3M
+    parameters, 0.41M active, as arith_tiny's 0.41M. Load-balancing loss weight 0.01
+    (`LossConfig.router_aux_loss_coef` overrides it). docs/models.md, "A tiny MoE policy"."""
+    return arith_tiny(vocab_size, tokenizer).replace(
+        model_type="qwen3_moe",
+        qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+    )
+
+
 # `PolicySpec.scan_layers = None` scans models with more layers than this: deep enough that the
 # unrolled program's compile time matters, shallow test models stay unrolled.
 SCAN_LAYERS_ABOVE = 8
@@ -58,6 +74,7 @@ def chain_tiny(vocab_size: int, tokenizer) -> ModelConfig:
 PRESETS = {
     "arith_tiny": arith_tiny,
     "chain_tiny": chain_tiny,
+    "arith_tiny_moe": arith_tiny_moe,
     "rlbench_tiny": lambda v, t: model_presets.rlbench_tiny(
         max(v, 512),
         bos_token_id=t.bos_token_id,
