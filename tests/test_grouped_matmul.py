@@ -106,12 +106,12 @@ def test_the_cost_walker_counts_a_grouped_matmul_kernel_by_its_rows():
     (out [G, K, N] from lhs [K, M]), whatever wraps their names (`transpose(jvp(jit(gmm)))`)."""
     from jaxrl.infra import hlo_cost
 
-    gmm = hlo_cost._grouped(["s32[6]", "bf16[64,16]", "bf16[5,16,24]"], "bf16[64,24]")
-    tgmm = hlo_cost._grouped(["s32[6]", "bf16[16,64]", "bf16[64,24]"], "bf16[5,16,24]")
+    gmm = hlo_cost._grouped(["s32[]", "s32[6]", "bf16[64,16]", "bf16[5,16,24]"], "bf16[64,24]")
+    tgmm = hlo_cost._grouped(["s32[]", "s32[6]", "bf16[16,64]", "bf16[64,24]"], "bf16[5,16,24]")
     assert gmm[0] == tgmm[0] == 2 * 64 * 16 * 24
-    assert gmm[1] == 2 * (64 * 16 + 5 * 16 * 24 + 64 * 24) + 24
+    assert gmm[1] == 2 * (64 * 16 + 5 * 16 * 24 + 64 * 24) + 28
     # 1 of the 5 groups on this device (group_offset): a fifth of the rows on average
-    local = hlo_cost._grouped(["s32[6]", "bf16[64,16]", "bf16[1,16,24]"], "bf16[64,24]")
+    local = hlo_cost._grouped(["s32[]", "s32[6]", "bf16[64,16]", "bf16[1,16,24]"], "bf16[64,24]")
     assert local[0] == pytest.approx(2 * 64 * 16 * 24 / 5)
 
 

@@ -447,9 +447,11 @@ def _grouped(operands: list[str], output: str) -> tuple[float, float]:
     and output once."""
     out = _dims(output)
     arrays = [_dims(x) for x in operands]
-    # The kernel's first operand, group offsets `[G + 1]`; a device holding G_local of the G
-    # groups (`group_offset`) multiplies their rows only: M G_local / G on average.
-    groups = arrays[0][0] - 1 if arrays and len(arrays[0]) == 1 else 0
+    # The kernel's first vector operand, group offsets `[G + 1]` (after a scalar, the tiles to
+    # visit); a device holding G_local of the G groups (`group_offset`) multiplies their rows
+    # only: M G_local / G on average.
+    offsets = next((a for a in arrays if len(a) == 1), None)
+    groups = offsets[0] - 1 if offsets else 0
     if len(out) == 2:
         lhs = next((a for a in arrays if len(a) == 2 and a[0] == out[0]), None)
         rhs = next((a for a in arrays if len(a) == 3), None)
