@@ -140,3 +140,23 @@ def test_refusals_come_before_device_work(models):
         abstract["layers"][0]["attention"]["q_kernel"] = jax.ShapeDtypeStruct((64, 32), jnp.float32)
         with pytest.raises(ValueError, match="per-output-channel scales take a rank-3"):
             quantize.check_shapes(abstract, CONFIG, stacked=False)
+
+
+def test_the_rl_sampler_carries_the_format(models):
+    """`mesh_sampler` (rl_main's colocated and generator samplers) builds the engine with the
+    format, and refuses it for a LoRA policy."""
+    from types import SimpleNamespace
+
+    from jaxrl.generation.placement import mesh_sampler
+
+    trainer = SimpleNamespace(
+        lora=None, graphdef=nnx.graphdef(models["tied"]), model_config=CONFIG, base_params=None
+    )
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    sampler = mesh_sampler(trainer, tokenizer, None, None, num_slots=4, weights="int8")
+    assert sampler.engine.programs.weights == "int8_dynamic"
+    native = mesh_sampler(trainer, tokenizer, None, None, num_slots=4)
+    assert native.engine.programs.weights == "native"
+    lora = SimpleNamespace(**{**vars(trainer), "lora": lora_lib.LoraConfig(rank=2, alpha=4.0)})
+    with pytest.raises(ValueError, match="with LoRA: not built yet"):
+        mesh_sampler(lora, tokenizer, None, None, num_slots=4, weights="int8")

@@ -160,7 +160,7 @@ def mesh_sampler(
             "quantized once and the adapters kept unquantized); use GeneratorConfig.weights="
             "'native' for a LoRA policy"
         )
-    generator = {"weights": weights} if weights != "native" else {}
+    quantized = {"weights": weights} if weights != "native" else {}
     sampler = make_sampler(
         generator,
         trainer.graphdef,
@@ -168,7 +168,7 @@ def mesh_sampler(
         num_slots=num_slots,
         steps_per_call=steps_per_call,
         precompile=precompile,
-        **generator,
+        **quantized,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
         pad_id=tokenizer.pad_token_id,
