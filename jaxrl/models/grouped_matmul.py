@@ -15,8 +15,9 @@ which is `jax.lax.ragged_dot(x_mk, w_gkn, group_sizes_g)`. How it runs:
   kernels (`jax.experimental.pallas.ops.tpu.megablox`): `gmm` (forward, and the gradient of x
   with the weights transposed in the kernel) and `tgmm` (the weights' gradient, one `[K, N]`
   block per group), through megablox's custom VJP; Pallas interpret mode off a TPU (how the CPU
-  tests check them). XLA:TPU compiles `ragged_dot`'s gradient densely (every row through every
-  group's matrix: about G times the work, G = 128 experts), which the kernels avoid.
+  tests check them). XLA:TPU compiles `ragged_dot`'s weights' gradient densely (every row
+  through every group: G = 128 times its work; 43x for forward and both gradients together),
+  which the kernels avoid. Row tiles by `tile_rows`.
 - **GPU** ("auto" in a GPU program, or the "pallas_gpu" form): `tiled`, plain XLA over row
   tiles that each belong to one group (a batched matmul against the tiles' gathered matrices):
   exact, at most `(M + (G - 1) tile) / M` times the grouped work. XLA:GPU compiles
@@ -27,13 +28,18 @@ which is `jax.lax.ragged_dot(x_mk, w_gkn, group_sizes_g)`. How it runs:
   figures.
 
 Sharded (installed logical-axis rules and a mesh, `jaxrl.infra.sharding`), the kernel runs per
-device (`jax.shard_map`; the partitioner cannot split a kernel call): the rows split as
-`act_batch` says (the rows are in group order, so a device's rows are a contiguous range: its
-group sizes are the global ones clipped to that range), each device holding every group's
-matrix (gathered over the expert axis, as FSDP gathers dense weights layer by layer) split along
-K and N as `w_axes` say; a split K gives partial
-sums, added over its mesh axes. Exact: no row is
-dropped or padded into another group's result.
+device (`jax.shard_map`; the partitioner cannot split a kernel call; `_per_device`): the rows
+split as `act_batch` says (the rows are in group order, so a device's rows are a contiguous
+range: its group sizes are the global ones clipped to that range); groups split over the rows'
+axes gathered (the trainer: experts and batch over fsdp, gathered layer by layer as FSDP
+gathers dense weights), groups split over other axes kept split (the generator: experts over
+tp; each device multiplies its own groups' rows, the results added); K and N split as `w_axes`
+say (a split K gives partial sums, added). Exact: no row is dropped or padded into another
+group's result.
+
+`routed_experts` is `MoEMLP._experts` with each device sorting its own tokens (the model's
+global sort makes every device gather the whole micro-batch's sorted rows under FSDP:
+docs/scale.md, "Mixture of experts"); tested, not wired into the model.
 """
 
 from __future__ import annotations
@@ -239,7 +245,8 @@ def routed_experts(x_ne, weights_nk, experts_nk, gate_gef, up_gef, down_gfe, pla
     or gathers another's tokens. `MoEMLP._experts` sorts all the tokens of a step at once: under
     FSDP every device then gathers the whole batch's `[N k, E]` sorted rows (docs/scale.md,
     "Mixture of experts"). The same sums as `_experts` (within rounding: the partial sums of a
-    split K add in another order). Not used by the model yet (see the docs)."""
+    split K add in another order). Experts are gathered on every device (the trainer's layout).
+    Not used by the model yet (see the docs)."""
     if platform == "auto":
         platform = attention_forms.kernel_platform()
     if platform == "tpu" and megablox_supports(x_ne.dtype, gate_gef.dtype):
