@@ -132,6 +132,8 @@ def test_engine_records_the_routing_it_ran(scan_layers, monkeypatch):
             np.testing.assert_array_equal(np.sort(record[:-1], -1), np.sort(own[:-1], -1))
             compared += total - 1
     assert compared > 60
+    if scan_layers:
+        return
     dense = Transformer(ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8), rngs=nnx.Rngs(0))
     engine, params = Engine.for_model(dense, num_slots=2, max_total_len=16)
     engine.submit(Request(0, (3, 4), 1, SAMPLING))
