@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.moe import ROUTING_DTYPE  # noqa: F401  (here too, for the engine)
+from jaxrl.models.moe import ROUTING_DTYPE
 
 
 def records(config: ModelConfig) -> bool:
@@ -82,10 +82,7 @@ def write_rows(config: ModelConfig, routing, experts_btlk: jax.Array, start_b: j
 def read_rows(config: ModelConfig, routing, slots: np.ndarray, span: int) -> np.ndarray:
     """Host int16 `[len(slots), span, L, k]`: the first `span` positions of `slots`' records."""
     axis = 1 if config.scan_layers else 0
-    take = jnp.asarray(slots, jnp.int32)
-    rows = _read(routing, take, span=span, axis=axis)
-    rows = np.asarray(rows)
-    return np.moveaxis(rows, 0, 2) if config.scan_layers else rows
+    return np.asarray(_read(routing, jnp.asarray(slots, jnp.int32), span=span, axis=axis))
 
 
 @jax.jit(static_argnames=("span", "axis"))
@@ -94,9 +91,9 @@ def _read(routing, slots, *, span: int, axis: int):
         return jax.lax.slice_in_dim(jnp.take(r, slots, axis=axis), 0, span, axis=axis + 1)
 
     leaves = jax.tree.map(cut, routing)
-    if isinstance(leaves, tuple):  # unrolled: L x [n, span, k] -> [n, span, L, k]
+    if isinstance(leaves, tuple):  # unrolled: L x [n, span, k]
         return jnp.stack(leaves, axis=2)
-    return leaves
+    return jnp.moveaxis(leaves, 0, 2)  # scanned: [L, n, span, k]
 
 
 def with_unrecorded_last(rows: np.ndarray) -> np.ndarray:

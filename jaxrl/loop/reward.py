@@ -47,7 +47,6 @@ class RewardExecutor:
         raw_mean = float(rewards.mean())
         if self.shuffle_seed is not None:
             rewards = shuffled_rewards(rewards, self.shuffle_seed, batch.batch_index)
-        routing = getattr(batch, "routing", None)
         rollouts = [
             Rollout(
                 prompt_ids=np.asarray(batch.prompt_ids[i], np.int32),
@@ -56,7 +55,7 @@ class RewardExecutor:
                 policy_version=batch.policy_version,
                 reward=float(rewards[i]),
                 group_id=int(batch.group_ids[i]),
-                routing=None if routing is None else routing[i],
+                routing=None if batch.routing is None else batch.routing[i],
             )
             for i in range(len(texts))
         ]

@@ -163,8 +163,7 @@ class PromptGroups:
         )
         rollouts, metrics = ctl.rewarder.score(generated)  # one group: filtered in `produce`
         # A mixture-of-experts engine's routing records, one per sample (None: dense).
-        routing_g = getattr(group, "routing_g", None)
-        routing_g = [None] * g if routing_g is None else routing_g
+        routing_g = [None] * g if group.routing_g is None else group.routing_g
         rollouts = [
             dataclasses.replace(r, token_versions=v.astype(np.int32), routing=routing)
             for r, v, routing in zip(rollouts, versions, routing_g, strict=True)
