@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# pytest-xdist workers for `make test`; a test mostly keeps one core busy (XLA compiles).
+TEST_WORKERS ?= 2
 # 8 simulated CPU devices, and LLVM's fast instruction scheduler (jaxrl/infra/xla_cpu.py).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8 --xla_backend_extra_options=-pre-RA-sched=fast
 export JAX_PLATFORMS ?= cpu
@@ -28,7 +30,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

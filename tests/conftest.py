@@ -18,6 +18,7 @@ from jaxrl.infra.xla_cpu import cpu_xla_flags  # noqa: E402
 os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -27,3 +28,26 @@ assert len(jax.devices()) == NUM_TEST_DEVICES, (
     "something initialised the JAX backend before tests/conftest.py ran; run the suite with "
     "XLA_FLAGS=--xla_force_host_platform_device_count=8 (as `make test` does)."
 )
+
+# One persistent XLA compilation cache for the whole run, shared by the subprocesses the tests
+# start (launchers killed and resumed, multi-process runs, README commands) and by the pytest
+# workers: a program compiled once is loaded, not compiled, by every later process. A cached
+# executable is the same machine code, so no result changes, only the seconds. The process that
+# creates the directory (the only one, or pytest-xdist's controller) removes it at exit; workers
+# and subprocesses inherit it through the environment.
+if "JAXRL_TEST_XLA_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAXRL_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxrl-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXRL_TEST_XLA_CACHE"], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXRL_TEST_XLA_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+@pytest.fixture(scope="session")
+def xla_cache() -> str:
+    """The run's shared XLA compilation cache directory (above), for launches that set it
+    explicitly (`tests/procs.launch_env`)."""
+    return os.environ["JAXRL_TEST_XLA_CACHE"]

@@ -4,8 +4,9 @@ Every launch builds its own jitted functions (new closures), so JAX's in-memory 
 and each launch compiles the same programs again (~12 s of a tiny RL launch on 2 cores). JAX's
 disk cache is keyed by the program, not the Python function: with it on, the second launch
 loads what the first compiled. A cached executable is the same machine code, so results are
-unchanged. One directory serves the whole session (modules that launch the same tiny configs
-share their programs); the cache is on only while a module that asks for it runs.
+unchanged. One directory serves the whole run (tests/conftest.py; the subprocesses' cache too,
+so modules and launches of the same tiny configs share their programs); the cache is on only
+while a module that asks for it runs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ _SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time
 
 
 @pytest.fixture(scope="session")
-def jax_cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jax_cache"))
+def jax_cache_dir(xla_cache):
+    return xla_cache
 
 
 @pytest.fixture(scope="module")

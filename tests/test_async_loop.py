@@ -48,11 +48,6 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "async_xla_cache")
-
-
 def _start(
     workdir, cache, params=(), fault=None, entry=("-m", "launch.rl"), mark=None, config=CONFIG
 ):

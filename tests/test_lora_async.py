@@ -39,8 +39,8 @@ def _adapters(workdir, step=None):
     return step, {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
 
 
-def test_async_lora_resumes_bitwise_and_exports(tmp_path):
-    cache = str(tmp_path / "xla_cache")
+def test_async_lora_resumes_bitwise_and_exports(tmp_path, xla_cache):
+    cache = xla_cache
     tokenizer = build_tokenizer(PolicySpec(), TaskSpec())
     config = build_model_config(PolicySpec(), tokenizer)
     base = str(tmp_path / "base")

@@ -73,7 +73,7 @@ def _run(workdir, params, cache_dir, fault=None):
 def smoke(tmp_path_factory):
     """The smoke study, run once as the real command: (workdir, results.json, stdout)."""
     root = tmp_path_factory.mktemp("msd")
-    done = _run(root / "main", SMOKE, root / "jax_cache")
+    done = _run(root / "main", SMOKE, os.environ["JAXRL_TEST_XLA_CACHE"])
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "main", json.loads((root / "main" / "results.json").read_text()), done.stdout
 
@@ -236,7 +236,7 @@ def test_killed_student_resumes_bitwise_equal(smoke, tmp_path):
     4, it saves step 5 and exits 0; rerun again, it resumes from step 5 and ends with the state
     of the smoke study's uninterrupted msd/learned student."""
     reference = smoke[0] / "students" / "msd-learned" / "seed_0"
-    workdir, cache = tmp_path / "run", smoke[0].parent / "jax_cache"
+    workdir, cache = tmp_path / "run", os.environ["JAXRL_TEST_XLA_CACHE"]
     run = workdir / "students" / "msd-learned" / "seed_0"
     killed = _run(workdir, RESUME, cache, "kill_in_save=4")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]

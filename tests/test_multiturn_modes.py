@@ -72,11 +72,6 @@ STREAMING = [
 ]
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "multiturn_modes_xla_cache")
-
-
 def _launch(workdir, cache, schedule, fault=None):
     return run_launch(CONFIG, workdir, TINY + schedule, cache, fault, timeout=900)
 

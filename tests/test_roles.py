@@ -55,13 +55,6 @@ STOP_WITHIN_S = 10.0
 SLOW = "TaskSpec.reward = 'rewards_for_tests:even_length_slow_generator'"
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """JAX's disk cache for every launch of this module: later launches load the programs the
-    first compiled (the same machine code: results unchanged), the cost is mostly compiling."""
-    return str(tmp_path_factory.getbasetemp() / "roles_xla_cache")
-
-
 def _cached(env: dict, cache: str) -> dict:
     return env | {
         "JAX_COMPILATION_CACHE_DIR": cache,

@@ -72,8 +72,8 @@ def _check_ledger(blob: dict, trained: list[int]) -> dict[str, list[int]]:
     return ledger
 
 
-def test_streaming_resumes_after_kills_and_accounts_for_every_prompt(tmp_path):
-    cache = str(tmp_path / "xla_cache")
+def test_streaming_resumes_after_kills_and_accounts_for_every_prompt(tmp_path, xla_cache):
+    cache = xla_cache
     run = tmp_path / "run"
     killed = _run(run, cache, fault="kill_at_step=3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]

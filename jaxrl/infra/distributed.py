@@ -265,6 +265,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now, outside the kernel's ephemeral range.
 
@@ -273,7 +276,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     (what binding port 0 returns) can meanwhile become the local port of one of those outgoing
     connections, and the bind fails with "Address already in use". Ports below the range are
     never handed out to outgoing connections, so only another listener can take them. Ports
-    already returned by this process are not returned again.
+    already returned by this process are not returned again. The draw is from the OS's entropy,
+    not the `random` module, so processes that seed `random` alike (test workers side by side)
+    do not draw the same ports.
     """
     low, high = _ephemeral_range()
     candidates = [(10_000, low)] if low > 11_000 else []
@@ -281,7 +286,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         candidates.append((high + 1, 65_536))
     for start, stop in candidates:
         for _ in range(64):
-            port = random.randrange(start, stop)
+            port = _PORTS.randrange(start, stop)
             if port in _handed_out:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
