@@ -52,7 +52,7 @@ def build(spec: dict, schedule: str, with_state: bool):
     `_PipeWeights` later: `controller.weights`). The engine has one slot per sample of a step's
     groups (num_prompts x samples_per_prompt), as launch.rl's streaming default, and with
     `spec["precompile"]` compiles all its programs before its first batch (`Engine.precompile`,
-    as the config's `rl_main.engine_precompile`)."""
+    as the config's `GeneratorConfig.precompile`)."""
     import dataclasses
 
     from flax import nnx

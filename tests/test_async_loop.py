@@ -271,7 +271,7 @@ def test_a_failing_reward_or_generator_ends_the_run_fast_with_its_traceback(tmp_
 
 
 def test_generator_dtype_from_gin_casts_the_pushed_weights(tmp_path, xla_cache):
-    """`rl_main.generator_dtype = 'bfloat16'`: the generator samples from bf16 copies of the fp32
+    """`GeneratorConfig.dtype = 'bfloat16'`: the generator samples from bf16 copies of the fp32
     trainer's weights, so even on-policy (lag 0) the trainer's log pi of the sampled tokens
     differs from the sampler's log mu by bf16 rounding (fp32 on both sides: <= 1e-5, the sync
     smoke test); a value that is not a dtype is refused by name."""
@@ -281,9 +281,7 @@ def test_generator_dtype_from_gin_casts_the_pushed_weights(tmp_path, xla_cache):
         rl_main(str(tmp_path / "refused"), None, None, None, None, generator_dtype="float16")
     assert not (tmp_path / "refused").exists()
     on_policy = ["RLConfig.total_steps = 2", "RLConfig.lag = 0", "RLConfig.max_staleness = 0"]
-    result = _run(
-        tmp_path / "bf16", xla_cache, on_policy + ["rl_main.generator_dtype = 'bfloat16'"]
-    )
+    result = _run(tmp_path / "bf16", xla_cache, on_policy + ["GeneratorConfig.dtype = 'bfloat16'"])
     assert result.returncode == 0, result.stderr[-3000:]
     records = _last_records(tmp_path / "bf16")
     assert [r["async/staleness"] for r in records] == [0, 0]

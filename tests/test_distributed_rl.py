@@ -31,7 +31,7 @@ PARAMS = [
     "rl_main.sft = None",
     # The engine runs on single-process meshes: the two-process job samples with the static
     # sampler (launch.rl falls back to it), so the one-process reference must too.
-    "rl_main.generator = 'static'",
+    "GeneratorConfig.kind = 'static'",
     # A random policy never solves arithmetic (every reward 0, no gradient); it does vary on this.
     "TaskSpec.reward = 'rewards_for_tests:even_length'",
     f"RLConfig.total_steps = {STEPS}",

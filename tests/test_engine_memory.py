@@ -107,7 +107,7 @@ def test_a_cache_that_cannot_fit_is_refused_before_allocation(long_model, monkey
         Engine.for_model(long_model, num_slots=256, max_total_len=LONG_CONTEXT)
     message = str(refused.value)
     assert "needs 137.4 GB: 256 slots x 1048576 positions x 2 layers" in message
-    for fix in ("rl_main.engine_slots", "rl_main.engine_max_len", "max_total_len="):
+    for fix in ("GeneratorConfig.slots", "GeneratorConfig.max_len", "max_total_len="):
         assert fix in message
     assert re.search(r"the host's available memory is \d+\.\d GB", message)
 

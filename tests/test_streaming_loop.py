@@ -37,9 +37,9 @@ TINY = [
     "RLConfig.max_staleness = 0",  # a group waiting in the queue over a step is dropped
     "RLConfig.oversample = 2",  # dynamic sampling (tests/test_streaming_queue.py)
     "RLConfig.queue_size = 2",
-    "rl_main.engine_slots = 8",
-    "rl_main.engine_steps_per_call = 4",
-    "rl_main.engine_precompile = False",  # tests/test_generation_engine.py covers it
+    "GeneratorConfig.slots = 8",
+    "GeneratorConfig.steps_per_call = 4",
+    "GeneratorConfig.precompile = False",  # tests/test_generation_engine.py covers it
     "OptimizerConfig.learning_rate = 1e-2",
     "OptimizerConfig.warmup_steps = 0",
 ]

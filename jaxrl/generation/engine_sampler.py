@@ -15,7 +15,7 @@ or a resumed run reproduces the tokens and log-probs bit for bit.
 
 What still uses the static `Sampler`: generator meshes that span several processes (the engine's
 host scheduler reads its per-slot state on one host; `make_sampler` falls back and says so), and
-`rl_main.generator = 'static'` on request. Shapes: B prompts, G samples, N max_new_tokens.
+`GeneratorConfig.kind = 'static'` on request. Shapes: B prompts, G samples, N max_new_tokens.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class EngineSampler:
             raise ValueError(
                 f"num_samples={num_samples} but the engine has {self.engine.num_slots} decode "
                 "slots; a group's samples decode side by side, so raise the slot count "
-                "(rl_main.engine_slots) to at least the samples per prompt"
+                "(GeneratorConfig.slots) to at least the samples per prompt"
             )
         self.engine.reserve(max(len(p) for p in prompts) + sampling.max_new_tokens)
         self.warm_up(params, sampling, num_samples)

@@ -98,7 +98,7 @@ def check_cache_fits(
         f"the engine's KV cache needs {_gb(total)}{detail}: {slots} slots x {positions} "
         f"positions x {c.num_layers} layers x 2 (keys, values) x {c.num_kv_heads} KV heads x "
         f"{c.head_dim} x {np.dtype(c.jnp_dtype).name}, but {what} is {_gb(free)}. Lower the "
-        "slots (num_slots=, rl_main.engine_slots) or the cache length (max_total_len=, "
-        "rl_main.engine_max_len; leave it unset to size the cache from the requests: prompt + "
+        "slots (num_slots=, GeneratorConfig.slots) or the cache length (max_total_len=, "
+        "GeneratorConfig.max_len; leave it unset to size the cache from the requests: prompt + "
         "max_new_tokens), or run in bfloat16 (PolicySpec.dtype)"
     )

@@ -99,7 +99,7 @@ def streaming_engine(ctl: ControllerView):
     sampler = ctl.generator.sampler
     if type(sampler) is not EngineSampler:
         raise ValueError(
-            f"schedule='streaming' needs the engine as the generator (rl_main.generator = "
+            f"schedule='streaming' needs the engine as the generator (GeneratorConfig.kind = "
             f"'engine', a single-process generator mesh, no LoRA); got {type(sampler).__name__}"
         )
     g = ctl.config.samples_per_prompt
@@ -233,7 +233,7 @@ class StreamProducer(GeneratorThread):
             self.timeline.begin(time.perf_counter())
             current = ctl.weights.acquire(None)  # the newest version; frees older ones
             self.version = current.version
-            ctl.generator.sampler.warm_up(  # once (rl_main.engine_precompile)
+            ctl.generator.sampler.warm_up(  # once (GeneratorConfig.precompile)
                 current.params,
                 ctl.generator.sampling,
                 ctl.config.samples_per_prompt,
