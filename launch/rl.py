@@ -15,7 +15,6 @@ generator process of a role-split job: `roles.run_generator`) -> wait for checkp
 from __future__ import annotations
 
 import os
-import re
 import traceback
 
 import gin
@@ -35,6 +34,7 @@ from jaxrl.infra.config import from_gin
 from jaxrl.infra.distributed import check_mesh_fits, initialize_from_argv, is_main_process
 from jaxrl.infra.launcher import launch
 from jaxrl.infra.mesh import check_disjoint, cpu_overlap_note, make_mesh
+from jaxrl.infra.moved import removed_bindings
 from jaxrl.infra.run_io import RunIO
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.infra.user_code import keep_torch_out
@@ -60,47 +60,32 @@ from launch.configs import (
     TaskSpec,
 )
 
-# rl_main's flat generator knobs before GeneratorConfig: still accepted, mapped onto it.
-LEGACY_GENERATOR_KNOBS = {
-    "generator": "kind",
-    "generator_dtype": "dtype",
-    "engine_slots": "slots",
-    "engine_steps_per_call": "steps_per_call",
-    "engine_max_len": "max_len",
-    "engine_precompile": "precompile",
-}
+# rl_main's flat generator knobs, removed in 0.3.0: a config that binds one is refused when it
+# is parsed, naming the GeneratorConfig field to bind instead (`jaxrl.infra.moved`).
+removed_bindings(
+    "rl_main",
+    {
+        "generator": "GeneratorConfig.kind = {value}",
+        "generator_dtype": "GeneratorConfig.dtype = {value}",
+        "engine_slots": "GeneratorConfig.slots = {value}",
+        "engine_steps_per_call": "GeneratorConfig.steps_per_call = {value}",
+        "engine_max_len": "GeneratorConfig.max_len = {value}",
+        "engine_precompile": "GeneratorConfig.precompile = {value}",
+    },
+    since="0.3.0",
+)
 
 
-def resolve_generator_config(config: GeneratorConfig | None, **legacy) -> GeneratorConfig:
-    """`rl_main.generator_config`, or one built from the flat knobs `legacy` (rl_main's
-    `generator`, `generator_dtype`, `engine_*`) of older configs and gin's `GeneratorConfig.*`
-    bindings; `rl_main.generator_config` and a flat knob at once are refused."""
-    defaults = GeneratorConfig()
-    bound = {
-        name: value
-        for name, value in legacy.items()
-        if value != getattr(defaults, LEGACY_GENERATOR_KNOBS[name])
-    }
-    if config is not None:
-        if bound:
-            fields = ", ".join(f"GeneratorConfig.{LEGACY_GENERATOR_KNOBS[n]}" for n in bound)
-            raise SystemExit(
-                f"rl_main.generator_config is bound and so are rl_main.{', rl_main.'.join(bound)}"
-                f"; bind {fields} instead"
-            )
-        return config
-    fields = {LEGACY_GENERATOR_KNOBS[n]: v for n, v in bound.items()}
+def resolve_generator_config(config: GeneratorConfig | None) -> GeneratorConfig:
+    """`rl_main.generator_config`, else the one gin's `GeneratorConfig.*` bindings make (they
+    apply without `rl_main.generator_config = @GeneratorConfig()` too); checked, SystemExit
+    naming the field otherwise."""
     try:
-        GeneratorConfig(**fields).validate()
+        config = config if config is not None else from_gin(GeneratorConfig)
+        config.validate()
     except ValueError as err:
-        # Said in the names the config bound (rl_main.generator=..., engine_slots >= 0, ...).
-        message = str(err)
-        for knob, field in LEGACY_GENERATOR_KNOBS.items():
-            message = message.replace(f"GeneratorConfig.{field}=", f"rl_main.{field}=")
-            message = re.sub(rf"(?<![\w.])(rl_main\.)?{field}\b", rf"\g<1>{knob}", message)
-        raise SystemExit(f"{message} (bind GeneratorConfig fields instead)") from None
-    # Only the knobs set away from their defaults: gin's GeneratorConfig bindings fill the rest.
-    return from_gin(GeneratorConfig, **fields)
+        raise SystemExit(str(err)) from None
+    return config
 
 
 def _say(line: str) -> None:
@@ -159,14 +144,8 @@ def rl_main(
     mesh: MeshConfig = MeshConfig(("fsdp", "tp"), (1, 1)),
     generator_mesh: MeshConfig | None = None,
     sft: SFTConfig | None = None,
-    generator_dtype: str = "auto",
     lora: LoraConfig | None = None,
     roles: tuple[str, ...] | None = None,
-    generator: str = "engine",
-    engine_slots: int = 0,
-    engine_steps_per_call: int = 8,
-    engine_max_len: int = 0,
-    engine_precompile: bool = False,
     generator_config: GeneratorConfig | None = None,
     episodes: EpisodeBudget | None = None,
     episode_tool_workers: int = 8,
@@ -177,10 +156,9 @@ def rl_main(
     `generator_mesh` (async mode): the generator's own devices, disjoint from the trainer's,
     laid out by GENERATOR_RULES (axes ("dp", "tp")). `generator_config` (`@GeneratorConfig()`):
     the sampler, its engine's size and the dtype of the generator's weights
-    (`jaxrl.generation.placement.GeneratorConfig`). `generator`, `generator_dtype`,
-    `engine_slots`, `engine_steps_per_call`, `engine_max_len`, `engine_precompile`: the same
-    settings as flat knobs (`kind`, `dtype`, `slots`, `steps_per_call`, `max_len`,
-    `precompile`), kept for older configs; binding both ways is refused.
+    (`jaxrl.generation.placement.GeneratorConfig`; without it, gin's `GeneratorConfig.*`
+    bindings still apply). The flat knobs `generator`, `generator_dtype` and `engine_*` were
+    removed in 0.3.0: a config that binds one is refused, naming the field to bind.
     `lora` (`@LoraConfig()`): train LoRA adapters on the frozen initial policy (`jaxrl.lora`):
     checkpoints and weight pushes hold the adapters only, the KL reference is the base with the
     adapters off, and the generator keeps one copy of the base and applies each pushed version's
@@ -197,15 +175,7 @@ def rl_main(
     experiment of training on the environment's observation tokens too (never for real
     training). `plot=False`: no curves PNG at the end (`python -m launch.plot WORKDIR` draws it
     later)."""
-    gen = resolve_generator_config(
-        generator_config,
-        generator=generator,
-        generator_dtype=generator_dtype,
-        engine_slots=engine_slots,
-        engine_steps_per_call=engine_steps_per_call,
-        engine_max_len=engine_max_len,
-        engine_precompile=engine_precompile,
-    )
+    gen = resolve_generator_config(generator_config)
     tokenizer = build_tokenizer(policy, task)
     model_config = build_model_config(policy, tokenizer, lora=lora is not None)
     source = build_source(
@@ -232,8 +202,6 @@ def rl_main(
         if episodes is not None:
             check_episode_job(rl, episodes, env_source, roles if jax.process_count() > 1 else None)
         loss.check_replay(model_config, gen.kind, episodes=episodes is not None)
-        if gen.weights != "native":
-            gen.validate()  # a known format, the engine
         if gen.weights != "native" and lora is not None:
             raise ValueError(
                 f"GeneratorConfig.weights={gen.weights!r} with LoRA is not built yet (base "

@@ -275,10 +275,12 @@ def test_generator_dtype_from_gin_casts_the_pushed_weights(tmp_path, xla_cache):
     trainer's weights, so even on-policy (lag 0) the trainer's log pi of the sampled tokens
     differs from the sampler's log mu by bf16 rounding (fp32 on both sides: <= 1e-5, the sync
     smoke test); a value that is not a dtype is refused by name."""
+    from jaxrl.generation.placement import GeneratorConfig
     from launch.rl import rl_main
 
-    with pytest.raises(SystemExit, match="rl_main.generator_dtype='float16'"):
-        rl_main(str(tmp_path / "refused"), None, None, None, None, generator_dtype="float16")
+    refused = GeneratorConfig(dtype="float16")
+    with pytest.raises(SystemExit, match="GeneratorConfig.dtype='float16'"):
+        rl_main(str(tmp_path / "refused"), None, None, None, None, generator_config=refused)
     assert not (tmp_path / "refused").exists()
     on_policy = ["RLConfig.total_steps = 2", "RLConfig.lag = 0", "RLConfig.max_staleness = 0"]
     result = _run(tmp_path / "bf16", xla_cache, on_policy + ["GeneratorConfig.dtype = 'bfloat16'"])

@@ -345,31 +345,31 @@ def test_inverse_cdf_draw_matches_a_float64_reference_and_never_takes_masked_tok
 
 
 def test_rl_main_refuses_an_unknown_generator_or_engine_knobs(tmp_path):
+    from jaxrl.generation.placement import GeneratorConfig
     from launch.rl import rl_main
 
-    with pytest.raises(SystemExit, match=r"rl_main.generator='vllm'; expected one of \('engine'"):
-        rl_main(str(tmp_path / "a"), None, None, None, None, generator="vllm")
-    with pytest.raises(SystemExit, match="engine_slots=-1.*need engine_slots >= 0"):
-        rl_main(str(tmp_path / "b"), None, None, None, None, engine_slots=-1)
+    def run(name, **fields):
+        rl_main(str(tmp_path / name), *[None] * 4, generator_config=GeneratorConfig(**fields))
+
+    with pytest.raises(SystemExit, match=r"GeneratorConfig.kind='vllm'; expected one of \('eng"):
+        run("a", kind="vllm")
+    with pytest.raises(SystemExit, match="GeneratorConfig.slots=-1.*need slots >= 0"):
+        run("b", slots=-1)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_generator_config_bindings_apply_without_rl_main_generator_config():
     """`GeneratorConfig.max_len = 4096` alone (no `rl_main.generator_config = @GeneratorConfig()`)
-    reaches the run's generator config, beside a flat knob of an older config."""
+    reaches the run's generator config, the other fields at their defaults."""
     import gin
 
     import launch.configs  # noqa: F401  (registers GeneratorConfig with gin)
     from launch.rl import resolve_generator_config
 
-    knobs = dict(
-        generator="engine", generator_dtype="float32", engine_slots=0,
-        engine_steps_per_call=8, engine_max_len=0, engine_precompile=False,
-    )  # fmt: skip
     gin.clear_config()
     try:
         gin.parse_config("GeneratorConfig.max_len = 4096")
-        config = resolve_generator_config(None, **knobs)
+        config = resolve_generator_config(None)
     finally:
         gin.clear_config()
-    assert (config.max_len, config.dtype) == (4096, "float32")
+    assert (config.max_len, config.dtype, config.kind) == (4096, "auto", "engine")

@@ -1,7 +1,8 @@
 """Issue 58: what a user did wrong ends a launch in one line that names the fix, not a traceback:
 a process layout that does not fit, a reward that raises (its own line of code in the message,
 its traceback with JAXRL_TRACEBACK=1), a finished run relaunched with a longer schedule, a number
-as a math_jsonl answer, a GGUF file as `init_from`, and where `launch.fetch` puts models."""
+as a math_jsonl answer, a GGUF file as `init_from`, where `launch.fetch` puts models, and a
+generator knob removed in 0.3.0 (issue 56)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,33 @@ def test_a_process_layout_that_does_not_fit_ends_the_launch_in_one_line(tmp_path
     message = _one_line(exit_info)
     assert message.startswith("process layout error: the trainer mesh {'fsdp': 4, 'tp': 4} uses ")
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in message
+
+
+@pytest.mark.parametrize(
+    "binding, fix",
+    [
+        ("rl_main.generator_dtype = 'bfloat16'", "GeneratorConfig.dtype = 'bfloat16'"),
+        ("rl_main.engine_slots = 8", "GeneratorConfig.slots = 8"),
+        ("rl_main.generator = 'static'", "GeneratorConfig.kind = 'static'"),
+    ],
+)
+def test_a_removed_generator_knob_names_the_line_to_write(tmp_path, binding, fix):
+    """rl_main's flat generator knobs (removed in 0.3.0), as --gin_param or in a gin file: refused
+    when parsed, before the workdir is claimed, naming the GeneratorConfig line instead."""
+    knob = binding.split(" =")[0]
+    with pytest.raises(SystemExit) as exit_info:
+        _rl(tmp_path / "run", binding)
+    refused = f"{knob} was removed in 0.3.0: write `{fix}` instead"
+    assert f"{refused} (--gin_param: `{binding}`" in _one_line(exit_info)
+    from launch.rl import rl_main
+
+    config = tmp_path / "old.gin"
+    config.write_text(f"include '{ASYNC}'\n{binding}  # an older config\n")
+    with pytest.raises(SystemExit) as exit_info:
+        launch(rl_main, ["--gin_file", str(config), "--workdir", str(tmp_path / "run")])
+    gin.clear_config()
+    assert f"{refused} ({config}, line 2: " in _one_line(exit_info)
+    assert not (tmp_path / "run").exists()
 
 
 def bad_score(prompts, completions, references):

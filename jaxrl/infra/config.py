@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import gin
 
-from jaxrl.infra.moved import moved_names
+from jaxrl.infra.moved import moved_names, removed_binding_fix
 from jaxrl.infra.paths import run_path, user_path
 from jaxrl.infra.user_code import torch_hint
 
@@ -266,7 +266,9 @@ def parse_gin(
         ) from err
     except (ValueError, SyntaxError, OSError) as err:
         raise ConfigError(
-            _unquoted_string_fix(err) or f"gin: {err}{_suggestion(str(err))}"
+            removed_binding_fix(str(err))
+            or _unquoted_string_fix(err)
+            or f"gin: {err}{_suggestion(str(err))}"
         ) from err
     _absolute_path_bindings()
 
