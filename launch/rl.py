@@ -3,21 +3,26 @@
     python -m launch.rl --gin_file=configs/rl/arith_tiny.gin --workdir=runs/arith        # async
     python -m launch.rl --gin_file=configs/rl/arith_tiny_sync.gin --workdir=runs/arith_sync
 
-Recipe: config (already validated by `launch`; the checks across configs, `check_rl_job`) ->
-tokenizer, model config, task -> meshes (the trainer's; in async mode also the generator's, on
-disjoint devices; a role-split job: this process's role) -> initial state (this run's newest
-checkpoint, else `init_from`, else the SFT stage in WORKDIR/sft, else random; read once, the KL
-reference too) -> sampler and weight store (async: the generator's sampler on its mesh, the
-trainer -> generator weight sync) -> controller loop over the schedule's rollout feed (a
-generator process of a role-split job: `roles.run_generator`) -> wait for checkpoints.
+Recipe (`rl_main`, one function a step): config (already validated by `launch`) ->
+`resolve_generator_config` -> `build_model` (tokenizer, model config) -> `build_task` (prompt
+source, reward) -> `check_job` (the checks across configs, before any device work) ->
+`build_placement` (the trainer's mesh; in async mode also the generator's, on disjoint devices; a
+role-split job: this process's role) -> `build_policy` (the trainer) -> `_initial_state` (this
+run's newest checkpoint, else `init_from`, else the SFT stage in WORKDIR/sft, else random; read
+once, the KL reference too) -> `build_feed` (sampler and weight store; async: the generator's
+sampler on its mesh, the trainer -> generator weight sync; the rollout feed) ->
+`build_controller` -> its loop (a generator process of a role-split job:
+`roles.run_generator`) -> wait for checkpoints -> `_report`.
 """
 
 from __future__ import annotations
 
 import os
 import traceback
+from typing import NamedTuple
 
 import gin
+import jax
 from flax import nnx
 
 from jaxrl import workdir as run_dir
@@ -176,20 +181,74 @@ def rl_main(
     training). `plot=False`: no curves PNG at the end (`python -m launch.plot WORKDIR` draws it
     later)."""
     gen = resolve_generator_config(generator_config)
+    tokenizer, model_config = build_model(policy, task, lora)
+    rl_task = build_task(policy, task, rl, sft, tokenizer, model_config)
+    check_job(rl, loss, gen, model_config, rl_task, generator_mesh, roles, lora, episodes)
+    place = build_placement(mesh, generator_mesh, roles)
+    trainer = build_policy(
+        workdir, policy, rl, optimizer, loss, lora, sft, tokenizer, model_config, place
+    )
+    if place.layout is not None:  # checkpoints are written by the trainer processes alone
+        checkpoint.restrict_to_processes(place.layout.trainer_processes)
+    io = roles_lib.NoIO() if place.role == "generator" else _run_io(workdir, rl)
+    try:
+        state = extra = ref_params = None
+        if place.role != "generator":
+            state, extra, ref_params = _initial_state(
+                io, trainer, lora, loss,
+                lambda: initial_params(workdir, policy, task, sft, mesh, trainer, model_config),
+            )  # fmt: skip
+        feed = build_feed(
+            rl, gen, trainer, tokenizer, place, rl_task, episodes, episode_tool_workers,
+            mask_observations,
+        )  # fmt: skip
+        controller = build_controller(
+            rl, optimizer, trainer, tokenizer, rl_task, io, feed, ref_params
+        )
+        try:
+            if place.role == "generator":
+                roles_lib.run_generator(controller, place.layout)
+            else:
+                state = controller.run(state, extra)
+        except Exception as error:
+            _keep_cause_visible(error)
+            raise
+    finally:
+        io.close()
+    return _report(workdir, state, rl, plot)
+
+
+def build_model(policy: PolicySpec, task: TaskSpec, lora: LoraConfig | None):
+    """(tokenizer, model config) of the policy (`jaxrl.specs`)."""
     tokenizer = build_tokenizer(policy, task)
-    model_config = build_model_config(policy, tokenizer, lora=lora is not None)
+    return tokenizer, build_model_config(policy, tokenizer, lora=lora is not None)
+
+
+class RLTask(NamedTuple):
+    """What the run trains on: `source` (the prompts RL reads), `env_source` (the environments
+    of multi-turn episodes: the source before any SFT wrapper) and the reward's name."""
+
+    source: object
+    env_source: object
+    reward: str
+
+
+def build_task(policy, task, rl, sft, tokenizer, model_config) -> RLTask:
+    """The task's prompt source and reward. After an SFT warm start (no `init_from`), RL reads
+    the stream after the items SFT trained on, without the pool's prompts: its first batches
+    were memorised demonstrations (reward ~1)."""
     source = build_source(
         task, tokenizer, max_prompt_tokens=model_config.max_position_embeddings - rl.max_new_tokens
     )
     reward = reward_name(task, source)
-    env_source = source  # the environments of multi-turn episodes (before any SFT wrapper)
+    env_source = source
     if sft is not None and not policy.init_from:
-        # After the SFT warm start, RL reads the stream after the items SFT trained on, without
-        # the pool's prompts: its first batches were memorised demonstrations (reward ~1).
         source = rl_source_after_sft(source, sft)
+    return RLTask(source, env_source, reward)
 
-    import jax
 
+def check_job(rl, loss, gen, model_config, rl_task, generator_mesh, roles, lora, episodes):
+    """The checks across configs, before any device work (SystemExit naming the setting)."""
     try:
         check_rl_job(
             rl,
@@ -200,7 +259,9 @@ def rl_main(
             processes=jax.process_count(),
         )
         if episodes is not None:
-            check_episode_job(rl, episodes, env_source, roles if jax.process_count() > 1 else None)
+            check_episode_job(
+                rl, episodes, rl_task.env_source, roles if jax.process_count() > 1 else None
+            )
         loss.check_replay(model_config, gen.kind, episodes=episodes is not None)
         if gen.weights != "native" and lora is not None:
             raise ValueError(
@@ -209,16 +270,31 @@ def rl_main(
             )
     except ValueError as err:
         raise SystemExit(str(err)) from None
+
+
+class Placement(NamedTuple):
+    """Where the run's programs go: the trainer's mesh, the generator's (async mode; None:
+    colocated), a role-split job's layout (None otherwise) and this process's role ("trainer",
+    "generator" or "both")."""
+
+    trainer_mesh: jax.sharding.Mesh
+    gen_mesh: jax.sharding.Mesh | None
+    layout: roles_lib.RoleLayout | None
+    role: str
+
+
+def build_placement(mesh, generator_mesh, roles) -> Placement:
+    """The meshes, checked to fit and (async) to be disjoint, before any work (the SFT stage
+    used to run first, then this failed); in a role-split job (`jaxrl.loop.roles`) each process
+    runs one role on its role's devices."""
     check_mesh_fits({"trainer": mesh} | ({"generator": generator_mesh} if generator_mesh else {}))
     trainer_mesh = make_mesh(mesh)
-    # Placement is checked before any work (the SFT stage used to run first, then this failed).
     gen_mesh = make_mesh(generator_mesh) if generator_mesh is not None else None
     if gen_mesh is not None:
         check_disjoint({"trainer": trainer_mesh, "generator": gen_mesh})
         note = cpu_overlap_note(trainer_mesh, gen_mesh)
         if note is not None and is_main_process():
             print(note, flush=True)
-    # A role-split job (`jaxrl.loop.roles`): each process runs one role on its role's devices.
     layout = None
     if roles is not None and jax.process_count() > 1:
         try:
@@ -226,9 +302,17 @@ def rl_main(
         except roles_lib.RoleLayoutError as err:
             raise SystemExit(str(err)) from None
     role = layout.role_of(jax.process_index()) if layout is not None else "both"
+    return Placement(trainer_mesh, gen_mesh, layout, role)
+
+
+def build_policy(
+    workdir, policy, rl, optimizer, loss, lora, sft, tokenizer, model_config, place
+) -> Trainer:
+    """The trainer on its mesh; the run's model spec (and, with LoRA, the frozen base's source)
+    written into the workdir. The initial params come later (`_initial_state`)."""
     trainer = Trainer(
         model_config,
-        trainer_mesh,
+        place.trainer_mesh,
         TRAINER_RULES,
         optimizer.make(rl.total_steps),
         grad_accum_steps=optimizer.grad_accum_steps,
@@ -238,12 +322,6 @@ def rl_main(
         share_prompts=rl.share_prompts,
     )
     run_dir.save_model_spec(workdir, model_config, tokenizer)
-    engine = {
-        "generator": gen.kind,
-        "num_slots": gen.slots or feed_class(rl).engine_slots(rl),
-        "steps_per_call": min(gen.steps_per_call, rl.max_new_tokens),
-        "max_total_len": gen.max_len or None,
-    }
     if lora is not None:
         if initial_source(workdir, policy, sft) is None:
             raise SystemExit(
@@ -252,76 +330,95 @@ def rl_main(
             )
         if is_main_process():
             run_dir.save_run_lora(workdir, lora, initial_source(workdir, policy, sft))
-    if layout is not None:  # checkpoints are written by the trainer processes alone
-        checkpoint.restrict_to_processes(layout.trainer_processes)
-    io = roles_lib.NoIO() if role == "generator" else _run_io(workdir, rl)
-    try:
-        state = extra = ref_params = None
-        if role != "generator":
-            state, extra, ref_params = _initial_state(
-                io, trainer, lora, loss,
-                lambda: initial_params(workdir, policy, task, sft, mesh, trainer, model_config),
-            )  # fmt: skip
-        # The generator's sampler and weight store (async: on its own mesh, fed by pushes).
-        weights, eval_sampler = None, None
-        if gen_mesh is None:
-            sampler = colocated_sampler(
-                trainer, tokenizer, **engine, precompile=gen.precompile, weights=gen.weights
-            )
-        else:
-            gen_dtype = gen.resolve_dtype(gen_mesh)
-            sync = make_weight_sync(
-                trainer.param_shardings,
-                generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
-                generator_dtype=gen_dtype,
-            )
-            if role == "trainer":  # evaluations on the trainer's devices; pushes leave
-                sampler = colocated_sampler(trainer, tokenizer, **engine)
-                weights = roles_lib.PushOnly(sync)
-            else:
-                sampler = mesh_sampler(
-                    trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype,
-                    **engine, precompile=gen.precompile, weights=gen.weights,
-                )  # fmt: skip
-                latest_only = role == "both" and feed_class(rl).latest_only(rl)
-                weights = GeneratorWeights(sync, latest_only=latest_only)
-                if role == "both":  # evaluations compile lazily, on the trainer's devices
-                    eval_sampler = colocated_sampler(trainer, tokenizer, **engine)
-        controller = Controller(
-            rl,
-            trainer,
-            GeneratorExecutor(sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed),
-            RewardExecutor(reward, tokenizer, shuffle_seed=rl.seed if rl.shuffle_rewards else None),
-            source,
-            tokenizer,
-            io,
-            reward=reward,
-            ref_params=ref_params,
-            weights=weights,
-            eval_sampler=eval_sampler,
-            learning_rate=optimizer.schedule_fn(rl.total_steps),
-            feed=(
-                (lambda ctl: roles_lib.trainer_feed(ctl, layout))
-                if role == "trainer"
-                else episode_feed(
-                    env_source, episodes, episode_tool_workers, mask_observations=mask_observations
-                )
-                if episodes is not None
-                else None
-            ),
-        )
-        try:
-            if role == "generator":
-                roles_lib.run_generator(controller, layout)
-            else:
-                state = controller.run(state, extra)
-        except Exception as error:
-            _keep_cause_visible(error)
-            raise
-    finally:
-        io.close()
+    return trainer
 
-    final_step = int(state.step) if state is not None else rl.total_steps  # generator: None
+
+class Feed(NamedTuple):
+    """The generator's side for the controller: its sampler, weight store (None: sync, the
+    trainer's params), the evaluations' sampler (None: `sampler`) and the rollout feed (None:
+    the schedule's own, `jaxrl.loop.feeds`)."""
+
+    sampler: object
+    weights: object
+    eval_sampler: object
+    feed: object
+
+
+def build_feed(
+    rl, gen, trainer, tokenizer, place, rl_task, episodes, episode_tool_workers,
+    mask_observations,
+) -> Feed:  # fmt: skip
+    """The generator's sampler and weight store (async: on its own mesh, fed by pushes from the
+    trainer), and the rollout feed: a role-split trainer's, multi-turn episodes', or the
+    schedule's own."""
+    engine = {
+        "generator": gen.kind,
+        "num_slots": gen.slots or feed_class(rl).engine_slots(rl),
+        "steps_per_call": min(gen.steps_per_call, rl.max_new_tokens),
+        "max_total_len": gen.max_len or None,
+    }
+    role, gen_mesh = place.role, place.gen_mesh
+    weights, eval_sampler = None, None
+    if gen_mesh is None:
+        sampler = colocated_sampler(
+            trainer, tokenizer, **engine, precompile=gen.precompile, weights=gen.weights
+        )
+    else:
+        gen_dtype = gen.resolve_dtype(gen_mesh)
+        sync = make_weight_sync(
+            trainer.param_shardings,
+            generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
+            generator_dtype=gen_dtype,
+        )
+        if role == "trainer":  # evaluations on the trainer's devices; pushes leave
+            sampler = colocated_sampler(trainer, tokenizer, **engine)
+            weights = roles_lib.PushOnly(sync)
+        else:
+            sampler = mesh_sampler(
+                trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype,
+                **engine, precompile=gen.precompile, weights=gen.weights,
+            )  # fmt: skip
+            latest_only = role == "both" and feed_class(rl).latest_only(rl)
+            weights = GeneratorWeights(sync, latest_only=latest_only)
+            if role == "both":  # evaluations compile lazily, on the trainer's devices
+                eval_sampler = colocated_sampler(trainer, tokenizer, **engine)
+    if role == "trainer":
+        feed = lambda ctl: roles_lib.trainer_feed(ctl, place.layout)  # noqa: E731
+    elif episodes is not None:
+        feed = episode_feed(
+            rl_task.env_source, episodes, episode_tool_workers, mask_observations=mask_observations
+        )
+    else:
+        feed = None
+    return Feed(sampler, weights, eval_sampler, feed)
+
+
+def build_controller(rl, optimizer, trainer, tokenizer, rl_task, io, feed, ref_params):
+    """The controller (`jaxrl.loop.controller`): the generator's and the reward's executors, the
+    task's source, the run's IO and the feed."""
+    return Controller(
+        rl,
+        trainer,
+        GeneratorExecutor(feed.sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed),
+        RewardExecutor(
+            rl_task.reward, tokenizer, shuffle_seed=rl.seed if rl.shuffle_rewards else None
+        ),
+        rl_task.source,
+        tokenizer,
+        io,
+        reward=rl_task.reward,
+        ref_params=ref_params,
+        weights=feed.weights,
+        eval_sampler=feed.eval_sampler,
+        learning_rate=optimizer.schedule_fn(rl.total_steps),
+        feed=feed.feed,
+    )
+
+
+def _report(workdir, state, rl, plot) -> dict:
+    """Process 0 prints where the metrics, plot and checkpoints are; every process returns the
+    run's summary (a generator process of a role-split job has no state: `rl.total_steps`)."""
+    final_step = int(state.step) if state is not None else rl.total_steps
     if jax.process_index() != 0:  # process 0 wrote the metrics and reports
         return {"workdir": workdir, "plot": None, "final_step": final_step}
     print(f"metrics:     {os.path.abspath(os.path.join(workdir, 'metrics.jsonl'))}")
