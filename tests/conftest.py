@@ -51,3 +51,9 @@ def xla_cache() -> str:
     """The run's shared XLA compilation cache directory (above), for launches that set it
     explicitly (`tests/procs.launch_env`)."""
     return os.environ["JAXRL_TEST_XLA_CACHE"]
+
+
+# This process uses it too: tests that build the same tiny models compile the same programs
+# (each test's jitted functions are new closures, so JAX's in-memory cache misses).
+jax.config.update("jax_compilation_cache_dir", os.environ["JAXRL_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
