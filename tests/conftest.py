@@ -57,3 +57,31 @@ def xla_cache() -> str:
 # (each test's jitted functions are new closures, so JAX's in-memory cache misses).
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXRL_TEST_XLA_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+# Modules whose tests run whole launches end to end (killed and resumed runs, several processes,
+# the README's commands), longest first: collected before the rest, so that pytest-xdist's
+# workers (`make test`: --dist loadfile) start them early and the short modules fill in at the
+# end. Only the order changes; within a module it is the file's.
+HEAVY_FIRST = (
+    "test_async_loop.py",
+    "test_roles.py",
+    "test_readme_commands.py",
+    "test_rl_loop.py",
+    "test_distributed_rl.py",
+    "test_async_bench.py",
+    "test_streaming_loop.py",
+    "test_multiturn_modes.py",
+    "test_msd_pipeline.py",
+    "test_lora_async.py",
+    "test_rl_streaming_bench.py",
+    "test_generation_engine.py",
+    "test_bench_smoke.py",
+    "test_examples.py",
+    "test_moe.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
