@@ -32,6 +32,7 @@ MARK_ENV = "JAXRL_TEST_FAULT_MARK"
 # evaluation.
 TINY = [
     "rl_main.sft = None",
+    "rl_main.plot = False",  # no curves PNG (matplotlib): ~1 s a launch
     "TaskSpec.reward = 'rewards_for_tests:even_length'",
     "RLConfig.total_steps = 6",
     "RLConfig.num_prompts = 4",

@@ -29,6 +29,7 @@ STEPS = 6
 SAVED = (2, 4, 6)
 PARAMS = [
     "rl_main.sft = None",
+    "rl_main.plot = False",  # no curves PNG (matplotlib): ~1 s a launch
     # The engine runs on single-process meshes: the two-process job samples with the static
     # sampler (launch.rl falls back to it), so the one-process reference must too.
     "GeneratorConfig.kind = 'static'",

@@ -106,6 +106,7 @@ def test_sync_rl_runs_end_to_end_on_a_2x2_mesh(tmp_path, capsys):
 
 RESUME = [
     "rl_main.sft = None",
+    "rl_main.plot = False",  # no curves PNG (matplotlib): ~1 s a launch
     "TaskSpec.reward = 'rewards_for_tests:even_length'",
     "RLConfig.total_steps = 6",
     "RLConfig.num_prompts = 4",

@@ -26,6 +26,7 @@ CONFIG = os.path.join(REPO, "configs", "rl", "chain_tiny_streaming.gin")
 STEPS, PROMPTS = 6, 4
 TINY = [
     "rl_main.sft = None",
+    "rl_main.plot = False",  # no curves PNG (matplotlib): ~1 s a launch
     "TaskSpec.reward = 'rewards_for_tests:even_length'",
     f"RLConfig.total_steps = {STEPS}",
     f"RLConfig.num_prompts = {PROMPTS}",
