@@ -133,14 +133,14 @@ def probe(workdir: str, eval_size: int, digits: tuple[int, int], max_new_tokens:
     checkpoint (a run's, or an SFT stage's); `digits`: the task's (min, max) operand digits."""
     import jax
 
-    from jaxrl import workdir as run_dir
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.generation.sampling import SamplingConfig
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import TRAINER_RULES
-    from jaxrl.specs import TaskSpec, build_source
+    from jaxrl.job import workdir as run_dir
+    from jaxrl.job.specs import TaskSpec, build_source
     from jaxrl.tasks.source import encode_prompts
-    from jaxrl.trainer import OptimizerConfig, Trainer
+    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
     config, tokenizer = run_dir.load_model_spec(workdir)
     step, params = run_dir.restore_params(workdir, config)

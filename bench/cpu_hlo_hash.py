@@ -38,8 +38,8 @@ def main() -> None:
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.models.config import ModelConfig
     from jaxrl.models.transformer import Transformer
-    from jaxrl.planning import abstract_rollout_batch
-    from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
+    from jaxrl.plan.programs import abstract_rollout_batch
+    from jaxrl.train.trainer import LossConfig, OptimizerConfig, Trainer
 
     for scan in (False, True):
         c = ModelConfig(

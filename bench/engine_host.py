@@ -114,7 +114,7 @@ class HostCalibration:
         from jaxrl.infra.mesh import MeshConfig, make_mesh
         from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
         from jaxrl.models.presets import rlbench_tiny
-        from jaxrl.trainer import OptimizerConfig, Trainer
+        from jaxrl.train.trainer import OptimizerConfig, Trainer
 
         def mesh(axes, sizes_first):
             sizes, first = sizes_first

@@ -112,8 +112,8 @@ def device_programs(config: dict) -> dict:
     import jax
 
     from jaxrl.infra.mesh import MeshConfig, make_mesh
-    from jaxrl.planning import plan_generator, plan_trainer, plan_weight_push
-    from jaxrl.trainer import LossConfig, OptimizerConfig
+    from jaxrl.plan.programs import plan_generator, plan_trainer, plan_weight_push
+    from jaxrl.train.trainer import LossConfig, OptimizerConfig
     from launch.plan import PlanConfig
 
     fields = {f.name for f in dataclasses.fields(PlanConfig)}

@@ -61,11 +61,11 @@ from jaxrl.env.calculator import CalculatorSource, CalculatorTask
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.job.specs import PRESETS
 from jaxrl.models.transformer import Transformer
-from jaxrl.specs import PRESETS
 from jaxrl.tasks.source import PromptItem
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
-from jaxrl.train_steps import sft_loss
+from jaxrl.train.steps import sft_loss
 
 G = 8
 

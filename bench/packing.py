@@ -39,7 +39,7 @@ from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.infra.sharding import TRAINER_RULES  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.rl import Rollout, collate_rollouts  # noqa: E402
-from jaxrl.trainer import OptimizerConfig, Trainer  # noqa: E402
+from jaxrl.train.trainer import OptimizerConfig, Trainer  # noqa: E402
 
 
 def _batch(kind: str, rows: int, smoke: bool):

@@ -146,7 +146,7 @@ def _rl_config(mode: Mode, steps: int, smoke: bool):
 def _trainer(sizes_first: tuple, steps: int, smoke: bool):
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import TRAINER_RULES
-    from jaxrl.trainer import OptimizerConfig, Trainer
+    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
     sizes, first = sizes_first
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), sizes, first, sizes[0] * sizes[1]))

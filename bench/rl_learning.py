@@ -78,16 +78,16 @@ def continued_sft(
     """Control A: SFT from the finished SFT checkpoint at a constant `learning_rate` for
     `seconds` of wall time on the stage's demonstrations (`pool`, from data `position` on),
     evaluated like the RL run."""
-    from jaxrl import workdir as run_dir
-    from jaxrl.evaluation import evaluate
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.metrics import MetricsWriter
     from jaxrl.infra.run_io import to_host
     from jaxrl.infra.sharding import TRAINER_RULES
-    from jaxrl.specs import TaskSpec, build_source
+    from jaxrl.job import workdir as run_dir
+    from jaxrl.job.specs import TaskSpec, build_source
     from jaxrl.tasks.source import encode_prompts
-    from jaxrl.trainer import OptimizerConfig, Trainer
+    from jaxrl.train.evaluation import evaluate
+    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
     config, tokenizer = run_dir.load_model_spec(sft_dir)
     _, params = run_dir.restore_params(sft_dir, config)

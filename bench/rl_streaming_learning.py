@@ -16,7 +16,7 @@ process, or `--sft_dir`), with `init_from`; only the schedule and the loss diffe
 4. streaming_recompute (optional, `--runs`): kv_on_update "recompute".
 
 RL prompts are the task's stream after the SFT stage's items, without the demonstration pool's
-prompts (task "chain_sum_after_sft", registered by the child process: `jaxrl.sft.
+prompts (task "chain_sum_after_sft", registered by the child process: `jaxrl.train.sft.
 rl_source_after_sft` on chain_sum; launch.rl does this itself only when it trains the SFT stage in
 the same run, not with `init_from`). Each run is a fresh `launch.rl` process (`--parallel` at
 once), resuming from its own checkpoint if its workdir holds one.
@@ -96,8 +96,8 @@ def chain_after_sft(spec, tokenizer):
     demonstration pool's prompts: what launch.rl reads after training the SFT stage itself."""
     import gin
 
-    from jaxrl.sft import SFTConfig, rl_source_after_sft
     from jaxrl.tasks.source import get_task
+    from jaxrl.train.sft import SFTConfig, rl_source_after_sft
 
     try:
         sft = SFTConfig(**{

@@ -57,17 +57,17 @@ def build(spec: dict, schedule: str, with_state: bool):
 
     from flax import nnx
 
-    from jaxrl import workdir as run_dir
     from jaxrl.generation.executor import GeneratorExecutor
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.config import parse_gin, resolve_bindings
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.sharding import TRAINER_RULES
+    from jaxrl.job import workdir as run_dir
+    from jaxrl.job.specs import build_model_config, build_source, build_tokenizer, reward_name
     from jaxrl.loop.config import sampling_config
     from jaxrl.loop.controller import Controller
     from jaxrl.loop.reward import RewardExecutor
-    from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
-    from jaxrl.trainer import Trainer
+    from jaxrl.train.trainer import Trainer
     from launch.rl import rl_main
 
     config, params, sft = spec["config"], spec["params"], spec["sft"]

@@ -205,7 +205,7 @@ def compiled_costs(s: Setting, remat_policy: str = "full", hw: dict = H100) -> d
     compiler; deviceless), scaled to the setting.
 
     Each program is compiled with 1 and 2 unrolled layers and extrapolated to the model's L
-    (`jaxrl.planning.probe_per_step`); a program's cost is its whole run as compiled
+    (`jaxrl.plan.programs.probe_per_step`); a program's cost is its whole run as compiled
     (`ProgramReport.whole_step_cost`: every kernel as it runs, the attention kernels by their
     models, gathers and in-place cache writes by what they touch):
 
@@ -221,8 +221,8 @@ def compiled_costs(s: Setting, remat_policy: str = "full", hw: dict = H100) -> d
       linear in the rows through the two slot counts.
     """
     from jaxrl.models.presets import preset
-    from jaxrl.planning import plan_generator, plan_trainer, probe_per_step
-    from jaxrl.trainer import LossConfig, OptimizerConfig
+    from jaxrl.plan.programs import plan_generator, plan_trainer, probe_per_step
+    from jaxrl.train.trainer import LossConfig, OptimizerConfig
 
     trainer_mesh, gen_mesh = _meshes(s, hw)
     model = preset(s.preset, param_dtype="float32", dtype="bfloat16", remat_policy=remat_policy)

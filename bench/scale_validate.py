@@ -280,7 +280,7 @@ def recording(recorder: Recorder):
     from jaxrl.generation.engine import Engine
     from jaxrl.generation.executor import GeneratorExecutor
     from jaxrl.generation.sampler import Sampler
-    from jaxrl.trainer import Trainer
+    from jaxrl.train.trainer import Trainer
 
     def patch(cls, attrs, trips=lambda kwargs: 1):
         init = cls.__init__

@@ -45,7 +45,7 @@ from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.infra.sharding import TRAINER_RULES  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
 from jaxrl.rl import Rollout, collate_rollouts  # noqa: E402
-from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer  # noqa: E402
+from jaxrl.train.trainer import LossConfig, OptimizerConfig, Trainer  # noqa: E402
 
 PROMPTS, G, PROMPT_LEN, COMPLETION_LEN = 8, 8, 128, 32
 LAYOUTS = (  # (name, pack_length, share_prompts)

@@ -29,7 +29,7 @@ from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.remat import REMAT_POLICIES
-from jaxrl.trainer import Trainer
+from jaxrl.train.trainer import Trainer
 
 
 def _config(layers: int, scan: bool, remat: str, width: int) -> ModelConfig:

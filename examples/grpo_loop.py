@@ -21,12 +21,12 @@ from jaxrl.generation.placement import colocated_sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_source, build_tokenizer
 from jaxrl.models import hf
 from jaxrl.rl import collate_rollouts, rollouts_from_samples
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_source, build_tokenizer
 from jaxrl.tasks.rewards import compute_rewards, decode_completions
 from jaxrl.tasks.source import encode_prompts
-from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
+from jaxrl.train.trainer import LossConfig, OptimizerConfig, Trainer
 
 
 def main(argv=None) -> list[dict]:

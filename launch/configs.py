@@ -7,11 +7,11 @@ from jaxrl.generation.episodes import EpisodeBudget
 from jaxrl.generation.placement import GeneratorConfig
 from jaxrl.infra.config import register_config
 from jaxrl.infra.mesh import MeshConfig
+from jaxrl.job.specs import PolicySpec, TaskSpec
 from jaxrl.loop.config import RLConfig
-from jaxrl.lora import LoraConfig
-from jaxrl.sft import SFTConfig
-from jaxrl.specs import PolicySpec, TaskSpec
-from jaxrl.trainer import LossConfig, OptimizerConfig
+from jaxrl.train.lora import LoraConfig
+from jaxrl.train.sft import SFTConfig
+from jaxrl.train.trainer import LossConfig, OptimizerConfig
 
 for _cls in (RLConfig, MeshConfig, SFTConfig, PolicySpec, TaskSpec, LossConfig, OptimizerConfig):
     register_config(_cls)

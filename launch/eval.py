@@ -24,15 +24,15 @@ import json
 import os
 import sys
 
-from jaxrl import workdir as run_dir
-from jaxrl.evaluation import evaluate
 from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.infra.errors import DataError
 from jaxrl.infra.paths import run_path, user_path
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import TaskSpec, build_source, reward_name
 from jaxrl.models import hf
-from jaxrl.specs import TaskSpec, build_source, reward_name
 from jaxrl.tasks.chat import stop_token_ids
 from jaxrl.tasks.source import encode_prompts, list_tasks
+from jaxrl.train.evaluation import evaluate
 
 
 def run_settings(workdir: str, eval_path: str | None = None) -> tuple[TaskSpec, dict]:

@@ -29,10 +29,10 @@ import os
 import sys
 import time
 
-from jaxrl import lora as lora_lib
-from jaxrl import workdir as run_dir
 from jaxrl.infra.paths import user_path
+from jaxrl.job import workdir as run_dir
 from jaxrl.models import hf
+from jaxrl.train import lora as lora_lib
 
 # Where --peft_out puts the base when the run's base is a jaxrl workdir (transformers reads none).
 PEFT_BASE_DIR = "base"

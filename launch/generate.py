@@ -58,7 +58,7 @@ def read_prompts(path: str) -> list[str]:
 
 
 def load(args):
-    from jaxrl import workdir as run_dir
+    from jaxrl.job import workdir as run_dir
     from jaxrl.models import hf
 
     mesh = rules = None
@@ -119,7 +119,7 @@ def use_chat_template(mode: str, tokenizer, workdir: str | None) -> bool:
 def run_chat_formatted(workdir: str, tokenizer) -> bool | None:
     """Whether the task of the run in `workdir` renders its prompts with the chat template
     (its source's `chat_formatted`), or None when the run's task cannot be built (a note)."""
-    from jaxrl.specs import build_source
+    from jaxrl.job.specs import build_source
     from launch.eval import run_settings
 
     try:

@@ -45,7 +45,7 @@ from jaxrl.infra.config import (
 from jaxrl.infra.mesh import MeshConfig, make_mesh, resolve_axis_sizes
 from jaxrl.infra.paths import user_path
 from jaxrl.models.presets import PRESETS, preset
-from jaxrl.planning import (
+from jaxrl.plan.programs import (
     GiB,
     ProgramReport,
     generator_fix,
@@ -56,7 +56,7 @@ from jaxrl.planning import (
     roofline_seconds,
     trainer_fix_layout,
 )
-from jaxrl.trainer import LossConfig, OptimizerConfig
+from jaxrl.train.trainer import LossConfig, OptimizerConfig
 from launch.plan_notes import (  # noqa: F401  (GPU_DEFAULT_MEM_FRACTION: public here)
     GPU_DEFAULT_MEM_FRACTION,
     hand_count_lines,

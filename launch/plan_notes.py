@@ -5,7 +5,7 @@ its hand count."""
 from __future__ import annotations
 
 from jaxrl.infra.chips import ChipSpec
-from jaxrl.planning import GiB, ProgramReport
+from jaxrl.plan.programs import GiB, ProgramReport
 
 GPU_DEFAULT_MEM_FRACTION = 0.75
 
@@ -28,7 +28,7 @@ def xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
 
     The verdict reads the buffer assignment (`memory_analysis()`: the buffers the program
     allocates); XLA:GPU also logs estimates of its own made before that, which can disagree
-    (`jaxrl.planning.XlaMemoryNotes` says how they count)."""
+    (`jaxrl.plan.programs.XlaMemoryNotes` says how they count)."""
     notes = report.xla_notes
     if notes is None:
         return
@@ -67,7 +67,7 @@ def hand_count_lines(
 ) -> list[str]:
     """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
     counted as they run, Pallas kernels by their models) beside its hand count
-    (`jaxrl.hand_count`), as ratios; for the train step also whether it is compute-bound at the
+    (`jaxrl.plan.hand_count`), as ratios; for the train step also whether it is compute-bound at the
     device's peaks, its largest buffers, and whether any buffer holds `[sequence, sequence]`
     attention scores (not looked for where `sequence` is one of the model's `dims`, whose
     activations would look the same)."""

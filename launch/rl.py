@@ -25,7 +25,6 @@ import gin
 import jax
 from flax import nnx
 
-from jaxrl import workdir as run_dir
 from jaxrl.generation.episodes import EpisodeBudget
 from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.placement import (
@@ -43,17 +42,18 @@ from jaxrl.infra.moved import removed_bindings
 from jaxrl.infra.run_io import RunIO
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES
 from jaxrl.infra.user_code import keep_torch_out
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import build_model_config, build_source, build_tokenizer, reward_name
 from jaxrl.loop import roles as roles_lib
 from jaxrl.loop.config import check_rl_job, sampling_config
 from jaxrl.loop.controller import Controller
 from jaxrl.loop.feeds import feed_class
 from jaxrl.loop.feeds.episodes import check_episode_job, episode_feed
 from jaxrl.loop.reward import RewardExecutor
-from jaxrl.sft import rl_source_after_sft, run_sft
-from jaxrl.specs import build_model_config, build_source, build_tokenizer, reward_name
 from jaxrl.sync.cross_process import make_weight_sync
 from jaxrl.sync.store import GeneratorWeights
-from jaxrl.trainer import Trainer
+from jaxrl.train.sft import rl_source_after_sft, run_sft
+from jaxrl.train.trainer import Trainer
 from launch.configs import (
     LoraConfig,
     LossConfig,
@@ -164,7 +164,7 @@ def rl_main(
     (`jaxrl.generation.placement.GeneratorConfig`; without it, gin's `GeneratorConfig.*`
     bindings still apply). The flat knobs `generator`, `generator_dtype` and `engine_*` were
     removed in 0.3.0: a config that binds one is refused, naming the field to bind.
-    `lora` (`@LoraConfig()`): train LoRA adapters on the frozen initial policy (`jaxrl.lora`):
+    `lora` (`@LoraConfig()`): train LoRA adapters on the frozen initial policy (`jaxrl.train.lora`):
     checkpoints and weight pushes hold the adapters only, the KL reference is the base with the
     adapters off, and the generator keeps one copy of the base and applies each pushed version's
     adapters unmerged.
@@ -219,7 +219,7 @@ def rl_main(
 
 
 def build_model(policy: PolicySpec, task: TaskSpec, lora: LoraConfig | None):
-    """(tokenizer, model config) of the policy (`jaxrl.specs`)."""
+    """(tokenizer, model config) of the policy (`jaxrl.job.specs`)."""
     tokenizer = build_tokenizer(policy, task)
     return tokenizer, build_model_config(policy, tokenizer, lora=lora is not None)
 

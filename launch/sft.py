@@ -10,7 +10,7 @@ import gin
 from jaxrl.infra.distributed import initialize_from_argv
 from jaxrl.infra.launcher import launch
 from jaxrl.infra.user_code import keep_torch_out
-from jaxrl.sft import run_sft
+from jaxrl.train.sft import run_sft
 from launch.configs import MeshConfig, PolicySpec, SFTConfig, TaskSpec
 
 

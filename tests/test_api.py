@@ -17,16 +17,16 @@ from jaxrl.generation.executor import GeneratedBatch, GeneratorExecutor
 from jaxrl.generation.placement import colocated_sampler
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.mesh import MeshConfig, make_mesh
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_source
 from jaxrl.loop.config import RLConfig, sampling_config
 from jaxrl.loop.controller import Controller
 from jaxrl.loop.reward import RewardExecutor
 from jaxrl.models import hf
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import collate_rollouts, rollouts_from_samples
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_source
 from jaxrl.tasks.source import PromptItem, encode_prompts, register_task
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
-from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
+from jaxrl.train.trainer import LossConfig, OptimizerConfig, Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,11 +15,11 @@ from flax import nnx
 
 import launch.rl
 from jaxrl.infra.launcher import launch as run_launch
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 from jaxrl.models.transformer import Transformer
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 from jaxrl.sync.cross_process import make_weight_sync
-from jaxrl.train_steps import completion_logprobs
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train.steps import completion_logprobs
+from jaxrl.train.trainer import LossConfig, Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from procs import REPO, launch_env, launch_flags
 
-from jaxrl import workdir as run_dir
 from jaxrl.infra.metrics import read_metrics
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
 CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
 MARK_ENV = "JAXRL_TEST_FAULT_MARK"

@@ -15,7 +15,6 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl import lora as lora_lib
 from jaxrl.generation.placement import generator_param_shardings
 from jaxrl.infra.checkpoint import CheckpointMismatchError
 from jaxrl.infra.mesh import MeshConfig, make_mesh
@@ -25,14 +24,15 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.sync.cross_process import make_weight_sync
 from jaxrl.sync.store import GeneratorWeights
-from jaxrl.train_state import (
+from jaxrl.train import lora as lora_lib
+from jaxrl.train.state import (
     MasterWeightsState,
     OptimizerConfig,
     apply_gradients,
     init_state,
     with_master_weights,
 )
-from jaxrl.trainer import Trainer
+from jaxrl.train.trainer import Trainer
 
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=0)
 

@@ -20,7 +20,7 @@ from jaxrl.env.chat_calculator import (
     ChatCalculatorSource,
     parse_tool_call,
 )
-from jaxrl.specs import TaskSpec, build_source
+from jaxrl.job.specs import TaskSpec, build_source
 from jaxrl.tasks.chat import ChatTemplateError
 from jaxrl.tasks.source import PromptItem
 

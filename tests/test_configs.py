@@ -80,7 +80,7 @@ def test_rl_settings_stay_out_of_the_sft_stage(path):
     the field itself, so an RL-only setting also reached the SFT warm start's sft/OptimizerConfig
     (arith_tiny_lora.gin's b1 0.98 cut its SFT start from ~20% to 10.7% greedy). The
     SFT stage's optimizer must be the defaults plus what the config binds under sft/ itself."""
-    from jaxrl.trainer import OptimizerConfig
+    from jaxrl.train.trainer import OptimizerConfig
     from launch.rl import rl_main
     from launch.sft import sft_main
 

@@ -203,7 +203,7 @@ def test_compiled_h100_decode_step_reads_the_cache_in_place():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="AOT GPU tests need jax-cuda12-plugin")
     from jaxrl.infra import gpu
     from jaxrl.models.presets import rlbench_tiny
-    from jaxrl.planning import plan_generator
+    from jaxrl.plan.programs import plan_generator
 
     config = rlbench_tiny(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,

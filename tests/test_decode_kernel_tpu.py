@@ -200,7 +200,7 @@ def _compiled_decode_step(scan_layers: bool, form: str):
     from jaxrl.infra.tpu import topology_devices
     from jaxrl.models.presets import rlbench_tiny
     from jaxrl.models.transformer import decode_attention_form
-    from jaxrl.planning import abstract_params
+    from jaxrl.plan.programs import abstract_params
 
     config = rlbench_tiny(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,

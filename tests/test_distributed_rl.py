@@ -20,9 +20,9 @@ import sys
 import numpy as np
 from flax import nnx
 
-from jaxrl import workdir as run_dir
 from jaxrl.infra.xla_cpu import cpu_xla_flags
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6

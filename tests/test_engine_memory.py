@@ -40,10 +40,10 @@ def test_the_documented_colocated_sampler_on_a_long_context_model_fits(tmp_path)
     request's length (64 positions, 8 MiB), not 256 x 2^20 positions (512 GiB)."""
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
+    from jaxrl.job.specs import PolicySpec, build_model_config
     from jaxrl.models import hf
-    from jaxrl.specs import PolicySpec, build_model_config
     from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
-    from jaxrl.trainer import OptimizerConfig, Trainer
+    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
     tokenizer = build_arithmetic_tokenizer()
     config = dataclasses.replace(

@@ -100,7 +100,7 @@ RUN_IO = textwrap.dedent(
     import json, os, sys
     import jax.numpy as jnp
     from jaxrl.infra.run_io import RunIO
-    from jaxrl.trainer import TrainState
+    from jaxrl.train.trainer import TrainState
 
     saved = {}
     for save_final in (False, True):

@@ -90,8 +90,8 @@ def test_the_cpu_program_keeps_ragged_dot():
 def test_hand_count_of_a_mixture_of_experts_counts_a_tokens_experts():
     """Qwen3-30B-A3B: 3.3B active parameters a token (the layers' 2.73B and the two embedding
     tables), 30.5B stored; a dense model's active and stored weights are its layers'."""
-    from jaxrl import hand_count
     from jaxrl.models.presets import llama3_8b, qwen3_30b_a3b
+    from jaxrl.plan import hand_count
 
     moe, dense = qwen3_30b_a3b(), llama3_8b()
     tables = 2 * moe.vocab_size * moe.hidden_size

@@ -1,5 +1,6 @@
 """Whole-step costs of compiled GPU programs (`jaxrl.infra.hlo_cost`: loops as they run, Pallas
-kernels by their models) against the hand count (`jaxrl.hand_count`), deviceless for an H100."""
+kernels by their models) against the hand count (`jaxrl.plan.hand_count`), deviceless for an
+H100."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 pytest.importorskip("jax_plugins.xla_cuda12")
 
-from jaxrl import hand_count  # noqa: E402
 from jaxrl.infra import gpu, hlo_cost  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
-from jaxrl.planning import cost_from_hlo, plan_generator  # noqa: E402
+from jaxrl.plan import hand_count  # noqa: E402
+from jaxrl.plan.programs import cost_from_hlo, plan_generator  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +168,8 @@ def test_train_step_on_the_fused_kernel_holds_no_scores_and_xla_does(h100):
     (`ProgramReport.square_buffers`, `launch.plan`'s line; T = 128 is none of the model's
     dimensions, whose activations would look the same); on XLA's attention the scores are
     there. Its whole-step FLOPs are within 15% of the hand count either way."""
-    from jaxrl.planning import plan_trainer
-    from jaxrl.trainer import LossConfig, OptimizerConfig
+    from jaxrl.plan.programs import plan_trainer
+    from jaxrl.train.trainer import LossConfig, OptimizerConfig
 
     config = rlbench_tiny(
         vocab_size=512, hidden_size=160, intermediate_size=320, num_layers=1, num_heads=4,

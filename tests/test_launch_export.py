@@ -14,13 +14,13 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxrl import lora as lora_lib
-from jaxrl import workdir as run_dir
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
 from jaxrl.infra.launcher import CONFIG_FILE
+from jaxrl.job import workdir as run_dir
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
+from jaxrl.train import lora as lora_lib
 from launch import export
 
 

@@ -29,7 +29,7 @@ from jaxrl.loop.feeds.remote import RemoteFeed
 from jaxrl.loop.reward import RewardExecutor
 from jaxrl.sync.in_process import WeightSync
 from jaxrl.sync.store import GeneratorWeights
-from jaxrl.trainer import OptimizerConfig, Trainer
+from jaxrl.train.trainer import OptimizerConfig, Trainer
 
 STEPS, PROMPTS, SAMPLES = 3, 2, 2
 LOG_S = 0.05  # each log call takes this long: the next step's time/step_s must include it

@@ -1,6 +1,7 @@
-"""LoRA through qwix (`jaxrl.lora`): adapters attach to every targeted projection, a fresh adapter
-is the base bit for bit, merged / PEFT exports match the unmerged model (against `transformers` +
-`peft`), the trainer moves adapters only, and weight pushes are <= 2% of the model."""
+"""LoRA through qwix (`jaxrl.train.lora`): adapters attach to every targeted projection, a fresh
+adapter is the base bit for bit, merged / PEFT exports match the unmerged model (against
+`transformers` + `peft`), the trainer moves adapters only, and weight pushes are <= 2% of the
+model."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import torch
 from flax import nnx
 from hf_fixtures import save_tiny_checkpoint
 
-from jaxrl import lora as lora_lib
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
-from jaxrl.trainer import Trainer
+from jaxrl.train import lora as lora_lib
+from jaxrl.train.trainer import Trainer
 
 ALL = lora_lib.LoraConfig(rank=4, alpha=8.0)
 
@@ -267,7 +268,7 @@ def test_adapter_bytes_within_two_percent_of_the_model():
     Adapters are counted on the abstract LoRA model (the 8B one with 2 of its 32 identical
     layers, to keep qwix's tracing short) and checked against r * (in + out) summed over the
     projections."""
-    from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+    from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
     arith = build_model_config(PolicySpec(), build_tokenizer(PolicySpec(), TaskSpec()))
     attention_only = lora_lib.LoraConfig(rank=4, alpha=8.0, target_modules=r"layers/\d+/attention")

@@ -14,11 +14,11 @@ import numpy as np
 from flax import nnx
 from test_async_loop import _finish, _last_records, _start
 
-from jaxrl import lora as lora_lib
-from jaxrl import workdir as run_dir
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 from jaxrl.models import hf
 from jaxrl.models.transformer import Transformer
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+from jaxrl.train import lora as lora_lib
 from launch import export
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl.rl import PolicyLossInputs, make_advantage_estimator
-from jaxrl.trainer import LossConfig
+from jaxrl.train.trainer import LossConfig
 
 EPS_STD = 1e-6  # the advantage estimators' default eps
 

@@ -163,9 +163,9 @@ def test_trainer_steps_and_checkpoints_cross_layouts(tmp_path):
     converts on the devices, into the requested shardings)."""
     import optax
 
-    from jaxrl import workdir as run_dir
     from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
-    from jaxrl.trainer import Trainer
+    from jaxrl.job import workdir as run_dir
+    from jaxrl.train.trainer import Trainer
 
     config = ModelConfig("llama", 64, 32, 64, 3, 4, 2, 8)
     mesh = make_mesh(MeshConfig(("fsdp", "tp"), (2, 2), num_devices=4))
@@ -215,7 +215,7 @@ def test_scan_layers_default_follows_depth_and_lora(tmp_path):
     """`PolicySpec.scan_layers = None`: deep models scan, shallow ones and LoRA runs unroll."""
     import transformers
 
-    from jaxrl.specs import SCAN_LAYERS_ABOVE, PolicySpec, build_model_config, build_tokenizer
+    from jaxrl.job.specs import SCAN_LAYERS_ABOVE, PolicySpec, build_model_config, build_tokenizer
 
     tokenizer = build_tokenizer(PolicySpec(), None)
     shallow = build_model_config(PolicySpec(), tokenizer)  # the arithmetic preset

@@ -17,7 +17,6 @@ import transformers
 from flax import nnx
 from hf_fixtures import left_padded_batch, reference_logits
 
-from jaxrl import train_steps
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import sharding as ax
@@ -27,6 +26,7 @@ from jaxrl.models.config import ModelConfig, UnsupportedModelError
 from jaxrl.models.moe import MoEMLP
 from jaxrl.models.safetensors_io import SafetensorsReader, write_safetensors
 from jaxrl.models.transformer import Transformer
+from jaxrl.train import steps as train_steps
 
 TINY_MOE = dict(
     vocab_size=128,

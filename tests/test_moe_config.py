@@ -15,9 +15,9 @@ from flax import nnx
 from jaxrl.infra.config import from_gin, parse_gin
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 from jaxrl.models.transformer import Transformer
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train.trainer import LossConfig, Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [os.path.join(REPO, "configs", "rl", f"arith_tiny_moe{s}.gin") for s in ("", "_sync")]

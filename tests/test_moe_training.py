@@ -18,7 +18,6 @@ import pytest
 from flax import nnx
 
 import launch.configs  # noqa: F401  (registers LossConfig in gin)
-from jaxrl import lora as lora_lib
 from jaxrl.infra.config import from_gin, parse_gin
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
@@ -27,7 +26,8 @@ from jaxrl.models.masks import SegmentMask
 from jaxrl.models.moe import load_balancing_loss
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train import lora as lora_lib
+from jaxrl.train.trainer import LossConfig, Trainer
 
 # test_moe.py's tiny Qwen3-MoE (8 experts, top 2), two layers, both sparse (built directly: no
 # checkpoint needed).

@@ -43,7 +43,7 @@ from jaxrl.rl import collate_rollouts, group_advantages, logprobs_from_logits, m
 from jaxrl.rl.losses import PolicyLossInputs
 from jaxrl.tasks.source import PromptItem
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train.trainer import LossConfig, Trainer
 
 # Engines of the same shapes (here, and the 4-slot engines of the other multi-turn tests) load
 # compiled programs from the run's XLA cache (tests/conftest.py) instead of compiling them again.

@@ -12,9 +12,9 @@ import numpy as np
 
 from jaxrl.generation.episodes import EpisodeBudget, Trajectory
 from jaxrl.generation.sampling import SamplingConfig
+from jaxrl.job.specs import TaskSpec, build_source
 from jaxrl.loop.config import RLConfig
 from jaxrl.loop.feeds.episodes import episode_feed
-from jaxrl.specs import TaskSpec, build_source
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from procs import REPO, run_launch
 
-from jaxrl import workdir as run_dir
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.job import workdir as run_dir
 from jaxrl.loop.feeds.streaming import token_staleness_metrics
 from jaxrl.loop.rollout_queue import prompt_ledger
 from jaxrl.rl import Rollout

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.trainer import OptimizerConfig
+from jaxrl.train.trainer import OptimizerConfig
 
 LR, B1, B2, EPS, WD = 1e-2, 0.8, 0.95, 1e-6, 0.1
 

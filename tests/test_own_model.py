@@ -54,7 +54,7 @@ def test_a_tilde_path_is_expanded_and_a_missing_one_does_not_exist(chat_dir, tmp
     '~/...'` failed the same way. Both are expanded now, a run's config.gin holds the absolute
     path, and a missing directory "does not exist"."""
     from jaxrl.infra.config import parse_gin, resolve_bindings
-    from jaxrl.specs import PolicySpec, TaskSpec
+    from jaxrl.job.specs import PolicySpec, TaskSpec
     from launch.rl import rl_main
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -239,8 +239,8 @@ def test_eval_reports_the_share_of_cut_completions_and_warns_when_most_are(
     """A budget that cuts the answers scored 0.0 without a word. evaluate() reports
     eval/truncated (greedy completions no stop token ended), and launch.eval warns on standard
     error when it is above one half, naming the flag."""
-    from jaxrl.evaluation import evaluate
     from jaxrl.tasks.source import PromptItem
+    from jaxrl.train.evaluation import evaluate
     from launch import eval as eval_launch
 
     items = [PromptItem(f"{i}+1=", str(i + 1)) for i in range(8)]

@@ -26,7 +26,7 @@ from jaxrl.rl.packing import (
     pack_sft_batch,
     segment_mask,
 )
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train.trainer import LossConfig, Trainer
 
 CONFIG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=64)
 PROMPT_LEN, COMPLETION_LEN = 8, 7

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for a TPU topology on the CPU (`launch.plan`, `jaxrl.planning`).
+"""Ahead-of-time compilation for a TPU topology on the CPU (`launch.plan`, `jaxrl.plan.programs`).
 
 Needs the libtpu wheel (test extra): libtpu describes the TPU slice, the TPU compiler compiles
 for it; no TPU is attached and nothing is allocated.
@@ -17,9 +17,9 @@ from jaxrl.infra.chips import TopologyError  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.infra.tpu import device_spec, parse_topology, topology_devices  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
-from jaxrl.planning import ProgramReport, generator_fix, sharded_bytes, trainer_fix  # noqa: E402
-from jaxrl.train_state import apply_gradients  # noqa: E402
-from jaxrl.trainer import OptimizerConfig, Trainer  # noqa: E402
+from jaxrl.plan.programs import ProgramReport, generator_fix, sharded_bytes, trainer_fix  # noqa: E402
+from jaxrl.train.state import apply_gradients  # noqa: E402
+from jaxrl.train.trainer import OptimizerConfig, Trainer  # noqa: E402
 
 # Shards of every weight are whole TPU tiles (8 x 128 float32) on a 2 x 2 mesh.
 E, F, V, H, K, D, L = 256, 512, 512, 16, 16, 128, 2

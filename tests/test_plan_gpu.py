@@ -15,8 +15,8 @@ from jaxrl.infra import gpu  # noqa: E402
 from jaxrl.infra.chips import TopologyError  # noqa: E402
 from jaxrl.infra.mesh import MeshConfig, make_mesh  # noqa: E402
 from jaxrl.models.presets import rlbench_tiny  # noqa: E402
-from jaxrl.planning import plan_trainer  # noqa: E402
-from jaxrl.trainer import LossConfig, OptimizerConfig  # noqa: E402
+from jaxrl.plan.programs import plan_trainer  # noqa: E402
+from jaxrl.train.trainer import LossConfig, OptimizerConfig  # noqa: E402
 
 GiB = 1024**3
 
@@ -240,7 +240,7 @@ IO_LINE = (
 
 
 def _report_70b(notes):
-    from jaxrl.planning import ProgramReport
+    from jaxrl.plan.programs import ProgramReport
 
     state = int(24.65 * GiB)
     return ProgramReport(
@@ -259,7 +259,7 @@ def test_xla_memory_lines_are_read_and_explained_beside_the_verdict(capsys):
     (XLA's log at vmodule hlo_rematerialization=1: main's peak 80.78 GiB + the output). The
     plan now says so in the trainer's section, and keeps the raw lines out of the table."""
     from jaxrl.infra import gpu
-    from jaxrl.planning import xla_memory_notes
+    from jaxrl.plan.programs import xla_memory_notes
     from launch.plan_notes import xla_notes
 
     notes, rest = xla_memory_notes(["an XLA line of its own\n", REMAT_LINE, IO_LINE])
@@ -278,7 +278,7 @@ def test_xla_memory_lines_are_read_and_explained_beside_the_verdict(capsys):
 def test_a_trainer_refusal_gives_the_config_lines_and_the_ready_config():
     """Regression: the refusal's fix said "use at least 32 devices with fsdp=32" without the
     settings to write or the config that holds them."""
-    from jaxrl.planning import TrainerFix
+    from jaxrl.plan.programs import TrainerFix
     from launch.plan import PlanConfig, _config_lines, ready_config
 
     config = PlanConfig(

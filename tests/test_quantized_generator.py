@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl.generation import quantize
 from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.placement import GeneratorConfig
 from jaxrl.generation.sampling import SamplingConfig, processed_logprobs
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
+from jaxrl.train import lora as lora_lib
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 40]]
 CONFIG = ModelConfig("llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128)

@@ -223,7 +223,7 @@ def test_eval_names_the_sampled_accuracy_by_its_temperature(readme, monkeypatch,
     root, _ = readme
     import numpy as np
 
-    from jaxrl import evaluation
+    from jaxrl.train import evaluation
     from launch import eval as eval_launch
 
     temperatures = []

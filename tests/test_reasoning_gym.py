@@ -16,8 +16,8 @@ import transformers
 from tokenizers import decoders, models
 
 from jaxrl.infra.errors import DataError
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, with_end_of_turn
 from jaxrl.models.config import ModelConfig
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, with_end_of_turn
 from jaxrl.tasks.chat import (
     ChatTemplateError,
     end_of_turn_id,

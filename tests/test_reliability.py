@@ -19,7 +19,7 @@ from jaxrl.infra import checkpoint as ckpt_lib
 from jaxrl.infra.launcher import launch
 from jaxrl.infra.metrics import read_metrics
 from jaxrl.infra.run_io import NonFiniteLossError, RunIO
-from jaxrl.trainer import TrainState
+from jaxrl.train.trainer import TrainState
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

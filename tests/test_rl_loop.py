@@ -11,9 +11,9 @@ import sys
 import gin
 import numpy as np
 
-from jaxrl import workdir as run_dir
 from jaxrl.infra.metrics import read_metrics
-from jaxrl.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny_sync.gin")

@@ -21,7 +21,7 @@ from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train.trainer import LossConfig, Trainer
 
 CONFIG = ModelConfig("llama", 32, 32, 64, 2, 4, 2, 8, max_position_embeddings=64)
 PROMPT_LEN, COMPLETION_LEN, RHO, KL_COEF = 6, 5, 2.0, 0.05

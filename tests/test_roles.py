@@ -34,10 +34,10 @@ import pytest
 from flax import nnx
 from test_distributed_rl import PARAMS, SAVED, STEPS, _env, _metrics, _run, _saved_params
 
-from jaxrl import workdir as run_dir
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
 from jaxrl.infra.xla_cpu import cpu_xla_flags
-from jaxrl.specs import build_model_config, build_tokenizer
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import build_model_config, build_tokenizer
 from launch.configs import PolicySpec, TaskSpec
 
 CONFIG = "arith_tiny_roles.gin"

@@ -25,15 +25,15 @@ from jaxrl.generation.engine import Engine, Request
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
-from jaxrl.lora import LoraConfig
 from jaxrl.models import moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.rl.packing import PackedRolloutBatch, pack_rollout_batch
-from jaxrl.train_steps import LossConfig, _completion_forward
-from jaxrl.trainer import Trainer
+from jaxrl.train.lora import LoraConfig
+from jaxrl.train.steps import LossConfig, _completion_forward
+from jaxrl.train.trainer import Trainer
 
 MOE = ModelConfig(
     "qwen3_moe", 128, 64, 96, 2, 4, 2, 16, num_experts=8, num_experts_per_tok=2,

@@ -24,8 +24,8 @@ from jaxrl.generation.engine import Engine
 from jaxrl.generation.episodes import EpisodeBudget, EpisodeGroup, EpisodeRunner
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra.metrics import read_metrics
+from jaxrl.job.specs import TaskSpec, chain_tiny
 from jaxrl.models.transformer import Transformer
-from jaxrl.specs import TaskSpec, chain_tiny
 from jaxrl.tasks.rewards import get_reward
 from jaxrl.tasks.source import get_task
 from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer

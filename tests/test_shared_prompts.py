@@ -15,15 +15,15 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import TRAINER_RULES
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import Rollout, collate_rollouts
 from jaxrl.rl.packing import pack_rollout_batch, segment_mask
-from jaxrl.train_steps import completion_logprobs
-from jaxrl.trainer import LossConfig, Trainer
+from jaxrl.train import lora as lora_lib
+from jaxrl.train.steps import completion_logprobs
+from jaxrl.train.trainer import LossConfig, Trainer
 
 CONFIG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=64)
 PROMPT_LEN, COMPLETION_LEN, PACK = 10, 7, 40

@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from jaxrl.specs import TaskSpec
+from jaxrl.job.specs import TaskSpec
 from jaxrl.tasks import build_arithmetic_tokenizer, compute_rewards
 from jaxrl.tasks.chain import ChainProblem, ChainTask, chain_reward, parse_chain_answer
 from jaxrl.tasks.source import get_task

@@ -186,10 +186,10 @@ def test_a_reward_that_raises_in_evaluation_is_named_in_one_line_too():
     evaluation at step 0)."""
     from types import SimpleNamespace
 
-    from jaxrl.evaluation import _score
     from jaxrl.generation.sampling import SamplingConfig
     from jaxrl.tasks.source import PromptItem
     from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
+    from jaxrl.train.evaluation import _score
 
     tokenizer = build_arithmetic_tokenizer()
     tokens = np.array([tokenizer.encode("3")[-1:]] * 2)

@@ -39,7 +39,7 @@ def export_tiny(path: str, smoke: bool) -> None:
     from jaxrl.models import hf
     from jaxrl.models.presets import rlbench_tiny
     from jaxrl.models.transformer import Transformer
-    from jaxrl.trainer import OptimizerConfig, Trainer
+    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
     # bench.rl's model (its --smoke: 1 layer, hidden 32)
     small = dict(hidden_size=32, intermediate_size=64, num_layers=1) if smoke else {}
@@ -82,7 +82,7 @@ def rl_public(
     from jaxrl.models import hf
     from jaxrl.rl import collate_rollouts, rollouts_from_samples
     from jaxrl.tasks.rewards import decode_completions
-    from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
+    from jaxrl.train.trainer import LossConfig, OptimizerConfig, Trainer
 
     trainer, state = Trainer.from_hf(
         model,

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl.generation.engine_sampler import GENERATORS, EngineSampler, make_sampler
 from jaxrl.generation.quantize import WEIGHT_FORMATS
 from jaxrl.generation.sampler import Sampler as StaticSampler
 from jaxrl.generation.sampling import Sampler
 from jaxrl.infra.sharding import param_shardings
 from jaxrl.models.transformer import Transformer
+from jaxrl.train import lora as lora_lib
 
 GENERATOR_DTYPES = ("auto", "float32", "bfloat16")
 

@@ -10,7 +10,7 @@ all in the `test` extra; they are imported lazily, so the library works without 
 A topology name is `<system>:<nodes>x<gpus per node>` ("h100:1x8", "h200:2x8", "h200:1x1").
 
 What deviceless XLA:GPU does differently from the TPU compiler, and what the planner does about
-it (`jaxrl.planning`):
+it (`jaxrl.plan.programs`):
 
 - no compile-time out-of-memory: a program needing more than the device's memory compiles; the
   planner compares `memory_analysis()` with `SystemSpec.hbm_bytes` itself;

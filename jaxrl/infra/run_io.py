@@ -40,7 +40,7 @@ class NonFiniteLossError(FloatingPointError):
 
 def state_tree(state: Any) -> dict:
     """The checkpointed form of a training state (a `flax.struct` dataclass such as
-    `jaxrl.trainer.TrainState`): a dict of its fields, so that `params` can be restored alone.
+    `jaxrl.train.trainer.TrainState`): a dict of its fields, so that `params` can be restored alone.
     A field that is itself a dataclass (MSD's weighting state) becomes a dict of its fields."""
     tree = _fields(state)
     return {k: _fields(v) if dataclasses.is_dataclass(v) else v for k, v in tree.items()}

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.tasks.source import PromptSource
-from jaxrl.train_state import TrainState
+from jaxrl.train.state import TrainState
 
 SCHEDULES = ("fixed_lag", "free_running", "streaming")
 

@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl.evaluation import evaluate
 from jaxrl.generation.executor import GeneratorExecutor
 from jaxrl.generation.sampling import Sampler
 from jaxrl.infra.run_io import to_host
@@ -40,8 +39,9 @@ from jaxrl.loop.reward import RewardExecutor
 from jaxrl.rl import collate_rollouts, select_groups
 from jaxrl.sync.store import GeneratorWeights
 from jaxrl.tasks.source import PromptSource, encode_prompts
-from jaxrl.train_state import Params, TrainState
-from jaxrl.trainer import Trainer
+from jaxrl.train.evaluation import evaluate
+from jaxrl.train.state import Params, TrainState
+from jaxrl.train.trainer import Trainer
 
 # completion/truncated above this share at a launch's first step is warned about.
 TRUNCATED_WARNING = 0.5

@@ -497,7 +497,7 @@ def _matmul(x_btk: jax.Array, w_k: jax.Array, contract: int = 1, **kwargs) -> ja
 
     Written as `jax.lax.dot_general` on the kernel as stored (q/k/v kernels `[E, H, D]` are not
     reshaped) because that is the call qwix intercepts to attach LoRA adapters
-    (`jaxrl.lora`): inside `jnp.matmul` (itself jitted) or after a reshape, qwix cannot tell
+    (`jaxrl.train.lora`): inside `jnp.matmul` (itself jitted) or after a reshape, qwix cannot tell
     which parameter the right operand is, and the projection silently gets no adapter.
     """
     if hasattr(w_k, "quantized_matmul"):  # the engine's int8 weights (generation.quantize)

@@ -22,7 +22,7 @@ value and gradient are exactly zero.
 `make_loss(name, **hparams)` builds a registered loss; the constructors validate hyper-parameters.
 The registered names are presets that mean what the literature means by them: each class states
 its settings (clip range, normaliser, and the advantage estimator it goes with, `advantage`, which
-`jaxrl.trainer.LossConfig` uses unless told otherwise):
+`jaxrl.train.trainer.LossConfig` uses unless told otherwise):
 
     name       policy term                    eps_low / eps_high   normaliser      advantage
     aipo       -sg(min(r, rho)) A log pi      rho = 4              tokens          group_mean

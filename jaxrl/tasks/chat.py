@@ -10,8 +10,8 @@ tokens, so it is tokenised with `add_special_tokens=False`.
 
 Generation ends at the template's end-of-turn token (`end_of_turn_id`: `<|im_end|>` in ChatML,
 `<|eot_id|>` in Llama 3), found by rendering a one-turn conversation, not by a table of names.
-`jaxrl.specs.build_model_config` adds it to the model's stop ids when a checkpoint's config names
-only `<|endoftext|>`. Completions are decoded without special tokens, so a reward reads the
+`jaxrl.job.specs.build_model_config` adds it to the model's stop ids when a checkpoint's config
+names only `<|endoftext|>`. Completions are decoded without special tokens, so a reward reads the
 assistant's text only: the prompt is not part of a completion, and generation stopped at the end
 of the turn.
 

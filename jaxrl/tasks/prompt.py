@@ -27,8 +27,8 @@ class PromptSource(Protocol):
 
     Optional attributes: `reward_name` (the reward used when `TaskSpec.reward` is empty) and
     `demonstrations(start, count, tokenizer, seq_len, pool=0) -> (tokens_bs, loss_mask_bs)` (the
-    SFT warm start, `jaxrl.sft`). Prompts are encoded with `tokenizer.encode(text)`, which adds
-    the tokenizer's special tokens (e.g. `<bos>`).
+    SFT warm start, `jaxrl.train.sft`). Prompts are encoded with `tokenizer.encode(text)`, which
+    adds the tokenizer's special tokens (e.g. `<bos>`).
     """
 
     def item(self, index: int) -> PromptItem: ...

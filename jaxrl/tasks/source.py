@@ -5,7 +5,7 @@ the next index: a resumed run continues exactly where the interrupted one stoppe
 prompt skipped or repeated.
 
 A source is anything with the `PromptSource` methods. Sources are built by name from a
-`TaskSpec` (`jaxrl.specs.build_source`) through a registry that users extend from their own
+`TaskSpec` (`jaxrl.job.specs.build_source`) through a registry that users extend from their own
 module, which a gin file imports:
 
     # my_tasks.py
@@ -47,7 +47,7 @@ class SkipSource:
 
     a pure function of i (a replaced item comes from a far part of the stream, as likely to
     repeat another prompt as any draw). RL after an SFT warm start reads its prompts this way
-    (`jaxrl.sft.rl_source_after_sft`), so its batches hold no memorised demonstration."""
+    (`jaxrl.train.sft.rl_source_after_sft`), so its batches hold no memorised demonstration."""
 
     FAR = 2**40  # stride of the replacement draws
     MAX_ATTEMPTS = 1000

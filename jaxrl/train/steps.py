@@ -1,7 +1,7 @@
 """The trainer's pure steps: `sft_step` and `rl_step` (`step(state, batch, ...) -> (state,
 metrics)`, gradients accumulated over micro-batches), their losses, the RL objective's config
-(`LossConfig`) and `completion_logprobs`. `jaxrl.trainer.Trainer` jits them on the trainer mesh;
-`jaxrl.trainer` re-exports `LossConfig`.
+(`LossConfig`) and `completion_logprobs`. `jaxrl.train.trainer.Trainer` jits them on the trainer
+mesh; `jaxrl.train.trainer` re-exports `LossConfig`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask, sequence_mask  # noqa: F401
 from jaxrl.models.moe import load_balancing_loss, routing_mismatch
@@ -28,7 +27,8 @@ from jaxrl.rl import (
 )
 from jaxrl.rl.logprobs import token_logprobs, token_logprobs_and_entropy
 from jaxrl.rl.packing import PackedRolloutBatch
-from jaxrl.train_state import Params, TrainState, apply_gradients
+from jaxrl.train import lora as lora_lib
+from jaxrl.train.state import Params, TrainState, apply_gradients
 
 
 @dataclasses.dataclass(frozen=True)

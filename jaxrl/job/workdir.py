@@ -23,7 +23,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer, CheckpointMismatchError
 from jaxrl.infra.run_io import checkpoint_dir
 from jaxrl.infra.sharding import attach_shardings
@@ -31,6 +30,7 @@ from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.scan import convert_layer_layout, layer_layout_shardings
 from jaxrl.models.transformer import Transformer
+from jaxrl.train import lora as lora_lib
 
 MODEL_DIR = "model"
 PARAMS_KEY = "params"

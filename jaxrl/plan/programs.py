@@ -34,14 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl import hand_count
 from jaxrl.generation.engine import Engine
 from jaxrl.generation.sampling import SamplingConfig
 from jaxrl.infra import hlo_cost, platforms
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, decode_attention_form
-from jaxrl.plan_fixes import (  # noqa: F401  (public here)
+from jaxrl.plan import hand_count
+from jaxrl.plan.fixes import (  # noqa: F401  (public here)
     TrainerFix,
     fmt_gib,
     generator_fix,
@@ -49,7 +49,7 @@ from jaxrl.plan_fixes import (  # noqa: F401  (public here)
     trainer_fix_layout,
 )
 from jaxrl.rl import RolloutBatch
-from jaxrl.trainer import LossConfig, OptimizerConfig, Trainer
+from jaxrl.train.trainer import LossConfig, OptimizerConfig, Trainer
 
 GiB = 1024**3
 
@@ -118,7 +118,7 @@ class ProgramReport:
     # XLA's own memory estimates logged while compiling (`XlaMemoryNotes`), None if it logged
     # none.
     xla_notes: XlaMemoryNotes | None = None
-    # The least work of the program (`jaxrl.hand_count`): whole step, per device.
+    # The least work of the program (`jaxrl.plan.hand_count`): whole step, per device.
     hand: hand_count.HandCount | None = None
     # Bytes a device holds for the program outside its buffers: the stacked weights a GPU
     # engine's per-layer copy is made from (`EnginePrograms.engine_params`).

@@ -5,8 +5,8 @@ Steps are pure functions `step(state, batch) -> (state, metrics)`, jitted once w
 Parameters are a pure dict of arrays (`nnx.to_pure_dict`), merged into the model's graph inside
 the step, so the state is a plain pytree that Orbax and optax handle directly.
 
-The optimizer's config, the train state and master weights are in `jaxrl.train_state`; the pure
-steps, their losses and `LossConfig` in `jaxrl.train_steps`. `OptimizerConfig`, `LossConfig` and
+The optimizer's config, the train state and master weights are in `jaxrl.train.state`; the pure
+steps, their losses and `LossConfig` in `jaxrl.train.steps`. `OptimizerConfig`, `LossConfig` and
 `TrainState` are importable from here.
 """
 
@@ -20,7 +20,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl import lora as lora_lib
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.moved import moved_names
 from jaxrl.models.config import ModelConfig
@@ -33,7 +32,8 @@ from jaxrl.rl.packing import (
     pack_rollout_batch,
     pack_sft_batch,
 )
-from jaxrl.train_state import (
+from jaxrl.train import lora as lora_lib
+from jaxrl.train.state import (
     OptimizerConfig,
     Params,
     TrainState,
@@ -41,7 +41,7 @@ from jaxrl.train_state import (
     needs_master_weights,
     with_master_weights,
 )
-from jaxrl.train_steps import LossConfig, rl_step, sft_step, with_base
+from jaxrl.train.steps import LossConfig, rl_step, sft_step, with_base
 
 
 class Trainer:
@@ -73,8 +73,8 @@ class Trainer:
     (longer rows cost more attention, which is dense over the row), or 0 where attention memory
     binds (long completions) or for `attention_impl="pallas"` on a CPU.
 
-    LoRA (`lora` given): the state's params are the adapters only (`jaxrl.lora`), so gradients,
-    optimizer state and checkpoints cover the adapters; the frozen base lives in
+    LoRA (`lora` given): the state's params are the adapters only (`jaxrl.train.lora`), so
+    gradients, optimizer state and checkpoints cover the adapters; the frozen base lives in
     `self.base_params` (laid out as a full model's params, set by `init` or `set_base`) and
     enters each step as an argument that is never donated or updated.
 
@@ -366,11 +366,11 @@ class Trainer:
         return batch
 
 
-# Moved to `jaxrl.train_steps` in 0.2.0 (CHANGELOG.md); the old paths warn, and go in 0.3.0.
+# Moved to `jaxrl.train.steps` in 0.2.0 (CHANGELOG.md); the old paths warn, and go in 0.3.0.
 __getattr__ = moved_names(
     __name__,
     {
-        name: "jaxrl.train_steps"
+        name: "jaxrl.train.steps"
         for name in ("completion_logprobs", "rl_loss", "sequence_mask", "sft_loss")
     },
 )[0]

@@ -11,14 +11,12 @@ import dataclasses
 
 import jax
 
-from jaxrl import workdir as run_dir
-from jaxrl.evaluation import evaluate
 from jaxrl.generation.placement import colocated_sampler
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.run_io import RunIO, to_host
 from jaxrl.infra.sharding import TRAINER_RULES
-from jaxrl.loop.report import StepReport
-from jaxrl.specs import (
+from jaxrl.job import workdir as run_dir
+from jaxrl.job.specs import (
     PolicySpec,
     TaskSpec,
     build_model_config,
@@ -26,9 +24,11 @@ from jaxrl.specs import (
     build_tokenizer,
     reward_name,
 )
+from jaxrl.loop.report import StepReport
 from jaxrl.tasks.source import PromptSource, SkipSource, encode_prompts
-from jaxrl.train_state import Params
-from jaxrl.trainer import OptimizerConfig, Trainer
+from jaxrl.train.evaluation import evaluate
+from jaxrl.train.state import Params
+from jaxrl.train.trainer import OptimizerConfig, Trainer
 
 __all__ = ["SFTConfig", "rl_source_after_sft", "run_sft", "sft_items_used"]
 

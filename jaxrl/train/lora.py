@@ -390,12 +390,12 @@ def save_peft(adapters: Params, lora: LoraConfig, path: str, base_model: str = "
 # --- the run's record of its adapters -------------------------------------------------------------
 
 
-# A run's adapter files moved to `jaxrl.workdir` in 0.2.0 (CHANGELOG.md); the old paths warn, and
-# go in 0.3.0.
+# A run's adapter files moved to `jaxrl.job.workdir` in 0.2.0 (CHANGELOG.md); the old paths warn,
+# and go in 0.3.0.
 __getattr__ = moved_names(
     __name__,
     {
-        name: "jaxrl.workdir"
+        name: "jaxrl.job.workdir"
         for name in (
             "load_base",
             "load_lora_policy",

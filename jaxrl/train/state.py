@@ -1,7 +1,7 @@
 """What the trainer's optimizer loop carries and how one update moves it: the optimizer's
 config (`OptimizerConfig`, AdamW with a schedule), the train state (`TrainState`, a plain pytree
 checkpointed as is), float32 master weights for low-precision params (docs/precision.md) and
-`apply_gradients`. `jaxrl.trainer` re-exports `OptimizerConfig` and `TrainState`.
+`apply_gradients`. `jaxrl.train.trainer` re-exports `OptimizerConfig` and `TrainState`.
 """
 
 from __future__ import annotations

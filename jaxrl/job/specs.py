@@ -264,7 +264,8 @@ def build_tokenizer(policy: PolicySpec, task: TaskSpec):
 
 def resolve_scan_layers(scan_layers: bool | None, num_layers: int, lora: bool = False) -> bool:
     """`PolicySpec.scan_layers`, with None resolved: scanned above `SCAN_LAYERS_ABOVE` layers,
-    except for LoRA (an explicit True with LoRA is refused by `jaxrl.lora`, naming the fix)."""
+    except for LoRA (an explicit True with LoRA is refused by `jaxrl.train.lora`, naming the
+    fix)."""
     if scan_layers is not None:
         return bool(scan_layers)
     return num_layers > SCAN_LAYERS_ABOVE and not lora

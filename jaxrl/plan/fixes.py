@@ -1,6 +1,6 @@
-"""What makes a planned program fit (`jaxrl.planning`, `launch.plan`): the trainer's mesh and
+"""What makes a planned program fit (`jaxrl.plan.programs`, `launch.plan`): the trainer's mesh and
 micro-batching, the generator's tensor parallelism or slots, estimated from a `ProgramReport`'s
-parts. `jaxrl.planning` re-exports these names."""
+parts. `jaxrl.plan.programs` re-exports these names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-# A `jaxrl.planning.ProgramReport` (not imported: planning imports this module).
+# A `jaxrl.plan.programs.ProgramReport` (not imported: planning imports this module).
 ProgramReport = Any
 
 GiB = 1024**3
