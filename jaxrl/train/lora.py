@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl.infra.moved import moved_names
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, causal_mask, positions_from_mask
 
@@ -385,23 +384,3 @@ def save_peft(adapters: Params, lora: LoraConfig, path: str, base_model: str = "
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     write_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
-
-
-# --- the run's record of its adapters -------------------------------------------------------------
-
-
-# A run's adapter files moved to `jaxrl.job.workdir` in 0.2.0 (CHANGELOG.md); the old paths warn,
-# and go in 0.3.0.
-__getattr__ = moved_names(
-    __name__,
-    {
-        name: "jaxrl.job.workdir"
-        for name in (
-            "load_base",
-            "load_lora_policy",
-            "load_run_lora",
-            "restore_adapters",
-            "save_run_lora",
-        )
-    },
-)[0]

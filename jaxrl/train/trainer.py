@@ -21,7 +21,6 @@ import optax
 from flax import nnx
 
 from jaxrl.infra import sharding as ax
-from jaxrl.infra.moved import moved_names
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 from jaxrl.rl import RolloutBatch
@@ -364,13 +363,3 @@ class Trainer:
                 batch, length, self._pack_groups(), share_prompts=self.share_prompts
             )
         return batch
-
-
-# Moved to `jaxrl.train.steps` in 0.2.0 (CHANGELOG.md); the old paths warn, and go in 0.3.0.
-__getattr__ = moved_names(
-    __name__,
-    {
-        name: "jaxrl.train.steps"
-        for name in ("completion_logprobs", "rl_loss", "sequence_mask", "sft_loss")
-    },
-)[0]
