@@ -7,6 +7,9 @@
 - No `from X import _name` in `jaxrl/`, `msd_jax/`, `launch/`, `bench/` where X is one of their
   modules: a helper two modules share is public (tests may still reach into private helpers).
 - No module in `jaxrl/`, `msd_jax/`, `launch/` over 600 lines (STYLE.md habit 9).
+- No module at the top of `jaxrl/` but its `__init__.py`: each lives in the package of its part of
+  the flow (`jaxrl/train/`, `jaxrl/loop/`, ...); old top-level paths are aliases without files
+  (`jaxrl/infra/moved_modules.py`).
 """
 
 from __future__ import annotations
@@ -123,6 +126,14 @@ def test_no_module_over_the_size_limit():
         if lines > MAX_LINES:
             offenders.append(f"{path.relative_to(ROOT)}: {lines} lines")
     assert not offenders, f"modules over {MAX_LINES} lines:\n  " + "\n  ".join(offenders)
+
+
+def test_no_module_at_the_top_of_jaxrl():
+    top = sorted(p.name for p in (ROOT / "jaxrl").glob("*.py") if p.name != "__init__.py")
+    assert not top, (
+        f"modules at the top of jaxrl/: {top}; put each in the package of its part of the flow "
+        "(a moved module's old path goes in jaxrl/infra/moved_modules.py)"
+    )
 
 
 def test_the_cycle_finder_finds_a_circle():
