@@ -142,6 +142,8 @@ def test_a_module_moved_in_0_3_0_answers_each_public_name_from_its_new_home(old)
             assert "(the old path goes in 0.4.0; CHANGELOG.md)" in message, message
     with pytest.raises(AttributeError, match=rf"module '{old}' has no attribute '_nothing'$"):
         _ = alias._nothing
+    changelog = open(os.path.join(REPO, "CHANGELOG.md"), encoding="utf-8").read()
+    assert f"| `{old}` | `{new.__name__}` |" in changelog, old
 
 
 def test_the_old_import_forms_keep_working(monkeypatch):
