@@ -53,16 +53,11 @@ def xla_cache() -> str:
     return os.environ["JAXRL_TEST_XLA_CACHE"]
 
 
-# This process uses it too: tests that build the same tiny models compile the same programs
-# (each test's jitted functions are new closures, so JAX's in-memory cache misses).
-jax.config.update("jax_compilation_cache_dir", os.environ["JAXRL_TEST_XLA_CACHE"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
 # Modules whose tests run whole launches end to end (killed and resumed runs, several processes,
 # the README's commands), longest first: collected before the rest, so that pytest-xdist's
-# workers (`make test`: --dist loadfile) start them early and the short modules fill in at the
-# end. Only the order changes; within a module it is the file's.
+# workers (`make test`: --dist loadfile --no-loadscope-reorder, which keeps this order) start
+# them early and the short modules fill in at the end. Only the order changes; within a module
+# it is the file's.
 HEAVY_FIRST = (
     "test_async_loop.py",
     "test_roles.py",

@@ -14,6 +14,7 @@ from collections import Counter
 import gin
 import numpy as np
 import pytest
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 
 from jaxrl.infra import faults
 from jaxrl.infra.launcher import launch
@@ -201,6 +202,7 @@ def test_ctrl_c_saves_and_a_resumed_run_keeps_one_record_per_step(
     tmp_path,
     monkeypatch,
     capsys,
+    jax_disk_cache,  # noqa: F811
 ):
     """Bug 8 / acceptance 3. A run crashes after step 3 (step 2 saved; steps 1-3 logged), is
     resumed and interrupted by SIGINT after step 4 (it saves step 4 and exits 0, no traceback),

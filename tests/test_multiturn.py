@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 from flax import nnx
 
 from jaxrl.env.base import Step
@@ -46,7 +47,8 @@ from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 from jaxrl.train.trainer import LossConfig, Trainer
 
 # Engines of the same shapes (here, and the 4-slot engines of the other multi-turn tests) load
-# compiled programs from the run's XLA cache (tests/conftest.py) instead of compiling them again.
+# compiled programs from the session's disk cache instead of compiling them again.
+pytestmark = pytest.mark.usefixtures("jax_disk_cache")
 
 CONFIG = ModelConfig(
     "llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128, eos_token_id=2, pad_token_id=0

@@ -15,6 +15,7 @@ import types
 import gin
 import numpy as np
 import pytest
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 from flax import nnx
 
 from jaxrl.infra.launcher import launch
@@ -173,6 +174,7 @@ def test_generate_uses_an_instruct_models_chat_template_by_default(
     tmp_path,
     monkeypatch,
     capsys,
+    jax_disk_cache,  # noqa: F811
 ):
     """`launch.generate --hf_dir` sent raw text to an instruct model unless --chat_template was
     given (SmolLM2 answered "" with its end of turn at once). A tokenizer with a chat template

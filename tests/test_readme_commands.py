@@ -5,9 +5,9 @@ README's "Your model, your data" recipe runs as written too, on a tiny random HF
 and a 20-line jsonl written here.
 
 The commands run in this process (`launch(...)` / `main(argv)`, as `python -m` would call them),
-so the launches share compiled programs (the run's XLA cache, tests/conftest.py). Arguments
-are appended to some commands to shrink them to a few steps (later flags and gin bindings win);
-the README text itself is what runs.
+so the launches share compiled programs (`disk_cache`). Arguments are appended to some commands
+to shrink them to a few steps (later flags and gin bindings win); the README text itself is
+what runs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 
 import gin
 import pytest
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 
 from jaxrl.infra.launcher import launch, parse_flags
 from jaxrl.infra.metrics import read_metrics
@@ -135,7 +136,7 @@ def _bind_only(launch_fn, args: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def readme(tmp_path_factory):
+def readme(tmp_path_factory, jax_disk_cache):  # noqa: F811
     """Runs the README's commands in order in a scratch directory: (directory, outputs)."""
     root = tmp_path_factory.mktemp("readme")
     os.symlink(os.path.join(REPO, "configs"), root / "configs")
@@ -381,7 +382,7 @@ def _run_recipe_command(command: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
+def recipe(tmp_path_factory, jax_disk_cache):  # noqa: F811
     """The README's "Your model, your data" block, run in order: (directory, outputs)."""
     root = tmp_path_factory.mktemp("recipe")
     os.symlink(os.path.join(REPO, "examples"), root / "examples")
