@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
