@@ -8,6 +8,7 @@ binding to write instead."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -59,24 +60,26 @@ class PublicNames(Mapping[str, str]):
     def __init__(self, module: str):
         self.module = module
 
-    def _public(self) -> dict[str, object]:
+    @functools.cached_property
+    def _public(self) -> tuple[str, ...]:
+        """The public names, read once from the imported module."""
         namespace = vars(importlib.import_module(self.module))
-        return {
-            name: value
+        return tuple(
+            name
             for name, value in namespace.items()
             if not name.startswith("_") and not isinstance(value, types.ModuleType)
-        }
+        )
 
     def __getitem__(self, name: str) -> str:
-        if name.startswith("_") or name not in self._public():
+        if name not in self._public:
             raise KeyError(name)
         return self.module
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._public())
+        return iter(self._public)
 
     def __len__(self) -> int:
-        return len(self._public())
+        return len(self._public)
 
 
 @dataclasses.dataclass(frozen=True)
