@@ -21,12 +21,59 @@ LEARNING_SMOKE = [
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+SCHEMA = 1  # the version of the result files' layout (see `write_results`)
+
+
 def machine() -> str:
     devices = jax.devices()
     return f"{len(devices)}x {devices[0].device_kind} ({platform.machine()}, {os.cpu_count()} cpus)"
 
 
+def machine_facts() -> dict:
+    """What a result's figures depend on: the devices, the host CPU and its cores, the versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    devices = jax.devices()
+    return {
+        "devices": f"{len(devices)}x {devices[0].device_kind}",
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
+
+
+def tree() -> dict:
+    """The commit the figures were measured at, and whether the work tree had changes."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    dirty = bool(
+        git("status", "--porcelain", "--untracked-files=no", "--", "jaxrl", "launch", "bench")
+    )
+    return {"commit": commit or "unknown", "dirty": dirty}
+
+
 def command() -> str:
+    """The command line that ran this process, as a user would type it."""
+    if os.environ.get("JAXRL_BENCH_COMMAND"):  # set by `python -m bench`
+        return os.environ["JAXRL_BENCH_COMMAND"]
     return (
         "python -m "
         + os.path.splitext(os.path.relpath(sys.argv[0]))[0].replace(os.sep, ".")
@@ -34,30 +81,48 @@ def command() -> str:
     )
 
 
-def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], note: str) -> str:
-    """Writes bench/results/NAME.json and NAME.md; returns the markdown table.
+def format_cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return str(value)
 
-    `columns` are (key, header) pairs; `note` (the command, the machine) heads the table.
-    """
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
-        json.dump({"date": stamp, "note": note, "rows": rows}, f, indent=1)
+
+def render_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """The markdown table of `rows` under `columns` ((key, header) pairs), no heading comment."""
     lines = [
-        f"<!-- {note}; {stamp} -->",
         "| " + " | ".join(h for _, h in columns) + " |",
         "|" + "|".join("---" for _ in columns) + "|",
     ]
     for row in rows:
-        cells = []
-        for key, _ in columns:
-            value = row.get(key, "")
-            if isinstance(value, float):
-                cells.append(f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}")
-            else:
-                cells.append(str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+        lines.append("| " + " | ".join(format_cell(row.get(key, "")) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], note: str) -> str:
+    """Writes bench/results/NAME.json and NAME.md; returns the markdown table.
+
+    `columns` are (key, header) pairs; `note` (what was measured, how) heads the table. The JSON
+    holds, besides the rows: the schema version, the command, the tree (commit, and whether
+    `jaxrl/`, `launch/` or `bench/` had uncommitted changes), the machine, the date and the
+    columns, so that `python -m bench.report` can rebuild the table from the file alone.
+    """
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result = {
+        "schema": SCHEMA,
+        "command": command(),
+        "tree": tree(),
+        "machine": machine_facts(),
+        "date": stamp,
+        "note": note,
+        "columns": [list(c) for c in columns],
+        "rows": rows,
+    }
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+    table = f"<!-- {note}; {stamp} -->\n" + render_table(rows, columns)
     with open(os.path.join(RESULTS_DIR, f"{name}.md"), "w") as f:
         f.write(table + "\n")
     return table
