@@ -1,0 +1,119 @@
+"""`python -m bench.report`: the docs' benchmark tables equal what their result files give, every
+table of a benchmark doc is generated or marked, and bad markers fail with their line and fix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import report
+
+DOCS = report.default_docs()
+
+
+def _write(tmp_path, text: str) -> str:
+    path = os.path.join(tmp_path, "doc.md")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=os.path.basename)
+def test_docs_tables_equal_what_the_report_writes(doc):
+    counts, problems = report.report(doc)
+    assert problems == [], "\n".join(problems)
+    if os.path.relpath(doc, report.ROOT) in report.BENCHMARK_DOCS:
+        assert counts["blocks"] > 0 and counts["records"] > 0
+
+
+def test_every_table_of_a_benchmark_doc_is_generated_or_marked():
+    for doc in DOCS:
+        with open(doc) as f:
+            lines = f.read().split("\n")
+        blocks, markers = report.parse(doc, lines)
+        if blocks or markers or os.path.relpath(doc, report.ROOT) in report.BENCHMARK_DOCS:
+            assert report.unmarked(doc, lines, blocks, markers) == []
+
+
+def test_a_changed_cell_fails_the_check_and_names_the_block(tmp_path):
+    with open(os.path.join(report.ROOT, "docs", "benchmarks.md")) as f:
+        lines = f.read().split("\n")
+    block = report.parse("docs/benchmarks.md", lines)[0][0]
+    row = next(
+        i
+        for i in range(block.start, block.end)
+        if lines[i].startswith("| ") and i > block.start + 3
+    )
+    cells = lines[row].split("|")
+    cells[2] = " 12345 "
+    lines[row] = "|".join(cells)
+    doc = _write(tmp_path, "\n".join(lines))
+    _, problems = report.report(doc)
+    assert len(problems) == 1
+    assert f"{doc}:{block.line}:" in problems[0] and block.result in problems[0]
+    assert "differs" in problems[0]
+    # without --check the report writes the file's figures back
+    assert report.report(doc, write=True)[1] == []
+    assert report.report(doc)[1] == []
+    with open(doc) as f:
+        assert "12345" not in f.read()
+
+
+def test_a_hand_pasted_table_fails(tmp_path):
+    with open(os.path.join(report.ROOT, "docs", "peers.md")) as f:
+        text = f.read()
+    doc = _write(tmp_path, text + "\nNew figures:\n\n| side | s |\n|---|---|\n| a | 1.0 |\n")
+    _, problems = report.report(doc)
+    assert len(problems) == 1 and "neither generated nor marked" in problems[0]
+    lines = text.count("\n") + 4
+    assert problems[0].startswith(f"{doc}:{lines}:")
+
+
+MARKER = "<!-- bench.report: {result}\ncolumns: {columns} -->\n\n<!-- /bench.report -->\n"
+
+
+@pytest.mark.parametrize(
+    "result, columns, message",
+    [
+        ("bench/results/no_such_result.json", "setting", "does not exist"),
+        ("bench/results/rl.json", "setting | no_such_key=x", "unknown column 'no_such_key'"),
+    ],
+)
+def test_a_bad_marker_fails_with_its_line_and_fix(tmp_path, result, columns, message):
+    doc = _write(tmp_path, "# t\n\n" + MARKER.format(result=result, columns=columns))
+    _, problems = report.report(doc)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{doc}:3:") and message in problems[0] and "fix:" in problems[0]
+
+
+RL = "<!-- bench.report: bench/results/rl.json"
+END = "<!-- /bench.report -->\n"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (RL + " -->\n| a |\n|---|\n", "has no <!-- /bench.report -->"),
+        ("<!-- bench.report: rl -->\n" + END, "is not a result file"),
+        ("<!-- bench.report: record; by hand -->\n| a |\n|---|\n", "without a date"),
+        (RL + "\nsort: mode -->\n" + END, "unknown marker line"),
+        (RL + "\ncolumns: mode\nrows: nokey=x -->\n" + END, "row filter"),
+        (RL + " -->\n" + END, "names no columns"),
+    ],
+)
+def test_malformed_markers(tmp_path, text, message):
+    doc = _write(tmp_path, "# t\n\n" + text)
+    _, problems = report.report(doc)
+    assert problems and problems[0].startswith(f"{doc}:3:") and message in problems[0]
+
+
+def test_main_check_exits_1_and_lists_the_block(tmp_path, capsys):
+    doc = _write(
+        tmp_path, "# t\n\n" + MARKER.format(result="bench/results/rl.json", columns="mode")
+    )
+    assert report.main(["--check", doc]) == 1
+    out = capsys.readouterr().out
+    assert f"{doc}:3: the table of bench/results/rl.json differs" in out
+    assert "1 generated tables" in out
+    assert report.main([doc]) == 0 and report.main(["--check", doc]) == 0
