@@ -3,6 +3,7 @@ table of a benchmark doc is generated or marked, and bad markers fail with their
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -117,3 +118,32 @@ def test_main_check_exits_1_and_lists_the_block(tmp_path, capsys):
     assert f"{doc}:3: the table of bench/results/rl.json differs" in out
     assert "1 generated tables" in out
     assert report.main([doc]) == 0 and report.main(["--check", doc]) == 0
+
+
+def test_a_result_of_the_current_schema_brings_its_own_columns_and_command(tmp_path):
+    os.makedirs(tmp_path / "bench" / "results")
+    result = {
+        "schema": 1,
+        "command": "python -m bench x --steps 3",
+        "tree": {"commit": "abc123def456", "dirty": True},
+        "machine": {"devices": "8x cpu", "cpu": "Xeon", "cpus": 2},
+        "date": "2026-12-06 22:00 UTC",
+        "note": "n",
+        "columns": [["mode", "mode"], ["step_s", "s/step"]],
+        "rows": [{"mode": "sync", "step_s": 0.5}, {"mode": "async", "step_s": 1234.5}],
+    }
+    with open(tmp_path / "bench" / "results" / "x.json", "w") as f:
+        json.dump(result, f)
+    doc = _write(
+        tmp_path, "# t\n\n<!-- bench.report: bench/results/x.json\nrows: mode=async -->\n" + END
+    )
+    assert report.report(doc, root=str(tmp_path), write=True)[1] == []
+    with open(doc) as f:
+        text = f.read()
+    assert "`python -m bench x --steps 3`, 2026-12-06 22:00 UTC, commit abc123def456" in text
+    assert "(uncommitted changes), on 8x cpu (Xeon, 2 cpus)" in text
+    assert "| mode | s/step |\n|---|---|\n| async | 1,234 |\n" in text
+    assert report.report(doc, root=str(tmp_path)) == (
+        {"blocks": 1, "records": 0, "references": 0, "tables": 1, "rewritten": 0},
+        [],
+    )
