@@ -1,15 +1,16 @@
 """`python -m bench.report [--check] [DOC ...]`: the docs' benchmark tables, rebuilt from results.
 
 A generated table sits in a block of a doc (default: `docs/*.md` and `README.md`) between two
-HTML comments. The opening one names a result file of `bench/results/`, and optionally, one per
-line:
+HTML comments. The opening one names a result file of `bench/results/` (or several, separated by
+spaces: their rows in that order, each with the key `file`, its file's name without the folder
+and `.json`), and optionally, one per line:
 
 - `columns: key=Header | key | ...`: the columns (`key` alone: the key is the header); without
-  it the file's own `columns` (files of the current schema, `bench.common.SCHEMA`);
+  it the (first) file's own `columns` (files of the current schema, `bench.common.SCHEMA`);
 - `rows: key=value | value; key=value`: the rows whose cell under each `key` reads one of its
   values (as the table prints it), in the file's order;
-- `command: ...`: the command that wrote the file, for files written before the schema (which
-  hold no `command`; without it, the command at the head of the file's `note`).
+- `command: ...`: the command that wrote the file(s), for files written before the schema
+  (which hold no `command`; without it, the command at the head of each file's `note`).
 
     <!-- bench.report: bench/results/rl.json
     columns: setting | mode | step_s=s/step
@@ -62,7 +63,7 @@ class MarkerError(ValueError):
 class Block:
     doc: str  # the doc's path as given
     line: int  # 1-based line of the opening comment
-    result: str  # path of the result file, relative to the repository root
+    result: str  # path of the result file(s), relative to the repository root, space-separated
     options: dict  # "columns", "rows", "command": the marker's option lines
     start: int  # 0-based index of the first content line
     end: int  # 0-based index of the closing comment
@@ -120,14 +121,15 @@ def parse(doc: str, lines: list[str]) -> tuple[list[Block], dict[int, str]]:
                 )
             spec.append(lines[i].strip())
         spec[-1] = spec[-1][: -len("-->")].strip()
-        result, options = spec[0], {}
-        if not result.endswith(".json") or " " in result:
-            raise _fail(
-                doc,
-                opening + 1,
-                f"{result!r} is not a result file",
-                "name bench/results/NAME.json, or write `record; ...` for a record",
-            )
+        result, options = " ".join(spec[0].split()), {}
+        for path in result.split(" "):
+            if not path.endswith(".json"):
+                raise _fail(
+                    doc,
+                    opening + 1,
+                    f"{path!r} is not a result file",
+                    "name bench/results/NAME.json, or write `record; ...` for a record",
+                )
         for option in filter(None, spec[1:]):
             key, _, value = option.partition(":")
             if key.strip() not in ("columns", "rows", "command") or not value.strip():
@@ -166,32 +168,55 @@ def _command(result: dict, options: dict) -> str:
     return quoted.group(1) if quoted else note.split(";")[0].strip()
 
 
+def _load(path: str, where: str, root: str) -> dict:
+    if not os.path.isfile(os.path.join(root, path)):
+        raise MarkerError(
+            f"{where}: result file {path} does not exist; fix: name a file "
+            "of bench/results/, or turn the block into a record marker"
+        )
+    with open(os.path.join(root, path)) as f:
+        result = json.load(f)
+    if not isinstance(result.get("rows"), list) or not result["rows"]:
+        raise MarkerError(f"{where}: {path} holds no rows; fix: name a benchmark's result")
+    return result
+
+
+def _made(result: dict, options: dict) -> str:
+    """The command, date, commit and machine of a result, as the source line names them."""
+    tree = result.get("tree") or {}
+    made = f"`{_command(result, options)}`, {result.get('date', 'undated')}"
+    if tree.get("commit"):
+        made += f", commit {tree['commit']}" + (
+            " (uncommitted changes)" if tree.get("dirty") else ""
+        )
+    machine = result.get("machine") or {}
+    if machine.get("devices"):
+        made += f", on {machine['devices']} ({machine.get('cpu', '?')}, {machine.get('cpus')} cpus)"
+    return made
+
+
 def render(block: Block, root: str = ROOT) -> list[str]:
     """The content lines the report writes into `block`."""
     from bench.common import render_table
 
     where = f"{block.doc}:{block.line}"
-    path = os.path.join(root, block.result)
-    if not os.path.isfile(path):
-        raise MarkerError(
-            f"{where}: result file {block.result} does not exist; fix: name a file "
-            "of bench/results/, or turn the block into a record marker"
-        )
-    with open(path) as f:
-        result = json.load(f)
-    rows = result.get("rows")
-    if not isinstance(rows, list) or not rows:
-        raise MarkerError(f"{where}: {block.result} holds no rows; fix: name a benchmark's result")
+    paths = block.result.split(" ")
+    results = [_load(path, where, root) for path in paths]
+    rows = [
+        {"file": os.path.basename(path)[: -len(".json")], **row}
+        for path, result in zip(paths, results, strict=True)
+        for row in result["rows"]
+    ]
     if "columns" in block.options:
         columns = []
         for item in block.options["columns"].split("|"):
             key, _, header = item.strip().partition("=")
             columns.append((key.strip(), header.strip() or key.strip()))
-    elif result.get("columns"):
-        columns = [tuple(c) for c in result["columns"]]
+    elif results[0].get("columns"):
+        columns = [tuple(c) for c in results[0]["columns"]]
     else:
         raise MarkerError(
-            f"{where}: {block.result} names no columns (written before schema 1); "
+            f"{where}: {paths[0]} names no columns (written before schema 1); "
             "fix: add `columns: key=Header | ...` to the marker"
         )
     keys = {k for row in rows for k in row}
@@ -203,16 +228,8 @@ def render(block: Block, root: str = ROOT) -> list[str]:
             )
     if "rows" in block.options:
         rows = _filter(rows, block.options["rows"], where, block.result)
-    tree = result.get("tree") or {}
-    made = f"`{_command(result, block.options)}`, {result.get('date', 'undated')}"
-    if tree.get("commit"):
-        made += f", commit {tree['commit']}" + (
-            " (uncommitted changes)" if tree.get("dirty") else ""
-        )
-    machine = result.get("machine") or {}
-    if machine.get("devices"):
-        made += f", on {machine['devices']} ({machine.get('cpu', '?')}, {machine.get('cpus')} cpus)"
-    source = f"*Generated by `python -m bench.report` from `{block.result}`: {made}.*"
+    made = [f"`{p}`: {_made(r, block.options)}" for p, r in zip(paths, results, strict=True)]
+    source = f"*Generated by `python -m bench.report` from {'; and '.join(made)}.*"
     return [source, "", *render_table(rows, columns).split("\n"), ""]
 
 

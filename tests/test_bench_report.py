@@ -147,3 +147,35 @@ def test_a_result_of_the_current_schema_brings_its_own_columns_and_command(tmp_p
         {"blocks": 1, "records": 0, "references": 0, "tables": 1, "rewritten": 0},
         [],
     )
+
+
+def test_a_block_of_several_files_joins_their_rows_each_tagged_by_its_file(tmp_path):
+    os.makedirs(tmp_path / "bench" / "results")
+    for name, date, mode, step_s in (
+        ("x_32", "2026-12-03 20:33", "a", 0.5),
+        ("x_64", "d2", "b", 2),
+    ):
+        result = {
+            "date": date,
+            "note": f"`python -m bench.x --n {name[2:]}`; load 1",
+            "rows": [{"mode": mode, "step_s": step_s}, {"mode": "sync", "step_s": 1.0}],
+        }
+        with open(tmp_path / "bench" / "results" / f"{name}.json", "w") as f:
+            json.dump(result, f)
+    doc = _write(
+        tmp_path,
+        "# t\n\n<!-- bench.report: bench/results/x_32.json  bench/results/x_64.json\n"
+        "columns: file=run | mode | step_s=s/step\nrows: mode=a | b -->\n" + END,
+    )
+    assert report.report(doc, root=str(tmp_path), write=True)[1] == []
+    with open(doc) as f:
+        text = f.read()
+    assert (
+        "from `bench/results/x_32.json`: `python -m bench.x --n 32`, 2026-12-03 20:33; and "
+        "`bench/results/x_64.json`: `python -m bench.x --n 64`, d2.*" in text
+    )
+    assert "| run | mode | s/step |\n|---|---|---|\n| x_32 | a | 0.5 |\n| x_64 | b | 2 |\n" in text
+    assert report.report(doc, root=str(tmp_path))[1] == []
+    os.remove(tmp_path / "bench" / "results" / "x_64.json")
+    problems = report.report(doc, root=str(tmp_path))[1]
+    assert problems[0].startswith("doc.md:3: result file bench/results/x_64.json does not exist")
