@@ -156,7 +156,7 @@ def write_markdown(path: str, result: dict) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--init_from", required=True, help="a save_pretrained dir of the model")
     p.add_argument("--workdir", default="/tmp/calc_smollm2_smoke")
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(REPO, "bench/results/calc_smollm2_tool_use"))
     p.add_argument("--examples", default="", help="few-shot exchanges, e.g. 12*34,56*78")
     p.add_argument("--gin_param", action="append", default=[], help="more bindings (repeatable)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if os.path.exists(args.workdir):
         raise SystemExit(f"{args.workdir} exists; remove it or pass another --workdir")
     os.makedirs(args.workdir)
@@ -188,7 +188,8 @@ def main() -> None:
     if code:
         raise SystemExit(f"launch.rl failed (exit {code}); see {args.workdir}/run.log")
     result = {
-        "command": shlex.join(["python", "-m", "bench.calc_smollm2_smoke", *sys.argv[1:]]),
+        "command": os.environ.get("JAXRL_BENCH_COMMAND")  # set by `python -m bench`
+        or shlex.join(["python", "-m", "bench.calc_smollm2_smoke", *sys.argv[1:]]),
         "date": date,  # the start
         "load": round(load, 2),
         "wall_s": time.perf_counter() - start,

@@ -18,7 +18,10 @@ LEARNING_SMOKE = [
     "RLConfig.eval_size = 16", "RLConfig.num_prompts = 4", "RLConfig.oversample = 2",
 ]  # fmt: skip
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# JAXRL_BENCH_RESULTS_DIR: somewhere else (a test's temporary directory) for the results.
+RESULTS_DIR = os.environ.get("JAXRL_BENCH_RESULTS_DIR") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results"
+)
 
 
 SCHEMA = 1  # the version of the result files' layout (see `write_results`)

@@ -12,6 +12,7 @@ directory).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -28,7 +29,8 @@ def normalized_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     import jax
     from flax import nnx
 

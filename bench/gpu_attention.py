@@ -37,11 +37,11 @@ def _load_module():
     return module
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu", action="store_true", help="tiny shapes in interpret mode")
     parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax

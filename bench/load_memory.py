@@ -108,7 +108,10 @@ def main(argv=None) -> None:
     parser.add_argument("--megabytes", type=float, default=200.0)
     args = parser.parse_args(argv)
     result = measure(args.megabytes)
-    result["command"] = f"python -m bench.load_memory --megabytes {args.megabytes:g}"
+    result["command"] = (  # JAXRL_BENCH_COMMAND: set by `python -m bench`
+        os.environ.get("JAXRL_BENCH_COMMAND")
+        or f"python -m bench.load_memory --megabytes {args.megabytes:g}"
+    )
     print(json.dumps(result))
     mb = lambda b: f"{b / 1e6:.1f} MB"
     print(

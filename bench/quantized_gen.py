@@ -173,6 +173,7 @@ def main(argv=None) -> None:
 
     rows_list = [int(r) for r in args.rows.split(",")]
     command = "python -m bench.quantized_gen" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     affinity = sorted(os.sched_getaffinity(0))
     note = f"`{command}`; {machine()}, cores {affinity}; {load()} before"
     if args.matmul:

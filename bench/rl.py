@@ -449,6 +449,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     steps = args.steps or (4 if args.smoke else 24)
     command = "python -m bench.rl" + "".join(f" {a}" for a in (argv or []))
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     cores = sorted(os.sched_getaffinity(0))
     load_before = os.getloadavg()[0]
     # The full run measures one row at a time (rows would compete for the cores); the smoke run

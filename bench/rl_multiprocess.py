@@ -1,7 +1,7 @@
 """The async arithmetic run as one job of two processes vs one process, at equal trainer steps.
 
 Both runs start from the same SFT warm start (`--sft`: a run directory, e.g. the `sync/sft` of
-`python -m bench.rl_async_learning`; trained here first when not given) and run
+`python -m bench learning rl-async`; trained here first when not given) and run
 `configs/rl/arith_tiny.gin` (one process, 8 devices) and `configs/rl/arith_tiny_2proc.gin` (two
 processes x 4 devices under `launch.local_cluster`, every mesh spanning both) for `--steps`
 trainer steps. The two-process job is killed (process 1, by the fault hook, after step
@@ -122,6 +122,7 @@ def main(argv=None) -> dict:
         ("staleness_mean", "mean staleness"), ("s_per_step", "s/step"), ("seconds", "wall s"),
     ]  # fmt: skip
     command_line = "python -m bench.rl_multiprocess" + "".join(f" {a}" for a in (argv or []))
+    command_line = os.environ.get("JAXRL_BENCH_COMMAND") or command_line  # `python -m bench`
     print(write_results("rl_multiprocess", rows, columns, f"`{command_line}`; verdict {verdict}"))
     print(f"runs: {workdir} (log: {log})")
     return {"rows": rows, "verdict": verdict, "results_dir": RESULTS_DIR}

@@ -165,6 +165,7 @@ def main(argv=None) -> list[dict]:
     from bench.common import write_results
 
     command = "python -m bench.rl_step" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     load = f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     note = (
         f"`{command}`, one core (taskset -c {core}), {load}, {steps} steps x {rounds} rounds, "

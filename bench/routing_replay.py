@@ -79,13 +79,13 @@ def summarize(name: str, workdir: str) -> dict:
     }
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--sft_dir", help="an SFT checkpoint of configs/rl/arith_tiny_moe.gin")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--summarize_only", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.summarize_only:
         if not args.sft_dir:
             parser.error("--sft_dir is required unless --summarize_only")

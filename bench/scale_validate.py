@@ -685,6 +685,7 @@ def main(argv=None):
     from bench.common import write_results
 
     command = "python -m bench.scale_validate" + "".join(f" {a}" for a in (argv or []))
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     note = (
         f"`{command}` {start}-{time.strftime('%H:%M', time.gmtime())} UTC, load average "
         f"(1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} -> "

@@ -77,6 +77,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         row = soak(args.workdir or os.path.join(tmp, "run"), args.steps)
     row["command"] = "python -m bench.soak" + "".join(f" {a}" for a in (argv or []))
+    row["command"] = os.environ.get("JAXRL_BENCH_COMMAND") or row["command"]  # `python -m bench`
     print(json.dumps(row))
     from bench.common import write_results
 

@@ -260,6 +260,7 @@ def main(argv=None) -> list[dict]:
     abstract, host_params, repeats, chunk_bytes = _model(args)
     flags = sys.argv[1:] if argv is None else argv
     command = "python -m bench.sync" + "".join(f" {a}" for a in flags)
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     if args.cross_process:
         in_process = measure(PAIRS[0], host_params, abstract, repeats, chunk_bytes)
         del host_params

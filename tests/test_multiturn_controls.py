@@ -1,6 +1,6 @@
-"""The control knobs of the multi-turn learning bench (bench/calc_learning.py): the calculator
-with its tool disabled (`TaskSpec.tool_disabled`: every call answered `=?`) and the loss mask
-removed (`Trajectory.to_rollout(mask_observations=False)`, `rl_main.mask_observations`, which
+"""The control knobs of the multi-turn learning bench (`python -m bench learning calc`): the
+calculator with its tool disabled (`TaskSpec.tool_disabled`: every call answered `=?`) and the loss
+mask removed (`Trajectory.to_rollout(mask_observations=False)`, `rl_main.mask_observations`, which
 reaches `EpisodeFeed`'s rollouts). No model runs: the feed's episode runner is replaced by a
 scripted one."""
 
@@ -109,11 +109,11 @@ def test_episode_feed_passes_the_mask_switch_to_its_rollouts():
 
 
 def test_learning_bench_summary_finds_when_the_targets_are_first_met(tmp_path):
-    """bench/calc_learning.py's row of a run: the first evaluation with tool-call rate >= 90%
+    """bench/learning/calc.py's row of a run: the first evaluation with tool-call rate >= 90%
     and accuracy >= start + 40 points, and the probe's pattern of a self-written value."""
     import json
 
-    from bench.calc_learning import WRITES_OUTPUT, summarise
+    from bench.learning.calc import WRITES_OUTPUT, summarise
 
     evals = [(0, 100.0, 0.0, 0.05), (25, 130.0, 0.95, 0.40), (50, 160.0, 0.92, 0.50)]
     with open(tmp_path / "metrics.jsonl", "w") as f:

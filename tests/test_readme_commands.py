@@ -469,7 +469,7 @@ def test_the_smollm2_commands_take_tilde_paths_as_written(tmp_path, monkeypatch)
     the program with its `~` (bash expands it only at a word's start) and failed ("has no
     config.json"). With a HOME of its own that holds a tiny model where `launch.fetch` puts
     SmolLM2, the section's generate command runs as written, and its RL command (run by
-    bench/smollm2_learning.py) parses and binds its init_from to that directory. The fetch and
+    bench/learning/smollm2.py) parses and binds its init_from to that directory. The fetch and
     import lines download or need a GGUF; the eval and export lines need the run."""
     import runpy
 

@@ -48,6 +48,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     core = args.core if args.core >= 0 else sorted(os.sched_getaffinity(0))[-1]
     command = "python -m bench.peers.gen" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     load_before = load()
     model = args.model
     if args.smoke:

@@ -161,6 +161,7 @@ def main(argv=None) -> list[dict]:
     args.steps = args.steps or (3 if args.smoke else 8)
     core = args.core if args.core >= 0 else sorted(os.sched_getaffinity(0))[-1]
     command = "python -m bench.peers.rl_step" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    command = os.environ.get("JAXRL_BENCH_COMMAND") or command  # `python -m bench`
     load_before = load()
     scratch = tempfile.mkdtemp(prefix="peers_rl_step_")
     model = args.model

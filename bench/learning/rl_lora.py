@@ -11,11 +11,12 @@ evaluations over the start: one evaluation of 512 problems has a ~2-point standa
 first evaluated step at which each run is +15 points over its start, bytes per weight push
 (`sync/bytes_pushed`, and as a share of the full run's push) and the issue's verdict for each
 LoRA row: it gains >= +15 greedy points, reaching them in at most 2x the steps full
-fine-tuning needs, with a push <= 2% of the full model's.
+fine-tuning needs, with a push <= 2% of the full model's. The table (markdown) is printed and,
+with `--out`, written (bench/results/rl_lora_learning.md).
 
-    python -m bench.rl_lora_learning --full_steps 500      # ~15 min on an idle 2-core CPU
-    python -m bench.rl_lora_learning --full_dir W/full --lora_dir "NAME=W/run" ...  # tabulate
-    python -m bench.rl_lora_learning --smoke               # seconds, checks the plumbing
+    python -m bench learning rl-lora --full_steps 500     # ~15 min on an idle 2-core CPU
+    python -m bench learning rl-lora --full_dir W/full --lora_dir "NAME=W/run" ...  # tabulate
+    python -m bench learning rl-lora --smoke              # seconds, checks the plumbing
 """
 
 from __future__ import annotations
@@ -24,38 +25,52 @@ from bench import cpu_devices
 
 cpu_devices.simulate(8)
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
-from bench.common import LEARNING_SMOKE, run_rl  # noqa: E402
-from jaxrl.infra.metrics import read_metrics  # noqa: E402
+from bench.learning import runner  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FULL = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
-LORA = os.path.join(REPO, "configs", "rl", "arith_tiny_lora.gin")
+CONFIG = runner.config_path("arith_tiny.gin")
+LORA = runner.config_path("arith_tiny_lora.gin")
+RESULTS = "rl_lora_learning"
+RUNS = {
+    "full": ("full fine-tuning", CONFIG),
+    "lora": ("LoRA, the config", LORA),  # --lora_name, --lora_param; or --lora_dir NAME=DIR
+}
 GAIN = 0.15
 
 
+def add_options(parser) -> None:
+    parser.add_argument("--full_steps", type=int, default=500)
+    parser.add_argument("--lora_steps", type=int, default=0, help="default: 2x --full_steps")
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--out", default="", help="write the table (markdown) here")
+    parser.add_argument("--full_dir", default="", help="reuse this finished full run (and its SFT)")
+    parser.add_argument("--lora_param", action="append", default=[], help="extra gin for LoRA")
+    parser.add_argument("--lora_name", default=RUNS["lora"][0])
+    parser.add_argument(
+        "--lora_dir", action="append", default=[],
+        help="NAME=DIR: tabulate this finished LoRA run (repeatable) instead of launching one",
+    )  # fmt: skip
+
+
 def summarise(name: str, metrics_path: str, seconds: float) -> dict:
-    records = read_metrics(metrics_path)
-    evals = [r for r in records if "eval/accuracy" in r]
-    start = evals[0]["eval/accuracy"]
-    reached = [r["step"] for r in evals if r["eval/accuracy"] >= start + GAIN]
+    records = runner.read(metrics_path)
+    evaluations = runner.evals(records)
+    greedy = runner.curve(evaluations, "eval/accuracy")
+    reached = [r["step"] for r in evaluations if r["eval/accuracy"] >= greedy["start"] + GAIN]
     pushed = [r["sync/bytes_pushed"] for r in records if "sync/bytes_pushed" in r]
     return {
         "run": name,
         "steps": records[-1]["step"],
-        "greedy_start": start,
-        "greedy_end": evals[-1]["eval/accuracy"],
-        "greedy_last3": statistics.mean(r["eval/accuracy"] for r in evals[-3:]),
-        "gain": statistics.mean(r["eval/accuracy"] for r in evals[-3:]) - start,
+        "greedy_start": greedy["start"],
+        "greedy_end": greedy["end"],
+        "greedy_last3": greedy["last3"],
+        "gain": greedy["last3"] - greedy["start"],
         "steps_to_gain": reached[0] if reached else None,
         "bytes_pushed": pushed[-1] if pushed else 0.0,
-        "s_per_step": statistics.median(r["time/step_s"] for r in records if r["step"] > 1),
+        "s_per_step": runner.seconds_per_step(records),
         "seconds": round(seconds, 1),
     }
 
@@ -91,32 +106,18 @@ def verdict(full: dict, lora: dict) -> dict:
     }
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--workdir", default="")
-    parser.add_argument("--full_steps", type=int, default=500)
-    parser.add_argument("--lora_steps", type=int, default=0, help="default: 2x --full_steps")
-    parser.add_argument("--eval_every", type=int, default=50)
-    parser.add_argument("--out", default="", help="write the table (markdown) here")
-    parser.add_argument("--full_dir", default="", help="reuse this finished full run (and its SFT)")
-    parser.add_argument("--lora_param", action="append", default=[], help="extra gin for LoRA")
-    parser.add_argument("--lora_name", default="LoRA, the config")
-    parser.add_argument(
-        "--lora_dir", action="append", default=[],
-        help="NAME=DIR: tabulate this finished LoRA run (repeatable) instead of launching one",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="rl_lora_learning_")
+def run(args) -> list[dict]:
+    from bench.common import LEARNING_SMOKE, command
+
     lora_steps = args.lora_steps or 2 * args.full_steps
     common = [] if args.smoke else ["RLConfig.save_every_steps = 100000"]
-    full_dir = args.full_dir or os.path.join(workdir, "full")
-    runs = [("full fine-tuning", FULL, args.full_steps, [], full_dir)]
+    full_dir = args.full_dir or os.path.join(args.workdir, "full")
+    runs = [(RUNS["full"][0], CONFIG, args.full_steps, [], full_dir)]
     given = [spec.rsplit("=", 1) for spec in args.lora_dir]  # names hold "r=4"
     if any(len(spec) != 2 for spec in given):
         raise SystemExit(f"--lora_dir takes NAME=DIR; got {args.lora_dir}")
     runs += [(name, LORA, 0, [], run_dir) for name, run_dir in given] or [
-        (args.lora_name, LORA, lora_steps, args.lora_param, os.path.join(workdir, "lora"))
+        (args.lora_name, LORA, lora_steps, args.lora_param, os.path.join(args.workdir, "lora"))
     ]
     rows = []
     for name, config, steps, extra, run_dir in runs:
@@ -132,12 +133,12 @@ def main(argv=None) -> list[dict]:
         if rows:  # the first run trained the SFT stage: the LoRA run starts from it
             sft_dir = os.path.join(full_dir, "sft")
             params += ["rl_main.sft = None", f"PolicySpec.init_from = '{sft_dir}'"]
-        seconds = run_rl(config, run_dir, common + params + extra)
+        seconds = runner.run_in_process(config, run_dir, common + params + extra)
         rows.append(summarise(name, os.path.join(run_dir, "metrics.jsonl"), seconds))
         print(json.dumps(rows[-1]), flush=True)
     verdicts = {row["run"]: verdict(rows[0], row) for row in rows[1:]}
     text = (
-        f"<!-- `python -m bench.rl_lora_learning {' '.join(argv or [])}`; verdicts {verdicts}; "
+        f"<!-- `{command()}`; verdicts {verdicts}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} -->\n{table(rows)}\n"
     )
     print(text)
@@ -145,9 +146,3 @@ def main(argv=None) -> list[dict]:
         with open(args.out, "w") as f:
             f.write(text)
     return rows
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

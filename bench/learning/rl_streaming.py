@@ -11,7 +11,7 @@ process, or `--sft_dir`), with `init_from`; only the schedule and the loss diffe
 2. streaming: the config as is (kv_on_update "keep", max_staleness 2, queue_size 1,
    stream_in_flight 4, PPO clip, dynamic sampling at oversample 4).
 3. streaming_no_is: the same streaming run with the importance correction off: loss "pg_no_is"
-   (bench.rl_async_learning's `PlainPGLoss`: AIPO with min(pi/mu, rho) replaced by 1), at the
+   (bench/learning/pg_no_is.py's `PlainPGLoss`: AIPO with min(pi/mu, rho) replaced by 1), at the
    same staleness bound, so the same staleness distribution (measured, reported).
 4. streaming_recompute (optional, `--runs`): kv_on_update "recompute".
 
@@ -29,10 +29,10 @@ versions, dropped groups, mean completion length, seconds per step. Verdict of t
 criteria: streaming within 3 points of fixed lag, both >= +15 points over the SFT start
 (last-3 means). Writes bench/results/NAME.{json,md} and NAME.png (curves).
 
-    python -m bench.rl_streaming_learning --steps 600 --parallel 2
-    python -m bench.rl_streaming_learning --sft_dir RUN/sft --runs fixed_lag --steps 100
-    python -m bench.rl_streaming_learning --smoke      # minutes (5 processes compile): plumbing
-    python -m bench.rl_streaming_learning --workdir W --sft_dir W/sft_run/sft --no_launch \
+    python -m bench learning rl-streaming --steps 600 --parallel 2
+    python -m bench learning rl-streaming --sft_dir RUN/sft --runs fixed_lag --steps 100
+    python -m bench learning rl-streaming --smoke      # minutes (5 processes compile): plumbing
+    python -m bench learning rl-streaming --workdir W --sft_dir W/sft_run/sft --no_launch \
         --until_step 120    # re-summarise the runs in W (e.g. stopped ones) at a common step
 
 Measured 2026-12-02 (docs/benchmarks.md, "Learning: streaming vs fixed lag on chain sums"): from the
@@ -45,21 +45,18 @@ schedule.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-from jaxrl.infra.xla_cpu import cpu_xla_flags
+from bench.learning import runner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/rl/chain_tiny_streaming.gin"
+RESULTS = "rl_streaming_learning"
 DEVICES = 2
 # bench/rl_streaming's "2dev" setting: one device per role.
 TWO_DEVICES = [
@@ -86,9 +83,40 @@ SMOKE = [
     "RLConfig.num_prompts = 4",
 ]  # fmt: skip
 TASK = "chain_sum_after_sft"
+COLUMNS = [
+    ("name", "run"), ("steps", "steps"), ("greedy_start", "greedy start"),
+    ("greedy_end", "greedy end"), ("greedy_last3", "greedy (last 3)"),
+    ("greedy_gain_pts", "gain (pts)"), ("t1_start", "T=1 start"), ("t1_last3", "T=1 (last 3)"),
+    ("token_staleness", "token staleness"), ("mixed_rows", "mixed-version rows"),
+    ("dropped_groups", "dropped groups"), ("filtered_groups", "filtered groups"),
+    ("completion_tokens", "mean completion"),
+    ("reward_last50", "reward (last 50)"), ("s_per_step", "s/step"), ("seconds", "wall s"),
+]  # fmt: skip
+PANELS = [("eval/accuracy", "chain sums, held-out accuracy, greedy"),
+          ("eval/accuracy_t1", "chain sums, held-out accuracy, temperature 1")]  # fmt: skip
 
 
-# --- the child process: one launch.rl run, with this bench's task and loss registered ---------
+def add_options(parser) -> None:
+    parser.add_argument("--sft_dir", default="", help="an SFT checkpoint dir (RUN/sft) to reuse")
+    parser.add_argument("--sft_steps", type=int, default=0, help="0: the config's SFT steps")
+    parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {','.join(RUNS)}")
+    parser.add_argument("--steps", type=int, default=600, help="RL trainer steps per run")
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--eval_size", type=int, default=512)
+    parser.add_argument("--eval_samples", type=int, default=1, help="T=1 draws per prompt")
+    parser.add_argument("--learning_rate", type=float, default=0.0, help="0: the config's")
+    parser.add_argument(
+        "--gin_param", action="append", default=[], help="a binding added to every RL run"
+    )
+    parser.add_argument("--parallel", type=int, default=2, help="runs at once")
+    parser.add_argument("--name", default="", help="results name (default by mode)")
+    parser.add_argument("--until_step", type=int, default=0, help="summarise steps <= this")
+    parser.add_argument(
+        "--no_launch", action="store_true", help="only summarise the runs in --workdir"
+    )
+
+
+# --- the child process: one launch.rl run, with this experiment's task and loss registered ----
 
 
 def chain_after_sft(spec, tokenizer):
@@ -114,7 +142,7 @@ def chain_after_sft(spec, tokenizer):
 
 
 def child_main(flags: list[str]) -> None:
-    from bench import rl_async_learning  # noqa: F401  (registers the loss "pg_no_is")
+    from bench.learning import pg_no_is  # noqa: F401  (registers the loss "pg_no_is")
     from jaxrl.infra.launcher import launch
     from jaxrl.tasks.source import register_task
     from launch.rl import rl_main
@@ -123,29 +151,17 @@ def child_main(flags: list[str]) -> None:
     launch(rl_main, flags)
 
 
-# --- the bench: SFT once, then the runs, then the summary -------------------------------------
+# --- the experiment: SFT once, then the runs, then the summary --------------------------------
 
 
-def _launch(workdir: str, params: list[str]) -> float:
-    """One `launch.rl` run in a child process on DEVICES simulated devices (its output in
-    WORKDIR.log); returns its wall seconds."""
-    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags("", devices=DEVICES))
-    env |= {"PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
-    flags = ["--gin_file", CONFIG, "--workdir", workdir]
-    for p in params:
-        flags += ["--gin_param", p]
-    start = time.perf_counter()
-    with open(workdir.rstrip("/") + ".log", "a") as log:
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.rl_streaming_learning", "--child", *flags],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the run in {workdir} failed (exit {done.returncode}): see {log.name}")
-    return time.perf_counter() - start
+def launch_run(workdir: str, params: list[str]) -> float:
+    """One `launch.rl` run (with this module's task and loss) in a child process on DEVICES
+    simulated devices (its output in WORKDIR.log); returns its wall seconds."""
+    _, seconds = runner.launch_child(
+        CONFIG, workdir, params, devices=DEVICES,
+        module="bench.learning.rl_streaming", module_args=("--child",),
+    )  # fmt: skip
+    return seconds
 
 
 def make_sft(root: str, overrides: list[str]) -> str:
@@ -155,29 +171,12 @@ def make_sft(root: str, overrides: list[str]) -> str:
         "RLConfig.total_steps = 1", "RLConfig.eval_size = 0",
         "RLConfig.schedule = 'fixed_lag'", "RLConfig.lag = 1",
     ]  # fmt: skip
-    _launch(workdir, params)
+    launch_run(workdir, params)
     return os.path.join(workdir, "sft")
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return statistics.mean(values) if values else float("nan")
-
-
-def read_until(metrics_path: str, until_step: int = 0) -> list[dict]:
-    """A run's metrics.jsonl records, those of steps <= `until_step` if it is > 0 (a run stopped
-    early, or cut to the step every run reached: the RL learning rate is constant after warmup,
-    so the first N steps of a longer run are an N-step run but for the final evaluation)."""
-    from jaxrl.infra.metrics import read_metrics
-
-    records = read_metrics(metrics_path)
-    return [r for r in records if r["step"] <= until_step] if until_step > 0 else records
 
 
 def run_label(run: str, workdir: str) -> str:
     """The run's label with the loss its config.gin binds, e.g. "fixed lag 1 (ppo_clip)"."""
-    import re
-
     path = os.path.join(workdir, "config.gin")
     text = open(path).read() if os.path.exists(path) else ""
     loss = re.search(r"^LossConfig\.name = '(\w+)'", text, re.M)
@@ -193,37 +192,33 @@ def summarise(
     num_prompts: int = 16,
 ) -> dict:
     """One table row from a run's metrics.jsonl (step 0: the evaluation of the SFT start)."""
-    records = read_until(metrics_path, until_step)
-    evals = [r for r in records if "eval/accuracy" in r]
+    mean = runner.mean
+    records = runner.read(metrics_path, until_step)
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
     last = steps[-1]
     label = run_label(run, os.path.dirname(metrics_path))
     row = {"run": run, "name": label, "steps": last["step"], "seconds": round(seconds)}
-    for key, short in (("eval/accuracy", "greedy"), ("eval/accuracy_t1", "t1")):
-        row[f"{short}_start"] = evals[0].get(key, float("nan"))
-        row[f"{short}_end"] = evals[-1].get(key, float("nan"))
-        row[f"{short}_last3"] = _mean(r.get(key, float("nan")) for r in evals[-3:])
-        row[f"{short}_gain_pts"] = 100 * (row[f"{short}_last3"] - row[f"{short}_start"])
+    row |= runner.curve_row(runner.evals(records))
     if "stream/token_staleness_mean" in last:
-        row["token_staleness"] = _mean(r["stream/token_staleness_mean"] for r in steps)
+        row["token_staleness"] = mean(r["stream/token_staleness_mean"] for r in steps)
         row["token_staleness_max"] = max(r["stream/token_staleness_max"] for r in steps)
-        row["mixed_rows"] = _mean(r["stream/mixed_version_rows"] for r in steps)
+        row["mixed_rows"] = mean(r["stream/mixed_version_rows"] for r in steps)
         row["dropped_groups"] = last["stream/dropped_groups"]
         row["filtered_groups"] = last.get("data/filtered_groups", 0.0)
     else:  # fixed lag: every token of a batch has the batch's staleness
-        row["token_staleness"] = _mean(r["async/staleness"] for r in steps)
+        row["token_staleness"] = mean(r["async/staleness"] for r in steps)
         row["token_staleness_max"] = max(r["async/staleness"] for r in steps)
         row["mixed_rows"] = 0.0
         row["dropped_groups"] = last.get("async/dropped_samples", 0.0) / samples_per_prompt
         # Dynamic sampling: the sampled groups not trained (oversample - 1 per trained one).
         trained = last["step"] * num_prompts
         row["filtered_groups"] = last.get("data/prompts_seen", trained) - trained
-    row["completion_tokens"] = _mean(r["completion/mean_tokens"] for r in steps)
-    row["reward_last50"] = _mean(r["reward/mean"] for r in steps[-50:])
+    row["completion_tokens"] = mean(r["completion/mean_tokens"] for r in steps)
+    row["reward_last50"] = mean(r["reward/mean"] for r in steps[-50:])
     row["s_per_step"] = statistics.median(
         r["time/step_s"] for r in steps[1:] or steps
     )  # 1: compiles
-    row["eval_s"] = _mean(r["time/eval_s"] for r in evals if "time/eval_s" in r)
+    row["eval_s"] = mean(r["time/eval_s"] for r in runner.evals(records) if "time/eval_s" in r)
     return row
 
 
@@ -245,75 +240,11 @@ def verdict(rows: dict[str, dict]) -> dict:
     return out
 
 
-def plot_curves(workdirs: dict[str, str], path: str, until_step: int = 0) -> str:
-    """Held-out greedy and T=1 accuracy against trainer steps, one line per run; the dotted
-    line is the SFT start + 15 points (the issue's bar)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    start = None
-    for run, workdir in workdirs.items():
-        evals = [
-            r
-            for r in read_until(os.path.join(workdir, "metrics.jsonl"), until_step)
-            if "eval/accuracy" in r
-        ]
-        start = evals[0]["eval/accuracy"] if start is None else start
-        for ax, key in zip(axes, ("eval/accuracy", "eval/accuracy_t1"), strict=True):
-            ax.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o",
-                    label=run_label(run, workdir))  # fmt: skip
-    for ax, title in zip(axes, ("greedy", "temperature 1"), strict=True):
-        ax.set_title(f"chain sums, held-out accuracy, {title}")
-        ax.set_xlabel("trainer step")
-        ax.grid(alpha=0.3)
-    axes[0].axhline(start + 0.15, color="gray", linestyle=":", label="SFT start + 15 points")
-    axes[0].legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-COLUMNS = [
-    ("name", "run"), ("steps", "steps"), ("greedy_start", "greedy start"),
-    ("greedy_end", "greedy end"), ("greedy_last3", "greedy (last 3)"),
-    ("greedy_gain_pts", "gain (pts)"), ("t1_start", "T=1 start"), ("t1_last3", "T=1 (last 3)"),
-    ("token_staleness", "token staleness"), ("mixed_rows", "mixed-version rows"),
-    ("dropped_groups", "dropped groups"), ("filtered_groups", "filtered groups"),
-    ("completion_tokens", "mean completion"),
-    ("reward_last50", "reward (last 50)"), ("s_per_step", "s/step"), ("seconds", "wall s"),
-]  # fmt: skip
-
-
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a few steps of everything")
-    parser.add_argument("--workdir", default="")
-    parser.add_argument("--sft_dir", default="", help="an SFT checkpoint dir (RUN/sft) to reuse")
-    parser.add_argument("--sft_steps", type=int, default=0, help="0: the config's SFT steps")
-    parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {','.join(RUNS)}")
-    parser.add_argument("--steps", type=int, default=600, help="RL trainer steps per run")
-    parser.add_argument("--eval_every", type=int, default=50)
-    parser.add_argument("--eval_size", type=int, default=512)
-    parser.add_argument("--eval_samples", type=int, default=1, help="T=1 draws per prompt")
-    parser.add_argument("--learning_rate", type=float, default=0.0, help="0: the config's")
-    parser.add_argument(
-        "--gin_param", action="append", default=[], help="a binding added to every RL run"
-    )
-    parser.add_argument("--parallel", type=int, default=2, help="runs at once")
-    parser.add_argument("--name", default="", help="results name (default by mode)")
-    parser.add_argument("--until_step", type=int, default=0, help="summarise steps <= this")
-    parser.add_argument(
-        "--no_launch", action="store_true", help="only summarise the runs in --workdir"
-    )
-    args = parser.parse_args(argv)
+def run(args) -> list[dict]:
     runs = args.runs.split(",")
     if unknown := set(runs) - set(RUNS):
         raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {list(RUNS)}")
-    root = args.workdir or tempfile.mkdtemp(prefix="rl_streaming_learning_")
+    root = args.workdir
     os.makedirs(root, exist_ok=True)
     steps, eval_every, eval_size = args.steps, args.eval_every, args.eval_size
     base = []
@@ -341,12 +272,12 @@ def main(argv=None) -> list[dict]:
     load = {"before": os.getloadavg()[0]}
 
     def one(run: str) -> tuple[str, float]:
-        return run, _launch(workdirs[run], params + RUNS[run][1])
+        return run, launch_run(workdirs[run], params + RUNS[run][1])
 
     seconds = {}
     if args.no_launch:  # summarise the runs already in --workdir (stopped or finished)
         for run in runs:
-            records = read_until(os.path.join(workdirs[run], "metrics.jsonl"), args.until_step)
+            records = runner.read(os.path.join(workdirs[run], "metrics.jsonl"), args.until_step)
             seconds[run] = records[-1]["wall_time_s"] - records[0]["wall_time_s"]
     else:
         with concurrent.futures.ThreadPoolExecutor(max(args.parallel, 1)) as pool:
@@ -355,7 +286,7 @@ def main(argv=None) -> list[dict]:
                 print(f"[bench] {run} done in {s:.0f} s ({workdirs[run]})", flush=True)
     load["after"] = os.getloadavg()[0]
     import launch.rl  # noqa: F401  (registers rl_main, which the config binds)
-    from bench.common import RESULTS_DIR, gin_values, write_results
+    from bench.common import RESULTS_DIR, command, gin_values, write_results
 
     shape = gin_values(CONFIG, [], "RLConfig.samples_per_prompt", "RLConfig.num_prompts")
     rows = {
@@ -366,28 +297,27 @@ def main(argv=None) -> list[dict]:
             shape["RLConfig.samples_per_prompt"],
             args.until_step,
             shape["RLConfig.num_prompts"],
-        )
+        )  # fmt: skip
         for run in runs
     }
     for row in rows.values():
         print(json.dumps(row), flush=True)
     result = verdict(rows)
     print(json.dumps({"verdict": result}), flush=True)
-    command = "python -m bench.rl_streaming_learning" + "".join(f" {a}" for a in (argv or []))
-    name = args.name or ("rl_streaming_learning_smoke" if args.smoke else "rl_streaming_learning")
+    name = args.name or (RESULTS + ("_smoke" if args.smoke else ""))
     note = (
-        f"`{command}`; SFT checkpoint {sft}; {os.cpu_count()} cores, load average "
+        f"`{command()}`; SFT checkpoint {sft}; {os.cpu_count()} cores, load average "
         f"{load['before']:.1f} before / {load['after']:.1f} after; verdict {result}"
     )
     print(write_results(name, list(rows.values()), COLUMNS, note))
     png = os.path.join(RESULTS_DIR, name + ".png")
-    print(f"plot: {plot_curves(workdirs, png, args.until_step)}")
+    labels = {run_label(run, workdirs[run]): workdirs[run] for run in runs}
+    print(f"plot: {runner.plot_curves(labels, png, PANELS, until_step=args.until_step, bar=0.15)}")
     print(f"runs: {root}")
     return list(rows.values())
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        child_main(sys.argv[2:])
-    else:
-        main(sys.argv[1:])
+if __name__ == "__main__":  # a child run (`launch_run`); the experiment: python -m bench learning
+    if sys.argv[1:2] != ["--child"]:
+        raise SystemExit("run the experiment as `python -m bench learning rl-streaming`")
+    child_main(sys.argv[2:])

@@ -13,56 +13,50 @@
 Reports greedy and temperature-1 accuracy at the start and the mean of the last 3 evaluations,
 as JSON and a markdown table (bench/results/rl_learning.*), plus a plot.
 
-    python -m bench.rl_learning                 # the full experiment (~20 min on 2 CPU cores)
-    python -m bench.rl_learning --smoke         # seconds, checks the plumbing
+    python -m bench learning rl-sync              # the full experiment (~20 min on 2 CPU cores)
+    python -m bench learning rl-sync --smoke      # seconds, checks the plumbing
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
-import tempfile
 import time
 
-import numpy as np
+from bench.learning import runner
 
-from bench.common import (
-    LEARNING_SMOKE,
-    RESULTS_DIR,
-    command,
-    gin_values,
-    machine,
-    run_rl,
-    write_results,
-)
-from jaxrl.infra.metrics import read_metrics
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny_sync.gin")
-
-
-def _rl(workdir, params):
-    return run_rl(CONFIG, workdir, params)
+CONFIG = runner.config_path("arith_tiny_sync.gin")
+RESULTS = "rl_learning"
+RUNS = {
+    "rl": ("sync RL (AIPO)", []),
+    "sft_continued": ("control: continued SFT, same wall time", None),  # not an RL run
+    "rl_shuffled": (
+        "control: RL, shuffled rewards",
+        ["RLConfig.shuffle_rewards = True", "rl_main.sft = None"],  # + init_from the SFT stage
+    ),
+}
+COLUMNS = [
+    ("run", "run"), ("greedy_start", "greedy start"), ("greedy_end", "greedy end (last 3)"),
+    ("greedy_gain_pts", "gain (pts)"), ("t1_start", "T=1 start"), ("t1_end", "T=1 end"),
+    ("t1_gain_pts", "T=1 gain (pts)"), ("seconds", "wall s"),
+]  # fmt: skip
 
 
-def _evals(path):
-    return [r for r in read_metrics(path) if "eval/accuracy" in r]
+def add_options(parser) -> None:
+    parser.add_argument("--rl_steps", type=int, default=0, help="override RLConfig.total_steps")
 
 
-def _summary(name, evals, seconds):
-    first, last3 = evals[0], evals[-3:]
-    row = {"run": name, "seconds": round(seconds, 1)}
-    for key, short in (("eval/accuracy", "greedy"), ("eval/accuracy_t1", "t1")):
-        row[f"{short}_start"] = round(first[key], 4)
-        row[f"{short}_end"] = round(statistics.mean(r[key] for r in last3), 4)
-        row[f"{short}_gain_pts"] = round(100 * (row[f"{short}_end"] - row[f"{short}_start"]), 1)
-    return row
+def summarise(label: str, evaluations: list[dict], seconds: float) -> dict:
+    """Start, end (the mean of the last 3 evaluations) and gain, greedy and T=1."""
+    row = runner.curve_row(evaluations, digits=4)
+    row = {k.replace("_last3", "_end"): v for k, v in row.items() if not k.endswith("_end")}
+    return {"run": label, "seconds": round(seconds, 1)} | row
 
 
-def _config_values(overrides) -> dict:
+def config_values(overrides) -> dict:
     """The SFT demonstrations and the RL learning rate the config (with `overrides`) binds."""
+    from bench.common import gin_values
+
     names = ("OptimizerConfig.learning_rate", "SFTConfig.num_demonstrations", "SFTConfig.steps")
     v = gin_values(CONFIG, overrides, *names, "SFTConfig.batch_size")
     return {
@@ -78,6 +72,8 @@ def continued_sft(
     """Control A: SFT from the finished SFT checkpoint at a constant `learning_rate` for
     `seconds` of wall time on the stage's demonstrations (`pool`, from data `position` on),
     evaluated like the RL run."""
+    from flax import nnx
+
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.metrics import MetricsWriter
@@ -97,8 +93,6 @@ def continued_sft(
         TRAINER_RULES,
         OptimizerConfig(learning_rate=learning_rate).make(1),
     )
-    from flax import nnx
-
     state = trainer.init(nnx.to_pure_dict(params))
     source = build_source(TaskSpec(), tokenizer)
     sampler = colocated_sampler(trainer, tokenizer)
@@ -108,15 +102,9 @@ def continued_sft(
 
     def run_eval(step):
         m = evaluate(
-            sampler,
-            state.params,
-            tokenizer,
-            source.reward_name,
-            items,
-            ids,
-            max_new_tokens=6,
-            samples=4,
-        )
+            sampler, state.params, tokenizer, source.reward_name, items, ids,
+            max_new_tokens=6, samples=4,
+        )  # fmt: skip
         writer.write(step, m)
 
     run_eval(0)
@@ -133,55 +121,40 @@ def continued_sft(
     return os.path.join(out_dir, "metrics.jsonl"), time.perf_counter() - start
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--workdir", default="")
-    parser.add_argument("--rl_steps", type=int, default=0, help="override RLConfig.total_steps")
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="rl_learning_")
-    overrides = []
-    if args.smoke:
-        overrides = list(LEARNING_SMOKE)
+def run(args) -> list[dict]:
+    import numpy as np
+
+    from bench.common import LEARNING_SMOKE, RESULTS_DIR, command, machine, write_results
+
+    workdir = args.workdir
+    overrides = list(LEARNING_SMOKE) if args.smoke else []
     if args.rl_steps:
         overrides.append(f"RLConfig.total_steps = {args.rl_steps}")
     eval_every = 2 if args.smoke else 250
     eval_size = 16 if args.smoke else 512
 
+    def evals_of(run_dir):
+        return runner.evals(runner.read(os.path.join(run_dir, "metrics.jsonl")))
+
     rl_dir = os.path.join(workdir, "rl")
     total = time.perf_counter()
-    _rl(rl_dir, overrides)
+    runner.run_in_process(CONFIG, rl_dir, overrides + RUNS["rl"][1])
     sft_dir = os.path.join(rl_dir, "sft")
-    sft_seconds = (
-        read_metrics(os.path.join(sft_dir, "metrics.jsonl"))[-1]["wall_time_s"]
-        - (read_metrics(os.path.join(sft_dir, "metrics.jsonl"))[0]["wall_time_s"])
-    )
-    rl_evals = _evals(os.path.join(rl_dir, "metrics.jsonl"))
+    sft_records = runner.read(os.path.join(sft_dir, "metrics.jsonl"))
+    sft_seconds = sft_records[-1]["wall_time_s"] - sft_records[0]["wall_time_s"]
+    rl_evals = evals_of(rl_dir)
     rl_only = rl_evals[-1]["wall_time_s"] - rl_evals[0]["wall_time_s"]
 
     shuffled_dir = os.path.join(workdir, "rl_shuffled")
-    _rl(
-        shuffled_dir,
-        overrides
-        + [
-            "RLConfig.shuffle_rewards = True",
-            "rl_main.sft = None",
-            f"PolicySpec.init_from = '{sft_dir}'",
-        ],
-    )
+    warm = [f"PolicySpec.init_from = '{sft_dir}'"]
+    runner.run_in_process(CONFIG, shuffled_dir, overrides + RUNS["rl_shuffled"][1] + warm)
 
-    values = _config_values(overrides)
+    values = config_values(overrides)
     control_path, control_seconds = continued_sft(
-        sft_dir,
-        os.path.join(workdir, "sft_continued"),
-        values["rl_learning_rate"],
-        rl_only,
-        eval_every,
-        eval_size,
-        values["pool"],
-        values["sft_position"],
-    )
-    sft_evals = _evals(os.path.join(sft_dir, "metrics.jsonl"))
+        sft_dir, os.path.join(workdir, "sft_continued"), values["rl_learning_rate"], rl_only,
+        eval_every, eval_size, values["pool"], values["sft_position"],
+    )  # fmt: skip
+    sft_evals = runner.evals(sft_records)
     rows = [
         {
             "run": "SFT warm start",
@@ -189,13 +162,11 @@ def main(argv=None) -> None:
             "greedy_end": sft_evals[-1]["eval/accuracy"],
             "t1_end": sft_evals[-1]["eval/accuracy_t1"],
         },
-        _summary("sync RL (AIPO)", rl_evals, rl_only),
-        _summary("control: continued SFT, same wall time", _evals(control_path), control_seconds),
-        _summary(
-            "control: RL, shuffled rewards",
-            _evals(os.path.join(shuffled_dir, "metrics.jsonl")),
-            rl_only,
-        ),
+        summarise(RUNS["rl"][0], rl_evals, rl_only),
+        summarise(
+            RUNS["sft_continued"][0], runner.evals(runner.read(control_path)), control_seconds
+        ),  # fmt: skip
+        summarise(RUNS["rl_shuffled"][0], evals_of(shuffled_dir), rl_only),
     ]
     for row in rows:
         print(json.dumps(row))
@@ -207,36 +178,18 @@ def main(argv=None) -> None:
         "rl_beats_controls": rl_row["greedy_end"] > max(sft_ctl["greedy_end"], shuf["greedy_end"]),
         "sft_plus_rl_within_10_min": sft_seconds + rl_only <= 600,
     }
-    print(
-        json.dumps(
-            {
-                "verdict": verdict,
-                "sft_plus_rl_s": round(sft_seconds + rl_only, 1),
-                "total_s": round(time.perf_counter() - total, 1),
-            }
-        )
-    )
-    columns = [
-        ("run", "run"),
-        ("greedy_start", "greedy start"),
-        ("greedy_end", "greedy end (last 3)"),
-        ("greedy_gain_pts", "gain (pts)"),
-        ("t1_start", "T=1 start"),
-        ("t1_end", "T=1 end"),
-        ("t1_gain_pts", "T=1 gain (pts)"),
-        ("seconds", "wall s"),
-    ]
-    name = "rl_learning_smoke" if args.smoke else "rl_learning"
-    print(write_results(name, rows, columns, f"`{command()}` on {machine()}"))
+    print(json.dumps({
+        "verdict": verdict,
+        "sft_plus_rl_s": round(sft_seconds + rl_only, 1),
+        "total_s": round(time.perf_counter() - total, 1),
+    }))  # fmt: skip
+    name = RESULTS + ("_smoke" if args.smoke else "")
+    print(write_results(name, rows, COLUMNS, f"`{command()}` on {machine()}"))
     if not args.smoke:
         from launch.plot import write_plot
 
-        plot = write_plot(rl_dir, os.path.join(RESULTS_DIR, "rl_learning.png"))
-        print(f"plot: {plot}")
+        print(f"plot: {write_plot(rl_dir, os.path.join(RESULTS_DIR, RESULTS + '.png'))}")
     print(f"runs: {workdir}")
     if np.isnan(rl_row["greedy_end"]):
         raise SystemExit("no evaluation recorded")
-
-
-if __name__ == "__main__":
-    main()
+    return rows

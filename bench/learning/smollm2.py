@@ -18,10 +18,10 @@ first and last 10 steps; the verdict of issue 36's criterion (rl +15 points with
 control not rising: gain < 5 points). Writes bench/results/NAME.{json,md} and NAME.png (held-out
 accuracy and train reward against wall minutes, both runs).
 
-    python -m bench.smollm2_learning --init_from ~/.cache/jaxrl/smollm2-135m-instruct \
+    python -m bench learning smollm2 --init_from ~/.cache/jaxrl/smollm2-135m-instruct \
         --minutes 120                                          # the full experiment, 2 x 2 h
-    python -m bench.smollm2_learning --init_from DIR --smoke   # 2 short steps each: plumbing
-    python -m bench.smollm2_learning --workdir W --no_launch   # summarise runs already in W
+    python -m bench learning smollm2 --init_from DIR --smoke   # 2 short steps each: plumbing
+    python -m bench learning smollm2 --workdir W --no_launch   # summarise runs already in W
 
 The runs of one workdir may come from several invocations (e.g. `--runs rl`, then `--runs
 shuffled`); each launching command is appended to WORKDIR/launched_by.txt and quoted in the
@@ -30,18 +30,14 @@ results note.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "configs", "rl", "smollm2_arith.gin")
+from bench.learning import runner
+
+CONFIG = runner.config_path("smollm2_arith.gin")
+RESULTS = "smollm2_learning"
 DEVICES = 2
 RUNS = {
     "rl": ("RL (AIPO)", []),
@@ -49,6 +45,26 @@ RUNS = {
 }
 GAIN_PTS, CONTROL_MAX_PTS, BUDGET_S = 15.0, 5.0, 7200.0
 LORA_LR = 1e-4  # --lora without --lr
+PANELS = [("eval/accuracy", "held-out greedy accuracy"), ("reward/mean", "mean train reward")]
+TITLE = "SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (smollm2_arith.gin)"
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--init_from", default="", help="save_pretrained dir of SmolLM2")
+    parser.add_argument("--runs", default="rl,shuffled", help=f"comma list of {sorted(RUNS)}")
+    parser.add_argument("--steps", type=int, default=400, help="trainer steps per run (at most)")
+    parser.add_argument("--minutes", type=float, default=120.0, help="wall minutes per run")
+    parser.add_argument("--eval_every", type=int, default=20)
+    parser.add_argument("--eval_size", type=int, default=256)
+    parser.add_argument("--save_every", type=int, default=20)
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (rl_main.lora)")
+    parser.add_argument(
+        "--lr", type=float, default=0.0, help="learning rate (0: the config's; with --lora 1e-4)"
+    )
+    parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
+    parser.add_argument("--parallel", action="store_true", help="both runs at once")
+    parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
+    parser.add_argument("--name", default="", help="results name (default smollm2_learning)")
 
 
 def run_params(args) -> list[str]:
@@ -70,38 +86,15 @@ def run_params(args) -> list[str]:
 def launch_run(workdir: str, params: list[str], seconds: float) -> float:
     """`python -m launch.rl` on the config in a child process (output in WORKDIR.log), stopped
     by SIGINT after `seconds`; returns its wall seconds."""
-    from jaxrl.infra.xla_cpu import cpu_xla_flags
-
-    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags("", devices=DEVICES), JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = REPO
-    command = [sys.executable, "-m", "launch.rl", "--gin_file", CONFIG, "--workdir", workdir]
-    for p in params:
-        command += ["--gin_param", p]
-    start = time.perf_counter()
-    with open(workdir.rstrip("/") + ".log", "a") as log:
-        child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            child.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGINT)  # the loop stops at the end of its step
-            try:
-                child.wait(timeout=600)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-    if child.returncode not in (0, 130, -signal.SIGINT) and not os.path.exists(
-        os.path.join(workdir, "metrics.jsonl")
-    ):
-        raise SystemExit(f"{workdir}: launch.rl failed (exit {child.returncode}); see its .log")
-    return time.perf_counter() - start
+    return runner.launch_child(
+        CONFIG, workdir, params, devices=DEVICES, seconds=seconds, must_succeed=False
+    )[1]
 
 
 def summarise(name: str, label: str, workdir: str) -> dict:
     """One row: steps, seconds per step, greedy accuracy start / last-3 mean / gain, reward."""
-    from jaxrl.infra.metrics import read_metrics
-
-    records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    evals = [r for r in records if "eval/accuracy" in r]
+    records = runner.read(os.path.join(workdir, "metrics.jsonl"))
+    evals = runner.evals(records)
     steps = [r for r in records if "reward/mean" in r]
     row = {"run": label, "name": name, "steps": max((r["step"] for r in steps), default=0)}
     if not evals:
@@ -127,67 +120,7 @@ def summarise(name: str, label: str, workdir: str) -> dict:
     return row
 
 
-def write_plot(runs: dict[str, str], path: str) -> str:
-    """Held-out greedy accuracy and train reward against wall minutes, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from jaxrl.infra.metrics import read_metrics
-
-    fig, (acc_ax, reward_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, workdir in runs.items():
-        records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-        if not records:
-            continue
-        t0 = records[0]["wall_time_s"]
-        evals = [r for r in records if "eval/accuracy" in r]
-        acc_ax.plot(
-            [(r["wall_time_s"] - t0) / 60 for r in evals],
-            [r["eval/accuracy"] for r in evals],
-            marker="o",
-            label=label,
-        )
-        steps = [r for r in records if "reward/mean" in r]
-        reward_ax.plot(
-            [(r["wall_time_s"] - t0) / 60 for r in steps], [r["reward/mean"] for r in steps],
-            label=label, alpha=0.7,
-        )  # fmt: skip
-    acc_ax.set(xlabel="wall minutes", ylabel="held-out greedy accuracy", title="held-out")
-    reward_ax.set(xlabel="wall minutes", ylabel="mean train reward", title="train reward")
-    for ax in (acc_ax, reward_ax):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("SmolLM2-135M-Instruct, reasoning-gym basic_arithmetic (smollm2_arith.gin)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--init_from", default="", help="save_pretrained dir of SmolLM2")
-    parser.add_argument("--workdir", default="")
-    parser.add_argument("--runs", default="rl,shuffled", help=f"comma list of {sorted(RUNS)}")
-    parser.add_argument("--steps", type=int, default=400, help="trainer steps per run (at most)")
-    parser.add_argument("--minutes", type=float, default=120.0, help="wall minutes per run")
-    parser.add_argument("--eval_every", type=int, default=20)
-    parser.add_argument("--eval_size", type=int, default=256)
-    parser.add_argument("--save_every", type=int, default=20)
-    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (rl_main.lora)")
-    parser.add_argument(
-        "--lr", type=float, default=0.0, help="learning rate (0: the config's; with --lora 1e-4)"
-    )
-    parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
-    parser.add_argument("--parallel", action="store_true", help="both runs at once")
-    parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
-    parser.add_argument(
-        "--smoke", action="store_true", help="2 steps of 2 prompts, 16 tokens, 8 eval problems"
-    )
-    parser.add_argument("--name", default="", help="results name (default smollm2_learning)")
-    args = parser.parse_args(argv)
+def run(args) -> None:
     if args.smoke:
         args.steps, args.eval_every, args.eval_size, args.save_every = 2, 1, 8, 100
         args.gin_param += ["RLConfig.num_prompts = 2", "RLConfig.max_new_tokens = 16"]
@@ -197,16 +130,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"--runs {unknown}: choose from {sorted(RUNS)}")
     if not args.no_launch and not args.init_from:
         raise SystemExit("--init_from: a save_pretrained directory of SmolLM2-135M-Instruct")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="smollm2_learning_")
+    workdir = args.workdir
     os.makedirs(workdir, exist_ok=True)
     dirs = {n: os.path.join(workdir, n) for n in names}
 
-    launches = os.path.join(workdir, "launched_by.txt")  # every launching command, in order
-    if not args.no_launch:
+    if not args.no_launch:  # every launching command, in order
         from bench.common import command
 
-        with open(launches, "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {command()}\n")
+        runner.note_launch(workdir, f"{command()}\n")
         params = run_params(args)
         jobs = [(dirs[n], params + RUNS[n][1], args.minutes * 60) for n in names]
         if args.parallel:
@@ -231,7 +162,7 @@ def main(argv=None) -> None:
 
     from bench.common import RESULTS_DIR, command, write_results
 
-    name = args.name or ("smollm2_learning_smoke" if args.smoke else "smollm2_learning")
+    name = args.name or (RESULTS + ("_smoke" if args.smoke else ""))
     columns = [
         ("run", "run"), ("steps", "steps"), ("s_per_step", "s / step"), ("wall_s", "wall s"),
         ("greedy_start", "greedy start"), ("greedy_end", "greedy end (last 3)"),
@@ -239,14 +170,9 @@ def main(argv=None) -> None:
         ("reward_first10", "reward, first 10 steps"), ("reward_last10", "reward, last 10 steps"),
     ]  # fmt: skip
     note = f"`{command()}` on {DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
-    if os.path.exists(launches):
-        with open(launches) as f:
-            note += "; runs launched by " + " then ".join(f"`{line.strip()}`" for line in f)
+    note += runner.launches(workdir)
     print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
-    print(f"plot: {write_plot(labels, os.path.join(RESULTS_DIR, name + '.png'))}")
+    png = os.path.join(RESULTS_DIR, name + ".png")
+    print(f"plot: {runner.plot_curves(labels, png, PANELS, x='minutes', title=TITLE, dpi=110)}")
     print(f"runs: {workdir}")
-
-
-if __name__ == "__main__":
-    main()

@@ -34,26 +34,22 @@ per run (steps, s/step, RL wall, tool-call rate and accuracy at the start and th
 gain, the probe's rates) and the curves against RL wall minutes. The header notes the machine's
 load average before and after (the machine may be shared).
 
-    python -m bench.calc_learning                  # the full experiment (about an hour)
-    python -m bench.calc_learning --smoke          # 20 SFT steps, 3 RL steps each: plumbing
-    python -m bench.calc_learning --workdir W --no_launch   # summarise runs already in W
+    python -m bench learning calc                  # the full experiment (about an hour)
+    python -m bench learning calc --smoke          # 20 SFT steps, 3 RL steps each: plumbing
+    python -m bench learning calc --workdir W --no_launch   # summarise runs already in W
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "configs", "rl", "calc_tiny.gin")
+from bench.learning import runner
+
+CONFIG = runner.config_path("calc_tiny.gin")
+RESULTS = "calc_learning"
 RUNS = {
     "rl": ("RL (AIPO), tool on", []),
     "tool_disabled": ("control: tool disabled (=?)", ["TaskSpec.tool_disabled = True"]),
@@ -66,46 +62,24 @@ SMOKE = [
     "RLConfig.num_prompts = 4",
 ]  # fmt: skip
 WRITES_OUTPUT = re.compile(r"\)=(\d+)")
+PANELS = [("eval/accuracy", "held-out greedy accuracy"),
+          ("eval/tool_call_rate", "held-out greedy tool-call rate")]  # fmt: skip
 
 
-def _log_tail(path: str, lines: int = 30) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-def _first_record_time(workdir: str) -> float | None:
-    """When the run's first metrics record (its step-0 evaluation) appeared, else None."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-        return os.path.getmtime(path)
-    return None
+def add_options(parser) -> None:
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
+    parser.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the config's)")
+    parser.add_argument("--minutes", type=float, default=15.0, help="RL wall minutes per run")
+    parser.add_argument("--eval_every", type=int, default=0, help="0: the config's")
+    parser.add_argument("--eval_size", type=int, default=512)
+    parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
+    parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
 
 
 def launch_run(workdir: str, params: list[str], seconds: float) -> None:
     """`python -m launch.rl` on the config in a child process (output in WORKDIR.log); its RL
     stage is interrupted (SIGINT: it saves and stops) `seconds` after its first record."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    command = [sys.executable, "-m", "launch.rl", "--gin_file", CONFIG, "--workdir", workdir]
-    for p in params:
-        command += ["--gin_param", p]
-    with open(workdir.rstrip("/") + ".log", "a") as log:
-        child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while child.poll() is None:
-            start = _first_record_time(workdir)
-            if start is not None and time.time() - start > seconds:
-                child.send_signal(signal.SIGINT)  # the loop stops at the end of its step
-                try:
-                    child.wait(timeout=300)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                break
-            time.sleep(2)
-        child.wait()
-    if child.returncode not in (0, 130, -signal.SIGINT):
-        log_path = workdir.rstrip("/") + ".log"
-        raise SystemExit(
-            f"{workdir}: launch.rl failed (exit {child.returncode}):\n{_log_tail(log_path)}"
-        )
+    runner.launch_child(CONFIG, workdir, params, seconds=seconds, budget_from_first_record=True)
 
 
 def claim_workdir(workdir: str, params: list[str], sft_dir: str) -> None:
@@ -201,10 +175,8 @@ def probe(workdir: str, eval_size: int, digits: tuple[int, int], max_new_tokens:
 
 def summarise(name: str, label: str, workdir: str) -> dict:
     """One row: steps, s/step, RL wall, tool-call rate and accuracy at the start / the end."""
-    from jaxrl.infra.metrics import read_metrics
-
-    records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    evals = [r for r in records if "eval/accuracy" in r]
+    records = runner.read(os.path.join(workdir, "metrics.jsonl"))
+    evals = runner.evals(records)
     steps = [r for r in records if "reward/mean" in r]
     row = {"run": label, "name": name, "steps": max((r["step"] for r in steps), default=0)}
     if not evals:
@@ -239,9 +211,7 @@ def summarise(name: str, label: str, workdir: str) -> dict:
 
 def sft_row(sft_dir: str) -> dict:
     """The warm start: its SFT steps and wall seconds (its own evaluation is single-turn)."""
-    from jaxrl.infra.metrics import read_metrics
-
-    records = read_metrics(os.path.join(sft_dir, "metrics.jsonl"))
+    records = runner.read(os.path.join(sft_dir, "metrics.jsonl"))
     return {
         "run": "SFT warm start (10% tool demonstrations)",
         "name": "sft",
@@ -250,58 +220,7 @@ def sft_row(sft_dir: str) -> dict:
     }
 
 
-def write_plot(runs: dict[str, str], path: str, title: str) -> str:
-    """Held-out greedy accuracy and tool-call rate against RL wall minutes, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from jaxrl.infra.metrics import read_metrics
-
-    fig, (acc_ax, tool_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, workdir in runs.items():
-        evals = [
-            r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "eval/accuracy" in r
-        ]
-        if not evals:
-            continue
-        minutes = [(r["wall_time_s"] - evals[0]["wall_time_s"]) / 60 for r in evals]
-        acc_ax.plot(minutes, [r["eval/accuracy"] for r in evals], marker="o", ms=3, label=label)
-        tool_ax.plot(
-            minutes, [r["eval/tool_call_rate"] for r in evals], marker="o", ms=3, label=label
-        )
-    acc_ax.set(xlabel="RL wall minutes", ylabel="held-out greedy accuracy", ylim=(-0.02, 1.02))
-    tool_ax.set(
-        xlabel="RL wall minutes", ylabel="held-out greedy tool-call rate", ylim=(-0.02, 1.02)
-    )
-    for ax in (acc_ax, tool_ax):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.1f}/{five:.1f}/{fifteen:.1f}"
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {list(RUNS)}")
-    parser.add_argument("--steps", type=int, default=0, help="RL steps per run (0: the config's)")
-    parser.add_argument("--minutes", type=float, default=15.0, help="RL wall minutes per run")
-    parser.add_argument("--eval_every", type=int, default=0, help="0: the config's")
-    parser.add_argument("--eval_size", type=int, default=512)
-    parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
-    parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
-    parser.add_argument("--smoke", action="store_true", help="20 SFT steps, 3 RL steps each")
-    args = parser.parse_args(argv)
+def run(args) -> None:
     params = list(args.gin_param)
     if args.smoke:
         args.steps, args.eval_every, args.eval_size = 3, 3, 16
@@ -316,27 +235,23 @@ def main(argv=None) -> None:
     unknown = sorted(set(names) - set(RUNS))
     if unknown or names[:1] != ["rl"]:
         raise SystemExit(f"--runs {args.runs!r}: choose from {list(RUNS)}, 'rl' first")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="calc_learning_")
+    workdir = args.workdir
     os.makedirs(workdir, exist_ok=True)
     dirs = {n: os.path.join(workdir, n) for n in names}
     sft_dir = os.path.join(dirs["rl"], "sft")
 
     from bench.common import RESULTS_DIR, command, write_results
 
-    load_before = _load()
-    launches = os.path.join(workdir, "launched_by.txt")
+    load_before = runner.load()
     if not args.no_launch:
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        with open(launches, "a") as f:
-            f.write(f"{stamp}: {command()} (load average {load_before} at its start")
+        runner.note_launch(workdir, f"{command()} (load average {load_before} at its start")
         if not os.path.exists(os.path.join(dirs["rl"], "metrics.jsonl")):
             launch_run(dirs["rl"], params + RUNS["rl"][1], args.minutes * 60)
         for n in names[1:]:
             claim_workdir(dirs[n], params + RUNS[n][1], sft_dir)  # the same warm start
             launch_run(dirs[n], params + RUNS[n][1], args.minutes * 60)
-        with open(launches, "a") as f:
-            f.write(f", {_load()} at its end)\n")
-    load_after = _load()
+        runner.note_launch(workdir, f", {runner.load()} at its end)\n", stamp=False)
+    load_after = runner.load()
 
     import launch.rl  # noqa: F401  (registers rl_main, which the config binds)
     from bench.common import gin_values
@@ -359,7 +274,7 @@ def main(argv=None) -> None:
             verdict[f"{n}_within_5_pts"] = abs(by_name[n]["gain_pts"]) <= CONTROL_MAX_PTS
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
-    name = "calc_learning_smoke" if args.smoke else "calc_learning"
+    name = RESULTS + ("_smoke" if args.smoke else "")
     columns = [
         ("run", "run"), ("steps", "steps"), ("s_per_step", "s / step"), ("wall_s", "wall s"),
         ("tool_start", "tool rate start"), ("tool_end", "tool rate end"),
@@ -377,15 +292,10 @@ def main(argv=None) -> None:
         f"shared; load average 1/5/15 min {load_before} before this summary, {load_after} after); "
         f"held-out problems: {args.eval_size}; verdict {verdict}"
     )
-    if os.path.exists(launches):
-        with open(launches) as f:
-            note += "; runs launched by " + " then ".join(f"`{line.strip()}`" for line in f)
+    note += runner.launches(workdir)
     print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
     title = "calc_tiny.gin: held-out greedy episodes (warm start: 10% tool demonstrations)"
-    print(f"plot: {write_plot(labels, os.path.join(RESULTS_DIR, name + '.png'), title)}")
+    png = os.path.join(RESULTS_DIR, name + ".png")
+    print(f"plot: {runner.plot_curves(labels, png, PANELS, x='minutes', title=title, dpi=110)}")
     print(f"runs: {workdir}")
-
-
-if __name__ == "__main__":
-    main()

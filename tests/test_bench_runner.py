@@ -1,0 +1,100 @@
+"""`python -m bench`: the one benchmark runner over the workloads of bench/registry.py (and the
+learning experiments of bench/learning/): each listed, each importable with a `main`, unknown
+names refused with the close matches, and one cheap workload run end to end through it into a
+temporary results directory, its result carrying the schema's fields."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+from bench import learning, registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=REPO,
+        env=dict(os.environ, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_list_names_every_workload_with_what_it_measures():
+    out = _bench("--list")
+    assert out.returncode == 0, out.stderr
+    for workload in registry.WORKLOADS:
+        (line,) = [x for x in out.stdout.splitlines() if x.split()[:1] == [workload.name]]
+        assert workload.measures in line
+    assert len(registry.BY_NAME) == len(registry.WORKLOADS)  # no name twice
+
+
+def test_learning_lists_its_experiments():
+    out = _bench("learning", "--list")
+    assert out.returncode == 0, out.stderr
+    for name in learning.EXPERIMENTS:
+        assert f"  {name} " in out.stdout
+
+
+def test_every_registered_module_imports_and_has_its_entry_point():
+    """All imported (none run) in one fresh process: some set XLA flags at import."""
+    modules = {w.module: ("main",) for w in registry.WORKLOADS}
+    for experiment in learning.EXPERIMENTS.values():  # declares its runs; runs by `run`
+        modules[experiment.module] = ("CONFIG", "RUNS", "RESULTS", "add_options", "run")
+    code = (
+        "import importlib, json, sys\n"
+        "bad = []\n"
+        f"for module, names in {modules!r}.items():\n"
+        "    m = importlib.import_module(module)\n"
+        "    bad += [f'{module}.{n}' for n in names if not hasattr(m, n)]\n"
+        "    bad += [] if callable(getattr(m, names[-1], None)) else [module]\n"
+        "print(json.dumps(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_the_runner_imports_no_jax_before_the_workload():
+    code = "import sys, bench.__main__, bench.registry, bench.learning; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_an_unknown_workload_fails_naming_the_close_matches():
+    out = _bench("synk")
+    assert out.returncode != 0
+    assert "unknown workload 'synk'" in out.stderr and "sync" in out.stderr
+    assert "--list" in out.stderr
+    out = _bench("learning", "rl-snyc")
+    assert out.returncode != 0
+    assert "rl-sync" in out.stderr and "--list" in out.stderr
+
+
+def test_a_workload_help_is_its_own():
+    out = _bench("learning", "rl-streaming", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "python -m bench learning rl-streaming" in out.stdout and "--sft_dir" in out.stdout
+
+
+def test_a_smoke_run_through_the_runner_writes_the_result_schema(tmp_path):
+    """`python -m bench sync --smoke` (~10 s) into a temporary results directory."""
+    out = _bench("sync", "--smoke", env={"JAXRL_BENCH_RESULTS_DIR": str(tmp_path)}, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "sync_smoke.json").read_text())
+    assert {"schema", "command", "tree", "machine", "date", "note", "columns", "rows"} <= set(
+        result
+    )
+    assert result["command"] == "python -m bench sync --smoke"
+    assert result["rows"] and all(row["command"] == result["command"] for row in result["rows"])
+    assert (tmp_path / "sync_smoke.md").exists()
+    assert importlib.import_module("bench.common").SCHEMA == result["schema"]
