@@ -11,11 +11,19 @@ import os
 # Before `jaxrl` is imported: importing it imports JAX, which reads JAX_PLATFORMS then.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxrl.infra.xla_cpu import cpu_xla_flags  # noqa: E402
+from procs import OPT_LEVEL_FLAG  # noqa: E402
+
+from jaxrl.infra.xla_cpu import add_xla_flag, cpu_xla_flags  # noqa: E402
 
 # 8 devices unless a count is set, and the CPU code-generation guard (jaxrl/infra/xla_cpu.py);
 # subprocesses the tests start inherit both.
 os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
+# LLVM's optimisation level for the machine code XLA:CPU compiles (the HLO passes are
+# unchanged): 0 in the tests, whose tiny programs spend more time compiling than running, which
+# cuts the suite's time by about a third. Every test compares runs made under the same flags (a
+# resumed run with its reference, several processes with one), or with a tolerance against a
+# reference; none measures speed. Set another level in XLA_FLAGS to run the suite under it.
+add_xla_flag(OPT_LEVEL_FLAG)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -14,6 +14,16 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# LLVM's optimisation level for XLA:CPU's machine code in the tests (set in tests/conftest.py).
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level=0"
+
+
+def suite_xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a process a test starts with its own device count (`devices`, or none for
+    `launch.local_cluster`, which sets it per process): the suite's flags, not the caller's."""
+    from jaxrl.infra.xla_cpu import cpu_xla_flags
+
+    return cpu_xla_flags(OPT_LEVEL_FLAG, devices=devices)
 
 
 def launch_env(cache: str, fault: str | None = None, **extra: str) -> dict[str, str]:

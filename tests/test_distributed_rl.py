@@ -19,8 +19,8 @@ import sys
 
 import numpy as np
 from flax import nnx
+from procs import suite_xla_flags
 
-from jaxrl.infra.xla_cpu import cpu_xla_flags
 from jaxrl.job import workdir as run_dir
 from jaxrl.job.specs import PolicySpec, TaskSpec, build_model_config, build_tokenizer
 
@@ -75,7 +75,7 @@ def _cluster(workdir, fault: str = "", extra: tuple[str, ...] = ()) -> subproces
         "--devices_per_process", "4", "--timeout_s", "120", "--heartbeat_timeout_s", "5", "--",
     ]  # fmt: skip
     env = _env(fault)
-    env.pop("XLA_FLAGS", None)  # local_cluster sets the device count per process
+    env["XLA_FLAGS"] = suite_xla_flags()  # local_cluster sets the device count per process
     return _run(launcher + _rl_command("arith_tiny_2proc.gin", workdir) + list(extra), env)
 
 
@@ -164,7 +164,7 @@ def test_async_rl_on_two_processes_resumes_after_a_process_is_killed(tmp_path):
     assert staleness == [0, 1, 2, 2, 2, 2]
 
     single_dir = tmp_path / "one_process"
-    env = _env() | {"XLA_FLAGS": cpu_xla_flags("", devices=8)}
+    env = _env() | {"XLA_FLAGS": suite_xla_flags(devices=8)}
     single = _run(_rl_command("arith_tiny.gin", single_dir), env | {"JAX_PLATFORMS": "cpu"})
     assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
     one = {"metrics": _metrics(single_dir), "params": _saved_params(single_dir)}

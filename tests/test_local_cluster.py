@@ -71,7 +71,9 @@ def test_outputs_are_prefixed_and_each_process_gets_its_id():
     for i, line in enumerate(lines):
         words = line.split()
         assert words[:5] == [f"[{i}]", "id", str(i), "of", "3"] and words[-1] == "True", line
-        flags = {"--xla_force_host_platform_device_count=2", CPU_SCHEDULER_FLAG}
+        # Its own device count; the suite's other flags (tests/conftest.py) are passed on.
+        ours = [f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f]
+        flags = {"--xla_force_host_platform_device_count=2", CPU_SCHEDULER_FLAG, *ours}
         assert set(words[5:-1]) == flags, line
 
 

@@ -32,10 +32,10 @@ import time
 import numpy as np
 import pytest
 from flax import nnx
+from procs import suite_xla_flags
 from test_distributed_rl import PARAMS, SAVED, STEPS, _env, _metrics, _run, _saved_params
 
 from jaxrl.infra.checkpoint import CheckpointConfig, Checkpointer
-from jaxrl.infra.xla_cpu import cpu_xla_flags
 from jaxrl.job import workdir as run_dir
 from jaxrl.job.specs import build_model_config, build_tokenizer
 from launch.configs import PolicySpec, TaskSpec
@@ -76,7 +76,7 @@ def _cluster(workdir, cache: str, fault: str = "", extra: tuple[str, ...] = ()):
         "--devices_per_process", "4", "--timeout_s", "150", "--heartbeat_timeout_s", "5", "--",
     ]  # fmt: skip
     env = _cached(_env(fault), cache)
-    env.pop("XLA_FLAGS", None)  # local_cluster sets the device count per process
+    env["XLA_FLAGS"] = suite_xla_flags()  # local_cluster sets the device count per process
     result = _run(launcher + _command(workdir, extra), env, timeout_s=180)
     return result, time.time()
 
@@ -86,7 +86,7 @@ def one_process(tmp_path_factory, xla_cache):
     """The same config on one process with 8 devices (roles are ignored there)."""
     workdir = tmp_path_factory.mktemp("roles") / "one_process"
     env = _cached(_env(), xla_cache)
-    env |= {"XLA_FLAGS": cpu_xla_flags("", devices=8), "JAX_PLATFORMS": "cpu"}
+    env |= {"XLA_FLAGS": suite_xla_flags(devices=8), "JAX_PLATFORMS": "cpu"}
     result = _run(_command(workdir), env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run = _outputs(workdir)
