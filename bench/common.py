@@ -9,8 +9,6 @@ import platform
 import sys
 import time
 
-import jax
-
 # The RL learning benchmarks' --smoke: a few steps of everything, to check the plumbing.
 LEARNING_SMOKE = [
     "SFTConfig.steps = 4", "SFTConfig.eval_every_steps = 2", "SFTConfig.eval_size = 16",
@@ -28,6 +26,8 @@ SCHEMA = 1  # the version of the result files' layout (see `write_results`)
 
 
 def machine() -> str:
+    import jax
+
     devices = jax.devices()
     return f"{len(devices)}x {devices[0].device_kind} ({platform.machine()}, {os.cpu_count()} cpus)"
 
@@ -41,6 +41,8 @@ def machine_facts() -> dict:
         cpu = names[0] if names else cpu
     except OSError:
         pass
+    import jax
+
     devices = jax.devices()
     return {
         "devices": f"{len(devices)}x {devices[0].device_kind}",

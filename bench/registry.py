@@ -15,6 +15,7 @@ venv), bench/learning/runner.py and the experiments of `learning`.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,3 +174,27 @@ WORKLOADS = (
 )  # fmt: skip
 
 BY_NAME = {w.name: w for w in WORKLOADS}
+
+# The learning scripts that became experiments of `learning` (same options).
+MERGED_INTO_LEARNING = {
+    "bench.rl_learning": "rl-sync",
+    "bench.rl_async_learning": "rl-async",
+    "bench.rl_lora_learning": "rl-lora",
+    "bench.rl_streaming_learning": "rl-streaming",
+    "bench.calc_learning": "calc",
+    "bench.smollm2_learning": "smollm2",
+}
+
+
+def runner_command(command: str) -> str:
+    """`command` as the runner spells it today: `python -m bench.MODULE ARGS` becomes
+    `python -m bench NAME ARGS` (and a merged learning script `python -m bench learning
+    EXPERIMENT ARGS`); any other command comes back unchanged."""
+    match = re.match(r"python -m (bench(?:\.\w+)+)(?=\s|$)", command)
+    if not match:
+        return command
+    module, rest = match.group(1), command[match.end() :]
+    if module in MERGED_INTO_LEARNING:
+        return f"python -m bench learning {MERGED_INTO_LEARNING[module]}{rest}"
+    names = [w.name for w in WORKLOADS if w.module == module]
+    return f"python -m bench {names[0]}{rest}" if names else command

@@ -184,7 +184,13 @@ def _load(path: str, where: str, root: str) -> dict:
 def _made(result: dict, options: dict) -> str:
     """The command, date, commit and machine of a result, as the source line names them."""
     tree = result.get("tree") or {}
-    made = f"`{_command(result, options)}`, {result.get('date', 'undated')}"
+    from bench.registry import runner_command
+
+    command = _command(result, options)
+    made = f"`{command}`"
+    if runner_command(command) != command:  # a module command: the runner's spelling
+        made += f" (now `{runner_command(command)}`)"
+    made += f", {result.get('date', 'undated')}"
     if tree.get("commit"):
         made += f", commit {tree['commit']}" + (
             " (uncommitted changes)" if tree.get("dirty") else ""
