@@ -51,6 +51,11 @@ if "JAXRL_TEST_XLA_CACHE" not in os.environ:
     os.environ["JAXRL_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxrl-test-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAXRL_TEST_XLA_CACHE"], ignore_errors=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXRL_TEST_XLA_CACHE"]
+# The benchmarks the tests run (their smoke versions) write their results in that directory too,
+# removed with it, not into bench/results/ (which holds the measurements the docs cite).
+os.environ.setdefault(
+    "JAXRL_BENCH_RESULTS_DIR", os.path.join(os.environ["JAXRL_TEST_XLA_CACHE"], "bench-results")
+)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
