@@ -8,7 +8,8 @@ and at the end (median over the last tenth), the growth in %, the largest queue 
 queue's bound, the samples dropped and the staleness. Writes bench/results/soak.{json,md}.
 
     python -m bench.soak                 # 1200 steps, ~5 minutes on 2 CPU cores
-    python -m bench.soak --steps 8       # seconds: the plumbing
+    python -m bench.soak --steps 8       # the loop at its size for 8 steps
+    python -m bench.soak --smoke         # 8 steps of a small batch: the plumbing (a test runs it)
 """
 
 from __future__ import annotations
@@ -32,13 +33,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl", "arith_tiny.gin")
 
 
-def soak(workdir: str, steps: int) -> dict:
+# --smoke: 4 prompts x 4 samples, no oversampling, 16 evaluation problems (the config's 16 x 8
+# samples from 8x oversampling and its full evaluation are what the soak measures, not needed to
+# check that the numbers are read back).
+SMOKE_PARAMS = [
+    "RLConfig.num_prompts = 4",
+    "RLConfig.samples_per_prompt = 4",
+    "RLConfig.oversample = 1",
+    "RLConfig.eval_size = 16",
+]
+
+
+def soak(workdir: str, steps: int, extra: list[str] = ()) -> dict:
     every = max(steps // 4, 1)
     params = [
         "rl_main.sft = None",
         f"RLConfig.total_steps = {steps}",
         f"RLConfig.eval_every_steps = {every}",
         f"RLConfig.save_every_steps = {every}",
+        *extra,
     ]
     seconds = run_rl(CONFIG, workdir, params)
     records = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if r["step"] > 0]
@@ -73,9 +86,13 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--workdir", default="")
+    parser.add_argument(
+        "--smoke", action="store_true", help="8 steps of a small batch (writes soak_smoke)"
+    )
     args = parser.parse_args(argv)
+    steps, extra = (8, SMOKE_PARAMS) if args.smoke else (args.steps, [])
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
-        row = soak(args.workdir or os.path.join(tmp, "run"), args.steps)
+        row = soak(args.workdir or os.path.join(tmp, "run"), steps, extra)
     row["command"] = "python -m bench.soak" + "".join(f" {a}" for a in (argv or []))
     row["command"] = os.environ.get("JAXRL_BENCH_COMMAND") or row["command"]  # `python -m bench`
     print(json.dumps(row))
@@ -90,7 +107,7 @@ def main(argv=None) -> dict:
         ("queue_size", "queue bound"), ("dropped_samples", "dropped samples"),
         ("staleness_mean", "mean staleness"), ("seconds", "wall s"),
     ]  # fmt: skip
-    name = "soak" if args.steps >= 300 else "soak_smoke"
+    name = "soak" if steps >= 300 else "soak_smoke"
     print(write_results(name, [row], columns, f"`{row['command']}`"))
     return row
 

@@ -23,11 +23,12 @@ def test_bench_rl_smoke():
 
 
 def test_bench_soak_smoke():
-    """`python -m bench.soak --steps 8`: the async default's RSS, queue depth and drops are read
-    back from its metrics; the queue never exceeds its bound and fixed lag drops nothing."""
+    """`python -m bench.soak --smoke` (8 steps of the async default on a small batch): its RSS,
+    queue depth and drops are read back from its metrics; the queue never exceeds its bound and
+    fixed lag drops nothing."""
     from bench import soak
 
-    row = soak.main(["--steps", "8"])
+    row = soak.main(["--smoke"])
     assert row["steps"] == 8 and row["rss_after_warmup_mb"] > 0 and row["rss_end_mb"] > 0
     assert len(row["rss_median_by_eighth"]) == 8 and row["rss_max_mb"] >= row["rss_end_mb"]
     assert 0 <= row["queue_depth_max"] <= row["queue_size"]
