@@ -109,21 +109,10 @@ def probe(workdir: str, eval_size: int, digits: tuple[int, int], max_new_tokens:
 
     from jaxrl.generation.placement import colocated_sampler
     from jaxrl.generation.sampling import SamplingConfig
-    from jaxrl.infra.mesh import MeshConfig, make_mesh
-    from jaxrl.infra.sharding import TRAINER_RULES
-    from jaxrl.job import workdir as run_dir
     from jaxrl.job.specs import TaskSpec, build_source
     from jaxrl.tasks.source import encode_prompts
-    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
-    config, tokenizer = run_dir.load_model_spec(workdir)
-    step, params = run_dir.restore_params(workdir, config)
-    trainer = Trainer(
-        config,
-        make_mesh(MeshConfig(("fsdp", "tp"), (1, 1))),
-        TRAINER_RULES,
-        OptimizerConfig().make(1),
-    )
+    trainer, tokenizer, step, params = runner.restored_trainer(workdir)
     sampler = colocated_sampler(trainer, tokenizer)
     task = TaskSpec(name="calculator", operators="*", min_digits=digits[0], max_digits=digits[1])
     source = build_source(task, tokenizer)
@@ -175,17 +164,10 @@ def probe(workdir: str, eval_size: int, digits: tuple[int, int], max_new_tokens:
 
 def summarise(name: str, label: str, workdir: str) -> dict:
     """One row: steps, s/step, RL wall, tool-call rate and accuracy at the start / the end."""
-    records = runner.read(os.path.join(workdir, "metrics.jsonl"))
-    evals = runner.evals(records)
-    steps = [r for r in records if "reward/mean" in r]
-    row = {"run": label, "name": name, "steps": max((r["step"] for r in steps), default=0)}
+    row, evals, _ = runner.run_row(name, label, workdir, digits=2)
     if not evals:
         return row
     t0 = evals[0]["wall_time_s"]
-    row["wall_s"] = round(max(r["wall_time_s"] for r in records) - t0, 1)
-    if len(steps) >= 2:
-        span = steps[-1]["wall_time_s"] - steps[0]["wall_time_s"]
-        row["s_per_step"] = round(span / (len(steps) - 1), 2)
     first, last = evals[0], evals[-1]
     row |= {
         "tool_start": first["eval/tool_call_rate"],

@@ -75,24 +75,13 @@ def continued_sft(
     from flax import nnx
 
     from jaxrl.generation.placement import colocated_sampler
-    from jaxrl.infra.mesh import MeshConfig, make_mesh
     from jaxrl.infra.metrics import MetricsWriter
     from jaxrl.infra.run_io import to_host
-    from jaxrl.infra.sharding import TRAINER_RULES
-    from jaxrl.job import workdir as run_dir
     from jaxrl.job.specs import TaskSpec, build_source
     from jaxrl.tasks.source import encode_prompts
     from jaxrl.train.evaluation import evaluate
-    from jaxrl.train.trainer import OptimizerConfig, Trainer
 
-    config, tokenizer = run_dir.load_model_spec(sft_dir)
-    _, params = run_dir.restore_params(sft_dir, config)
-    trainer = Trainer(
-        config,
-        make_mesh(MeshConfig(("fsdp", "tp"), (1, 1))),
-        TRAINER_RULES,
-        OptimizerConfig(learning_rate=learning_rate).make(1),
-    )
+    trainer, tokenizer, _, params = runner.restored_trainer(sft_dir, learning_rate=learning_rate)
     state = trainer.init(nnx.to_pure_dict(params))
     source = build_source(TaskSpec(), tokenizer)
     sampler = colocated_sampler(trainer, tokenizer)

@@ -69,6 +69,38 @@ def seconds_per_step(records: list[dict]) -> float:
     return statistics.median(r["time/step_s"] for r in records if r["step"] > 1)
 
 
+def run_row(name: str, label: str, workdir: str, digits: int) -> tuple[dict, list, list]:
+    """A run's first columns (run, name, RL steps; once it has evaluated, its wall seconds since
+    the first evaluation and its mean seconds per RL step, to `digits`), with its evaluation
+    records and its RL-step records."""
+    records = read(os.path.join(workdir, "metrics.jsonl"))
+    evaluations = evals(records)
+    steps = [r for r in records if "reward/mean" in r]
+    row = {"run": label, "name": name, "steps": max((r["step"] for r in steps), default=0)}
+    if evaluations:
+        t0 = evaluations[0]["wall_time_s"]
+        row["wall_s"] = round(max(r["wall_time_s"] for r in records) - t0, 1)
+        if len(steps) >= 2:
+            span = steps[-1]["wall_time_s"] - steps[0]["wall_time_s"]
+            row["s_per_step"] = round(span / (len(steps) - 1), digits)
+    return row, evaluations, steps
+
+
+def restored_trainer(workdir: str, **optimizer):
+    """`workdir`'s newest checkpoint (a run's or an SFT stage's) on a one-device trainer:
+    (trainer, tokenizer, step, params); `optimizer`: OptimizerConfig fields for its optimizer."""
+    from jaxrl.infra.mesh import MeshConfig, make_mesh
+    from jaxrl.infra.sharding import TRAINER_RULES
+    from jaxrl.job import workdir as run_dir
+    from jaxrl.train.trainer import OptimizerConfig, Trainer
+
+    config, tokenizer = run_dir.load_model_spec(workdir)
+    step, params = run_dir.restore_params(workdir, config)
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (1, 1)))
+    trainer = Trainer(config, mesh, TRAINER_RULES, OptimizerConfig(**optimizer).make(1))
+    return trainer, tokenizer, step, params
+
+
 def run_in_process(config: str, workdir: str, params: list[str]) -> float:
     """`launch.rl` on `config` in this process (bench.common.run_rl); its wall seconds."""
     from bench.common import run_rl

@@ -93,19 +93,10 @@ def launch_run(workdir: str, params: list[str], seconds: float) -> float:
 
 def summarise(name: str, label: str, workdir: str) -> dict:
     """One row: steps, seconds per step, greedy accuracy start / last-3 mean / gain, reward."""
-    records = runner.read(os.path.join(workdir, "metrics.jsonl"))
-    evals = runner.evals(records)
-    steps = [r for r in records if "reward/mean" in r]
-    row = {"run": label, "name": name, "steps": max((r["step"] for r in steps), default=0)}
+    row, evals, steps = runner.run_row(name, label, workdir, digits=1)
     if not evals:
         return row
     t0 = evals[0]["wall_time_s"]
-    last = max(r["wall_time_s"] for r in records)
-    row["wall_s"] = round(last - t0, 1)
-    if len(steps) >= 2:
-        row["s_per_step"] = round(
-            (steps[-1]["wall_time_s"] - steps[0]["wall_time_s"]) / (len(steps) - 1), 1
-        )
     row["greedy_start"] = evals[0]["eval/accuracy"]
     row["greedy_end"] = round(statistics.mean(r["eval/accuracy"] for r in evals[-3:]), 4)
     row["gain_pts"] = round(100 * (row["greedy_end"] - row["greedy_start"]), 1)
