@@ -9,7 +9,10 @@ Runs `launch.msd` (in this process) on configs/msd/digits_caption.gin twice:
 Each study lives in ROOT/<study> and is resumable (rerun the same command to continue). The
 MSD weighting is chosen on the validation split; the verdict compares it with KD on test
 full-input accuracy in paired standard errors (`msd_jax.report`). Writes
-bench/results/msd_results.{json,md,png}.
+bench/results/msd_results.{json,md,png} (the table per study and method; the markdown also
+carries the verdicts and the teachers' accuracy) and msd_results_regimes.{json,md} (test
+full-input accuracy within each regime, per study and method); `--smoke` writes the same
+names with `_smoke` at the end.
 
     python -m bench.msd_results                       # both studies, the config's seeds
     python -m bench.msd_results --seeds 10            # seeds 0..9
@@ -28,6 +31,7 @@ import gin
 from bench.common import RESULTS_DIR, command, machine, write_results
 from jaxrl.infra.launcher import launch
 from msd_jax import report
+from msd_jax.data import REGIMES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "msd", "digits_caption.gin")
@@ -57,6 +61,11 @@ COLUMNS = [
     ("test_text", "test text only"),
     ("test_image", "test image only"),
     ("vs_kd", "test full − KD (paired)"),
+]
+# msd_results_regimes: `msd_jax.report.regime_rows` of each study (a study without a regime
+# leaves its cells empty: the control has only "both").
+REGIME_COLUMNS = [("study", "study"), ("method", "method")] + [
+    (regime, regime.replace("_", " ")) for regime in REGIMES
 ]
 
 
@@ -123,25 +132,35 @@ def main(argv=None) -> dict:
     wall_s = time.perf_counter() - started
     summaries = {name: out["summary"] for name, out in outputs.items()}
     rows = [row for name, s in summaries.items() for row in table_rows(name, s)]
-    name = "msd_results_smoke" if args.smoke else "msd_results"
+    suffix = "_smoke" if args.smoke else ""
+    name = f"msd_results{suffix}"
     note = f"`{command()}` on {machine()}, {wall_s / 60:.1f} min"
     table = write_results(name, rows, COLUMNS, note)
+    regime_rows = [
+        {"study": study} | row for study, s in summaries.items() for row in report.regime_rows(s)
+    ]
+    regimes = write_results(
+        f"msd_results_regimes{suffix}",
+        regime_rows,
+        REGIME_COLUMNS,
+        f"test full-input accuracy (%) within each regime, mean ± SE over seeds; {note}",
+    )
     teachers = {
         study: json.loads(open(os.path.join(args.root, study, "teacher", "eval.json")).read())
         for study in summaries
     }
     lines = [f"- {study}: {report.verdict_line(s)}" for study, s in summaries.items()]
     lines += [f"- {study} teacher: {report.teacher_line(t)}" for study, t in teachers.items()]
-    for study, s in summaries.items():
-        lines += ["", f"{study}: test full-input accuracy (%) within each regime", ""]
-        lines += [report.regime_table(s)]
     with open(os.path.join(RESULTS_DIR, f"{name}.md"), "a") as f:
         f.write("\n" + "\n".join(lines) + "\n")
     plot = report.write_plot(summaries, os.path.join(RESULTS_DIR, f"{name}.png"))
-    print(table + "\n\n" + "\n".join(lines))
+    print(table + "\n\n" + "\n".join(lines) + "\n\n" + regimes)
     print(f"plot: {plot}\nwall time: {wall_s:.0f} s")
     verdicts = {study: report.verdict(s) for study, s in summaries.items()}
-    return {"rows": rows, "verdicts": verdicts, "wall_s": wall_s, "plot": plot}
+    return {
+        "rows": rows, "regime_rows": regime_rows, "verdicts": verdicts, "wall_s": wall_s,
+        "plot": plot,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

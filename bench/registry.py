@@ -64,6 +64,11 @@ WORKLOADS = (
         ("calc_smollm2_tool_use* (--out PATH: PATH.json, PATH.md)",),
     ),
     Workload(
+        "task-probe", "bench.task_probe",
+        "greedy start accuracy of a chat model (SmolLM2) on candidate reasoning-gym tasks",
+        ("task_probe_smollm2", "task_probe_smoke (--smoke)"),
+    ),
+    Workload(
         "packing", "bench.packing",
         "the RL train step on padded vs packed batches, one CPU device",
         ("packing*",),
@@ -121,7 +126,7 @@ WORKLOADS = (
     Workload(
         "scale-llamarl", "bench.scale_llamarl",
         "the sync/async speed-up model on LlamaRL's 8B/70B/405B settings vs the paper",
-        ("scale_llamarl_*",),
+        ("scale_llamarl", "scale_llamarl_* (--compiled)"),
     ),
     Workload(
         "scale-validate", "bench.scale_validate",
@@ -136,7 +141,7 @@ WORKLOADS = (
     Workload(
         "msd-results", "bench.msd_results",
         "MSD vs KD, KD-aug and no KD on DigitsCaption over seeds: the results table",
-        ("msd_results*",),
+        ("msd_results*", "msd_results_regimes*"),
     ),
     Workload(
         "gpu-check", "bench.gpu_check",

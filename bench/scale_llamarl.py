@@ -23,7 +23,8 @@ attention width A = heads x head_dim, KV bytes per token per row `kv` (2 L kv_he
                                            minimises the async step (what a planner would pick)
 
 Everything the paper's abstract does not give is a named guess (`SETTINGS`, `H100`);
-docs/benchmarks.md ("Speed-up model") lists them. Run: `python -m bench.scale_llamarl`.
+docs/benchmarks.md ("Speed-up model") lists them. Run: `python -m bench.scale_llamarl`; writes
+bench/results/scale_llamarl.{json,md} (the table) and prints each decode's rows, step and bound.
 
 `--compiled` (GPU rows, docs/scale.md "Planning for NVIDIA GPUs"): the same settings and the
 same composition, with each program's FLOPs and bytes per device read from programs XLA:GPU
@@ -387,22 +388,33 @@ def main(argv=None) -> list[dict]:
         if platform not in HARDWARE:
             raise SystemExit(f"--platform={platform}: use one of {sorted(HARDWARE)}")
         return main_compiled(platform=platform)
+    from bench.common import write_results
+
     rows = [predict(s) for s in SETTINGS]
-    print(
-        "| model | H100s (async: generator) | sync: generate + train + reshard = step s "
-        "| paper sync s | "
-        "async: max(generate, train + push) = step s | paper async s | speed-up | paper |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['name']} | {r['gpus']} ({r['gen_gpus']} generate) | "
-            f"{r['sync_generate']:.2f} + {r['sync_train']:.2f} + "
-            f"{r['sync_reshard']:.2f} = {r['sync']:.2f} | {r['paper_sync']} | "
-            f"max({r['async_generate']:.2f}, {r['async_train']:.2f} + {r['async_push']:.2f}) = "
-            f"{r['asynch']:.2f} | {r['paper_async']} | {r['speedup']:.2f}x | "
-            f"{r['paper_speedup']:.2f}x |"
-        )
+    cells = [
+        {
+            "model": r["name"],
+            "gpus": f"{r['gpus']} ({r['gen_gpus']})",
+            "sync": f"{r['sync_generate']:.2f} + {r['sync_train']:.2f} + "
+            f"{r['sync_reshard']:.2f} = {r['sync']:.2f} s",
+            "paper_sync": f"{r['paper_sync']} s",
+            "async": f"max({r['async_generate']:.2f}, {r['async_train']:.2f} + "
+            f"{r['async_push']:.2f}) = {r['asynch']:.2f} s",
+            "paper_async": f"{r['paper_async']} s",
+            "speedup": f"{r['speedup']:.2f}x",
+            "paper_speedup": f"{r['paper_speedup']:.2f}x",
+        }
+        for r in rows
+    ]
+    columns = [
+        ("model", "model"), ("gpus", "H100s (async: generator)"),
+        ("sync", "predicted sync: generate + train + reshard"), ("paper_sync", "paper sync"),
+        ("async", "predicted async: max(generate, train + push)"),
+        ("paper_async", "paper async"), ("speedup", "predicted speed-up"),
+        ("paper_speedup", "paper"),
+    ]  # fmt: skip
+    note = "`python -m bench.scale_llamarl` (a hand count: no compile), H100 peaks"
+    print(write_results("scale_llamarl", cells, columns, note))
     for r in rows:
         for kind in ("sync", "async"):
             d = r[f"{kind}_decode"]

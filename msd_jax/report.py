@@ -114,19 +114,29 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def regime_table(summary: dict) -> str:
-    """Test full-input accuracy (%) within each DigitsCaption regime, per method ("" without
-    regimes)."""
+def regime_rows(summary: dict) -> list[dict]:
+    """Test full-input accuracy (%) within each DigitsCaption regime, one row per method: its
+    title under "method" and "mean ± SE" under each regime of `REGIMES` the study's test split
+    has (no rows without regimes)."""
     rows = summary["rows"]
     regimes = [r for r in REGIMES if f"test/by_regime/{r}" in rows[0]]
     if not regimes:
+        return []
+    return [
+        {"method": method_title(r["method"])}
+        | {regime: _pct(r[f"test/by_regime/{regime}"]) for regime in regimes}
+        for r in rows
+    ]
+
+
+def regime_table(summary: dict) -> str:
+    """`regime_rows` as a markdown table ("" without regimes)."""
+    rows = regime_rows(summary)
+    if not rows:
         return ""
-    header = ["method", *(f"{r.replace('_', ' ')}" for r in regimes)]
+    header = ["method", *(regime.replace("_", " ") for regime in list(rows[0])[1:])]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        cells = [method_title(r["method"])]
-        cells += [_pct(r[f"test/by_regime/{regime}"]) for regime in regimes]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -92,6 +92,23 @@ def test_llamarl_train_count_is_six_n_per_token_plus_attention():
     assert dense < t < 1.2 * dense  # attention adds under 20% at 3072 tokens
 
 
+def test_llamarl_table_is_written_as_a_result(tmp_path, monkeypatch):
+    import json
+
+    import bench.common
+    from bench import scale_llamarl
+
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", str(tmp_path))
+    predictions = scale_llamarl.main([])
+    result = json.loads((tmp_path / "scale_llamarl.json").read_text())
+    assert [r["model"] for r in result["rows"]] == ["8B", "70B", "405B"]
+    for row, p in zip(result["rows"], predictions, strict=True):
+        assert row["sync"].endswith(f" = {p['sync']:.2f} s")
+        assert row["async"].startswith(f"max({p['async_generate']:.2f}, ")
+        assert row["speedup"] == f"{p['speedup']:.2f}x"
+    assert (tmp_path / "scale_llamarl.md").read_text().count("\n| ") == 4  # header + 3 rows
+
+
 def test_hlo_walk_counts_slices_and_in_place_updates_as_xla_does():
     buf, row = jnp.zeros((1024, 256)), jnp.ones((1, 256))  # a 1 MiB buffer, a 1 KiB row
     update = jax.jit(

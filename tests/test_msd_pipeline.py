@@ -149,6 +149,14 @@ def test_bench_table_from_the_smoke_study(smoke, tmp_path, monkeypatch, capsys):
     assert "| main | KD |" in table and "main: MSD" in table and "main teacher:" in table
     assert json.loads((tmp_path / "msd_results_smoke.json").read_text())["rows"] == out["rows"]
     assert (tmp_path / "msd_results_smoke.png").exists()
+    regimes = json.loads((tmp_path / "msd_results_regimes_smoke.json").read_text())
+    assert regimes["rows"] == out["regime_rows"]
+    assert [(r["study"], r["method"]) for r in regimes["rows"]] == [
+        ("main", m) for m in ("KD", "KD-aug", "MSD, instance", "MSD, learned")
+    ]  # fmt: skip
+    assert all(" ± " in r[g] for r in regimes["rows"] for g in ("both", "conflicting"))
+    regime_md = (tmp_path / "msd_results_regimes_smoke.md").read_text()
+    assert "| study | method | both | image only | text only | conflicting |" in regime_md
 
 
 def test_config_errors_name_the_problem(tmp_path):
