@@ -388,7 +388,7 @@ def main(argv=None) -> list[dict]:
         if platform not in HARDWARE:
             raise SystemExit(f"--platform={platform}: use one of {sorted(HARDWARE)}")
         return main_compiled(platform=platform)
-    from bench.common import write_results
+    from bench.common import command, write_results
 
     rows = [predict(s) for s in SETTINGS]
     cells = [
@@ -413,7 +413,7 @@ def main(argv=None) -> list[dict]:
         ("paper_async", "paper async"), ("speedup", "predicted speed-up"),
         ("paper_speedup", "paper"),
     ]  # fmt: skip
-    note = "`python -m bench.scale_llamarl` (a hand count: no compile), H100 peaks"
+    note = f"`{command()}` (a hand count: no compile), H100 peaks"
     print(write_results("scale_llamarl", cells, columns, note))
     for r in rows:
         for kind in ("sync", "async"):
