@@ -173,7 +173,8 @@ WORKLOADS = (
         "does RL learn? an experiment's config against its controls (`learning --list`)",
         (
             "rl_learning*", "rl_async_learning*", "rl_lora_learning.md (--out)",
-            "rl_streaming_learning*", "calc_learning*", "smollm2_learning*",
+            "rl_streaming_learning*", "rl_streaming_recipe (rl-streaming --recipe_table)",
+            "calc_learning*", "smollm2_learning*",
         ),
     ),
 )  # fmt: skip

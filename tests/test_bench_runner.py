@@ -98,3 +98,31 @@ def test_a_smoke_run_through_the_runner_writes_the_result_schema(tmp_path):
     assert result["rows"] and all(row["command"] == result["command"] for row in result["rows"])
     assert (tmp_path / "sync_smoke.md").exists()
     assert importlib.import_module("bench.common").SCHEMA == result["schema"]
+
+
+def test_the_streaming_recipe_table_is_read_from_the_committed_runs(tmp_path):
+    """`python -m bench learning rl-streaming --recipe_table`: one row per recipe run, its
+    figures from the committed bench/results/rl_streaming_learning_*.json; the result is
+    written into a temporary results directory, nothing launched."""
+    env = {"JAXRL_BENCH_RESULTS_DIR": str(tmp_path)}
+    args = ("learning", "rl-streaming", "--recipe_table", "--workdir", str(tmp_path / "w"))
+    out = _bench(*args, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "rl_streaming_recipe.json").read_text())
+    assert result["command"] == "python -m bench " + " ".join(args)
+    rows = {row["file"].split(",")[0]: row for row in result["rows"]}
+    assert len(rows) == 8
+    aipo = rows["`_aipo`"]
+    assert (aipo["steps"], aipo["fixed_lag"], aipo["streaming"]) == (
+        300,
+        "39.7% (-8.3)",
+        "27.3% (-20.7)",
+    )
+    assert aipo["no_correction"] == "25.5% (-22.5)" and aipo["no_correction_steps"] == 300
+    # a run stopped early: its steps in the cell
+    assert rows["`_pilot_partial_reward`"]["streaming"] == "49.1% (+1.0), 291 steps"
+    assert rows["`_pilot_lr3e-4`"]["streaming"] == "-"
+    # the 2000-step runs (restored from history), their control from the 1500-step summary
+    last = rows["`_2026-12-02_0726`"]
+    assert last["steps"] == 2000 and last["fixed_lag"] == "73.6% (+25.5)"
+    assert last["no_correction"] == "27.0% (-21.1), 1500 steps" and "`_1500`" in last["file"]

@@ -34,6 +34,7 @@ criteria: streaming within 3 points of fixed lag, both >= +15 points over the SF
     python -m bench learning rl-streaming --smoke      # minutes (5 processes compile): plumbing
     python -m bench learning rl-streaming --workdir W --sft_dir W/sft_run/sft --no_launch \
         --until_step 120    # re-summarise the runs in W (e.g. stopped ones) at a common step
+    python -m bench learning rl-streaming --recipe_table  # the recipe runs' table (RECIPE_RUNS)
 
 Measured 2026-12-02 (docs/benchmarks.md, "Learning: streaming vs fixed lag on chain sums"): from the
 config's 600-step SFT start at 44.5% greedy (512 problems), 2000 steps: fixed lag 70.2% (+25.7
@@ -114,6 +115,95 @@ def add_options(parser) -> None:
     parser.add_argument(
         "--no_launch", action="store_true", help="only summarise the runs in --workdir"
     )
+    parser.add_argument(
+        "--recipe_table", action="store_true",
+        help=f"launch nothing: write {RECIPE}.json, the runs that found the recipe, from the "
+        f"committed {RESULTS}_*.json",
+    )  # fmt: skip
+
+
+# --- the recipe table: the runs that found the config's recipe, from their result files -------
+
+RECIPE = "rl_streaming_recipe"
+# The runs, in the order they were tried: the suffix of their result file (RESULTS_suffix.json)
+# and what they changed, the loss and the sampling, which the files do not record (their
+# commands name the bindings; the loss is in the rows' labels only where config.gin bound it).
+# All from one earlier SFT start of the config (48.0% greedy on 256 problems), lr 1e-4 unless
+# stated. 2026-12-02_0726: the 2000-step summary of the runs in `_1500` (restored from e863509).
+RECIPE_RUNS = [
+    ("aipo", "AIPO rho 4"),
+    ("lr3e-5", "AIPO rho 4, lr 3e-5"),
+    ("ppo_clip", "PPO clip"),
+    ("pilot_lr3e-4", "PPO clip, lr 3e-4"),
+    ("pilot_oversample4", "PPO clip, `oversample` 4"),
+    ("pilot_partial_reward", "PPO clip, `oversample` 4, reward `chain_sum_partial`"),
+    ("engine_waits_1000", "PPO clip, `oversample` 4, engine waiting on a full queue (512 slots)"),
+    (
+        "2026-12-02_0726",
+        "PPO clip, `oversample` 4, back-pressure on admission, `stream_in_flight` -1 (16 groups)",
+    ),
+]
+# A run's control summarised only in another file of the same runs (stopped before the others).
+RECIPE_CONTROL = {"2026-12-02_0726": "1500"}
+RECIPE_CELLS = [("fixed_lag", "fixed_lag"), ("streaming", "streaming"),
+                ("streaming_no_is", "no_correction")]  # fmt: skip
+RECIPE_COLUMNS = [
+    ("sampling", "loss and sampling"), ("steps", "steps"),
+    ("fixed_lag", "fixed lag: greedy last 3 (gain)"),
+    ("streaming", "streaming: greedy last 3 (gain)"),
+    ("no_correction", "no correction: greedy last 3 (gain)"), ("file", "file"),
+]  # fmt: skip
+
+
+def recipe_rows(source: str = "") -> list[dict]:
+    """One row per run of `RECIPE_RUNS`, its figures read from SOURCE/RESULTS_SUFFIX.json
+    (default: the committed results): per schedule the greedy last-3 mean and its gain over the
+    SFT start (points), as numbers and as the cell "39.7% (-8.3)", the cell naming the run's
+    steps where they differ from the row's (a run stopped early, a control summarised at
+    another step)."""
+    from bench.common import COMMITTED_RESULTS_DIR
+
+    def read(suffix: str) -> dict[str, dict]:
+        with open(os.path.join(source or COMMITTED_RESULTS_DIR, f"{RESULTS}_{suffix}.json")) as f:
+            return {r["run"]: r for r in json.load(f)["rows"]}
+
+    rows = []
+    for suffix, sampling in RECIPE_RUNS:
+        runs = {run: (r, suffix) for run, r in read(suffix).items()}
+        if suffix in RECIPE_CONTROL:
+            other = RECIPE_CONTROL[suffix]
+            runs.setdefault("streaming_no_is", (read(other)["streaming_no_is"], other))
+        steps = max(r["steps"] for r, _ in runs.values())
+        row = {"sampling": sampling, "steps": steps}
+        files = [f"`_{suffix}`"]
+        for run, key in RECIPE_CELLS:
+            if run not in runs:
+                row[key] = "-"
+                continue
+            r, where = runs[run]
+            row[f"{key}_greedy_last3"] = r["greedy_last3"]
+            row[f"{key}_gain_pts"] = r["greedy_gain_pts"]
+            row[f"{key}_steps"] = r["steps"]
+            row[key] = f"{100 * r['greedy_last3']:.1f}% ({r['greedy_gain_pts']:+.1f})"
+            if r["steps"] != steps:
+                row[key] += f", {r['steps']} steps"
+            if where != suffix:
+                files.append(f"`_{where}` ({key.replace('_', ' ')})")
+        rows.append(row | {"file": ", ".join(files)})
+    return rows
+
+
+def write_recipe(source: str = "") -> list[dict]:
+    from bench.common import write_results
+
+    rows = recipe_rows(source)
+    note = (
+        f"the runs that found the recipe of {CONFIG}, from bench/results/{RESULTS}_*.json "
+        "(the file column); greedy accuracy, mean of the last 3 evaluations (gain over the SFT "
+        "start, points)"
+    )
+    print(write_results(RECIPE, rows, RECIPE_COLUMNS, note))
+    return rows
 
 
 # --- the child process: one launch.rl run, with this experiment's task and loss registered ----
@@ -241,6 +331,8 @@ def verdict(rows: dict[str, dict]) -> dict:
 
 
 def run(args) -> list[dict]:
+    if args.recipe_table:
+        return write_recipe()
     runs = args.runs.split(",")
     if unknown := set(runs) - set(RUNS):
         raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {list(RUNS)}")
