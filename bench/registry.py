@@ -131,7 +131,10 @@ WORKLOADS = (
     Workload(
         "scale-validate", "bench.scale_validate",
         "the speed-up model against this machine's measured `rl` rows, phase by phase",
-        ("scale_validate*", "scale_validate_programs*"),
+        (
+            "scale_validate*", "scale_validate_programs*",
+            "scale_validate_summary, scale_validate_runs (--summarize)",
+        ),
     ),
     Workload(
         "msd", "bench.msd",

@@ -46,6 +46,7 @@ seconds count only this process's work (cache and memory-bus contention still sl
     python -m bench.scale_validate --steps 10     # ~10 minutes on 2 quiet cores
     python -m bench.scale_validate --smoke        # 1-layer model, 3 steps: the plumbing only
     python -m bench.scale_validate --turns        # do programs on devices 0-3 and 4-7 overlap?
+    python -m bench.scale_validate --summarize    # the committed runs' tables (docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -659,6 +661,201 @@ PROGRAM_COLUMNS = [
 ]
 
 
+# --- summaries of the committed runs (docs/benchmarks.md's two tables) -------------------------
+
+SUMMARY, RUNS = "scale_validate_summary", "scale_validate_runs"
+LATEST = "scale_validate"  # the file a run writes: the per-row table's run
+SUMMARY_COLUMNS = [
+    ("row", "row"),
+    ("generate", "generate s: programs + host = predicted / measured (ratio)"),
+    ("train", "train s (ratio)"),
+    ("step", "step s (ratio)"),
+    ("generate_cpu", "generate CPU s (ratio)"),
+    ("train_cpu", "train CPU s (ratio)"),
+    ("host_ms", "host ms predicted / measured"),
+    ("verdict", "within 30%?"),
+]
+RUNS_COLUMNS = [
+    ("run", "run (UTC, load average)"),
+    ("row", "row"),
+    ("wall", "wall: generate / train / step"),
+    ("cpu", "CPU: generate / train"),
+    ("file", "file"),
+]
+_NOTE = re.compile(
+    r"(\d\d:\d\d)-(\d\d:\d\d) UTC, load average \(1/5/15 min\) ([\d.]+)/\S+ -> ([\d.]+)/"
+)
+
+
+def _labels() -> dict[str, tuple[str, str, str]]:
+    """bench.rl's rows by mode: (the per-row table's label, the runs table's group, its part)."""
+    import bench.rl as rl
+
+    sync8, fixed8, free8 = (m.name for m in rl.FAKE8_MODES)
+    return {
+        rl.PROXY_SYNC_1.name: ("proxy sync, 1 core", "proxy sync, ", "1 core"),
+        rl.PROXY_SYNC_2.name: ("proxy sync, 2 cores", "proxy sync, ", "2 cores"),
+        rl.PROXY_ASYNC: ("proxy async, 1 core each", "proxy async", ""),
+        sync8: ("8 devices, sync", "8 devices ", "sync"),
+        fixed8: ("8 devices, async (4 + 4)", "8 devices ", "fixed lag"),
+        free8: ("8 devices, free-running (4 + 4)", "8 devices ", "free-running"),
+    }
+
+
+def with_turns(row: dict) -> dict:
+    """A phase row with the turns term (`phase_row`'s "turns"): an async 8-device row of a run
+    from before it (its generate phase predicted as the generator's programs + host, its step
+    as max(Tg, Tt + Ts)) is recomputed from its recorded predictions, Tg + Tt + Ts for both;
+    any other row comes back unchanged."""
+    from bench.rl import FAKE8
+
+    own = row["pred_programs_s"] + row["pred_host_s"]
+    if row["setting"] != FAKE8 or "async" not in row["mode"]:
+        return row
+    if abs(row["pred_generate_s"] - own) > 1e-9:  # already Tg + Tt + Ts
+        return row
+    turns = own + row["pred_train_s"] + row["measured_sync_s"]
+    return row | {
+        "pred_generate_s": turns, "pred_step_s": turns, "turns_recomputed": True,
+        "ratio_generate": turns / row["measured_generate_s"],
+        "ratio_step": turns / row["measured_step_s"],
+    }  # fmt: skip
+
+
+def _ratio(r: float) -> str:
+    """A ratio to 2 decimals, in bold outside 30% (`phase_row`'s criterion)."""
+    return f"{r:.2f}" if abs(r - 1.0) <= 0.3 else f"**{r:.2f}**"
+
+
+def _checks(row: dict) -> dict[str, float]:
+    out = {name: row[f"ratio_{name}"] for name in ("generate", "train", "step")}
+    out |= {f"{name} CPU": row[f"cpu_ratio_{name}"] for name in ("generate", "train")
+            if f"cpu_ratio_{name}" in row}  # fmt: skip
+    return out
+
+
+def _runs(source: str) -> list[tuple[str, dict]]:
+    """(name, result) of every run's phase file in SOURCE (scale_validate.json and the kept
+    scale_validate_X.json), earliest first; the rows with the turns term."""
+    import glob
+
+    runs = []
+    for path in glob.glob(os.path.join(source, "scale_validate*.json")):
+        name = os.path.basename(path)[: -len(".json")]
+        if name.endswith(("_programs", "_smoke")) or name in (SUMMARY, RUNS):
+            continue
+        with open(path) as f:
+            result = json.load(f)
+        rows = result.get("rows") if isinstance(result, dict) else None
+        if rows and all("ratio_generate" in r and "setting" in r for r in rows):
+            result["rows"] = [with_turns(r) for r in result["rows"]]
+            runs.append((name, result))
+    return sorted(runs, key=lambda run: run[1]["date"])
+
+
+def summary_rows(result: dict) -> list[dict]:
+    """One run's rows (by default LATEST) as docs/benchmarks.md's per-row table: per phase
+    predicted / measured (ratio), wall and CPU; the host work in CPU ms, predicted and measured
+    (the generate phase's CPU seconds minus its programs'); the 30% verdict. A "-" where the row
+    has no CPU clock of its own (the async 8-device row: two roles' threads in one process)."""
+    labels, rows = _labels(), []
+    for r in map(with_turns, result["rows"]):
+        turns = abs(r["pred_generate_s"] - r["pred_programs_s"] - r["pred_host_s"]) > 1e-9
+        generate = f"{r['pred_programs_s']:.3f} + {r['pred_host_s']:.3f}" + (
+            " + Tt + Ts" if turns else ""
+        )
+        row = {"row": labels.get(r["mode"], (r["mode"],))[0], "setting": r["setting"]}
+        row["generate"] = (
+            f"{generate} = {r['pred_generate_s']:.3f} / {r['measured_generate_s']:.3f} "
+            f"({_ratio(r['ratio_generate'])})"
+        )
+        for key, prefix in (("train", ""), ("step", ""), ("generate_cpu", "cpu_"),
+                            ("train_cpu", "cpu_")):  # fmt: skip
+            phase = key.split("_")[0]
+            if f"{prefix}ratio_{phase}" not in r:
+                row[key] = "-"
+                continue
+            row[key] = (
+                f"{r[f'{prefix}pred_{phase}_s']:.3f} / {r[f'{prefix}measured_{phase}_s']:.3f} "
+                f"({_ratio(r[f'{prefix}ratio_{phase}'])})"
+            )
+        if "cpu_measured_host_s" in r:
+            row["host_ms"] = (
+                f"{1e3 * r['cpu_pred_host_s']:.1f} / {1e3 * r['cpu_measured_host_s']:.1f}"
+            )
+        else:
+            row["host_ms"] = "-"
+        checks = _checks(r)
+        outside = [name for name, ratio in checks.items() if abs(ratio - 1.0) > 0.3]
+        row["verdict"] = f"no: {', '.join(outside)}" if outside else f"yes, all {len(checks)}"
+        row |= {f"ratio_{name.replace(' CPU', '_cpu')}": v for name, v in checks.items()}
+        rows.append(row)
+    return rows
+
+
+def runs_rows(runs: list[tuple[str, dict]]) -> list[dict]:
+    """Every run's ratios, earliest first, as docs/benchmarks.md's table: a run's rows grouped
+    as bench.rl's settings (proxy sync, proxy async, 8 devices), the ratios of a group's rows
+    joined by "; " (wall generate / train / step, CPU generate / train, "-" without a CPU clock),
+    outside 30% in bold; the run's time and 1-minute load average (before -> after) from its
+    note, "8 devices only" for a run without the proxy's rows."""
+    from bench.rl import PROXY
+
+    labels, out = _labels(), []
+    for number, (name, result) in enumerate(runs, 1):
+        groups: list[tuple[str, list]] = []
+        for r in result["rows"]:
+            _, group, part = labels.get(r["mode"], (None, r["mode"], ""))
+            if not groups or groups[-1][0] != group:
+                groups.append((group, []))
+            groups[-1][1].append((part, r))
+        match = _NOTE.search(result.get("note", ""))
+        when = f"{match[1]}-{match[2]}, {match[3]} -> {match[4]}" if match else result["date"]
+        if not any(r["setting"] == PROXY for r in result["rows"]):
+            when += "; 8 devices only"
+        outside = sum(abs(v - 1.0) > 0.3 for r in result["rows"] for v in _checks(r).values())
+        first = {
+            "run": f"{number} ({when})", "file": f"`{name}`", "run_number": number,
+            "comparisons": sum(len(_checks(r)) for r in result["rows"]), "outside_30": outside,
+        }  # fmt: skip
+        for i, (group, members) in enumerate(groups):
+            parts = " / ".join(p for p, _ in members if p)
+            row = dict(first) if i == 0 else {"run_number": number}
+            row["row"] = group + parts
+            row["wall"] = "; ".join(
+                " / ".join(_ratio(r[f"ratio_{k}"]) for k in ("generate", "train", "step"))
+                for _, r in members
+            )
+            row["cpu"] = "; ".join(
+                " / ".join(_ratio(r[f"cpu_ratio_{k}"]) for k in ("generate", "train"))
+                if "cpu_ratio_generate" in r else "-"
+                for _, r in members
+            )  # fmt: skip
+            row["modes"] = [r["mode"] for _, r in members]
+            out.append(row)
+    return out
+
+
+def summarize(source: str = "") -> tuple[list[dict], list[dict]]:
+    """Writes SUMMARY (the per-row table of LATEST) and RUNS (every run's ratios) from the
+    runs' files in SOURCE (default: the committed results)."""
+    from bench.common import COMMITTED_RESULTS_DIR, write_results
+
+    runs = _runs(source or COMMITTED_RESULTS_DIR)
+    latest = dict(runs)[LATEST]
+    summary = summary_rows(latest)
+    note = f"bench/results/{LATEST}.json per row, its run: {latest['note']}"
+    print(write_results(SUMMARY, summary, SUMMARY_COLUMNS, note))
+    every = runs_rows(runs)
+    names = ", ".join(name for name, _ in runs)
+    note = (
+        f"the runs of bench/results/scale_validate*.json, earliest first ({names}); the async "
+        "8-device rows of runs before the turns term recomputed with it from their predictions"
+    )
+    print(write_results(RUNS, every, RUNS_COLUMNS, note))
+    return summary, every
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=0, help="RL steps per row (default 16)")
@@ -668,7 +865,14 @@ def main(argv=None):
     parser.add_argument("--settings", default="proxy,fake8", help=settings)
     turns = "only check whether programs on devices 0-3 and 4-7 run side by side (8 devices)"
     parser.add_argument("--turns", action="store_true", help=turns)
+    summarize_help = (
+        f"run nothing: write {SUMMARY}.json (the per-row table of {LATEST}.json) and {RUNS}.json "
+        "(every committed run's ratios) from bench/results/scale_validate*.json"
+    )
+    parser.add_argument("--summarize", action="store_true", help=summarize_help)
     args = parser.parse_args(argv)
+    if args.summarize:
+        return summarize()
     if args.turns:
         from bench.cpu_devices import simulate
 

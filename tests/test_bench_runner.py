@@ -126,3 +126,34 @@ def test_the_streaming_recipe_table_is_read_from_the_committed_runs(tmp_path):
     last = rows["`_2026-12-02_0726`"]
     assert last["steps"] == 2000 and last["fixed_lag"] == "73.6% (+25.5)"
     assert last["no_correction"] == "27.0% (-21.1), 1500 steps" and "`_1500`" in last["file"]
+
+
+def test_the_scale_validation_tables_are_composed_from_the_committed_runs(tmp_path):
+    """`python -m bench scale-validate --summarize`: the per-row table of the latest run and
+    every run's ratios, from the committed bench/results/scale_validate*.json, written into a
+    temporary results directory; nothing run."""
+    out = _bench("scale-validate", "--summarize", env={"JAXRL_BENCH_RESULTS_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "scale_validate_summary.json").read_text())
+    assert summary["command"] == "python -m bench scale-validate --summarize"
+    rows = {row["row"]: row for row in summary["rows"]}
+    sync = rows["proxy sync, 1 core"]
+    assert sync["generate"] == "0.174 + 0.007 = 0.180 / 0.172 (1.05)"
+    assert (sync["host_ms"], sync["verdict"]) == ("6.7 / 9.5", "yes, all 5")
+    turns = rows["8 devices, async (4 + 4)"]
+    assert turns["generate"] == "0.262 + 0.013 + Tt + Ts = 0.611 / 0.673 (0.91)"
+    assert turns["generate_cpu"] == turns["host_ms"] == "-" and turns["verdict"] == "yes, all 3"
+    runs = json.loads((tmp_path / "scale_validate_runs.json").read_text())["rows"]
+    first = [row for row in runs if row["run_number"] == 1]
+    assert first[0]["run"] == "1 (03:20-03:30, 8.4 -> 7.7)"
+    assert first[0]["file"] == "`scale_validate_a`"
+    # run 1's async 8-device row, from before the turns term, recomputed with it (bold: > 30%)
+    assert first[2]["row"] == "8 devices sync / fixed lag"
+    assert first[2]["wall"] == "0.93 / 0.80 / 0.84; **1.31** / 1.08 / **1.36**"
+    assert first[2]["cpu"] == "0.93 / 0.84; -"
+    # the doc's count: 4 of the 100 comparisons of runs 1-5 outside 30%, none of run 6's 11
+    heads = {row["run_number"]: row for row in runs if "comparisons" in row}
+    assert sum(heads[n]["comparisons"] for n in range(1, 6)) == 100
+    assert sum(heads[n]["outside_30"] for n in range(1, 6)) == 4
+    assert (heads[6]["comparisons"], heads[6]["outside_30"]) == (11, 0)
+    assert heads[6]["run"].endswith("; 8 devices only)")
