@@ -680,7 +680,7 @@ RUNS_COLUMNS = [
     ("row", "row"),
     ("wall", "wall: generate / train / step"),
     ("cpu", "CPU: generate / train"),
-    ("file", "file"),
+    ("source", "file"),
 ]
 _NOTE = re.compile(
     r"(\d\d:\d\d)-(\d\d:\d\d) UTC, load average \(1/5/15 min\) ([\d.]+)/\S+ -> ([\d.]+)/"
@@ -815,7 +815,7 @@ def runs_rows(runs: list[tuple[str, dict]]) -> list[dict]:
             when += "; 8 devices only"
         outside = sum(abs(v - 1.0) > 0.3 for r in result["rows"] for v in _checks(r).values())
         first = {
-            "run": f"{number} ({when})", "file": f"`{name}`", "run_number": number,
+            "run": f"{number} ({when})", "source": f"`{name}`", "run_number": number,
             "comparisons": sum(len(_checks(r)) for r in result["rows"]), "outside_30": outside,
         }  # fmt: skip
         for i, (group, members) in enumerate(groups):

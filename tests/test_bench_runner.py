@@ -146,7 +146,7 @@ def test_the_scale_validation_tables_are_composed_from_the_committed_runs(tmp_pa
     runs = json.loads((tmp_path / "scale_validate_runs.json").read_text())["rows"]
     first = [row for row in runs if row["run_number"] == 1]
     assert first[0]["run"] == "1 (03:20-03:30, 8.4 -> 7.7)"
-    assert first[0]["file"] == "`scale_validate_a`"
+    assert first[0]["source"] == "`scale_validate_a`" and "source" not in first[1]
     # run 1's async 8-device row, from before the turns term, recomputed with it (bold: > 30%)
     assert first[2]["row"] == "8 devices sync / fixed lag"
     assert first[2]["wall"] == "0.93 / 0.80 / 0.84; **1.31** / 1.08 / **1.36**"
