@@ -129,6 +129,12 @@ WORKLOADS = (
         ("scale_llamarl", "scale_llamarl_* (--compiled)"),
     ),
     Workload(
+        "plan-tables", "bench.plan_tables",
+        "launch.plan's programs compiled deviceless: 8B H100 train step, XLA attention vs the "
+        "Triton kernel; whole-step cost over the hand count of 7 GPU / TPU plans",
+        ("plan_attention_h100", "plan_ratios"),
+    ),
+    Workload(
         "scale-validate", "bench.scale_validate",
         "the speed-up model against this machine's measured `rl` rows, phase by phase",
         (

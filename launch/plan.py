@@ -28,6 +28,7 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import Any
 
 import gin
 import jax
@@ -194,14 +195,20 @@ def _mesh(role: str, topology: str, axes, sizes):
     return make_mesh(MeshConfig(tuple(axes), tuple(sizes)), devices), devices
 
 
+def table_cost(report: ProgramReport, spec: ChipSpec, step_cost: tuple[float, float] | None):
+    """(FLOPs, bytes, roofline seconds) of a program as its table row gives them: the probes'
+    whole step with `per_step_cost`, else XLA's cost analysis (a loop body once)."""
+    flops, bytes_ = step_cost or (report.flops, report.bytes_accessed)
+    return flops, bytes_, roofline_seconds(flops, bytes_, spec.peak_flops, spec.hbm_bandwidth)
+
+
 def _row(report: ProgramReport, spec: ChipSpec, step_cost: tuple[float, float] | None):
     p = report.parts
     state = p.get("optimizer", 0)
     # The compiler's arguments beyond params / optimizer / cache: the batch, less any input
     # the program never reads (jit drops it: prefill computes no logits, so no lm_head).
     data = report.argument_bytes - p["params"] - state - p.get("kv_cache", 0)
-    flops, bytes_ = step_cost or (report.flops, report.bytes_accessed)
-    roofline = roofline_seconds(flops, bytes_, spec.peak_flops, spec.hbm_bandwidth)
+    flops, bytes_, roofline = table_cost(report, spec, step_cost)
     return [
         report.name,
         f"{p['params'] / GiB:.2f}",
@@ -294,7 +301,23 @@ def _where(topology: str, spec: ChipSpec, devices, mesh) -> str:
     return f"{topology} ({spec.name}, {len(devices)} devices), mesh {dict(mesh.shape)}"
 
 
-def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
+@dataclasses.dataclass(frozen=True)
+class RolePlan:
+    """One role's compiled programs and where they were planned: `reports` (the trainer's
+    train_step; the generator's prefill and decode_step), the device's `spec`, the `devices` and
+    `mesh`, `costs` (per program name, the whole step's (FLOPs, bytes) from the 1- and 2-layer
+    probes with `PlanConfig.per_step_cost`, else None) and the role's `model_config`."""
+
+    reports: list[ProgramReport]
+    spec: ChipSpec
+    devices: list
+    mesh: Any
+    costs: dict[str, tuple[float, float] | None]
+    model_config: Any
+
+
+def plan_trainer_role(config: PlanConfig) -> RolePlan:
+    """Compiles the trainer's RL step as `launch.plan` plans it (no printing)."""
     mesh, devices = _mesh(
         "trainer", config.trainer_topology, config.trainer_axes, config.trainer_axis_sizes
     )
@@ -321,6 +344,21 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
 
         flops, bytes_ = probe_per_step(probe, model_config)
         step_cost = (flops * config.grad_accum_steps, bytes_ * config.grad_accum_steps)
+    return RolePlan([report], spec, devices, mesh, {report.name: step_cost}, model_config)
+
+
+def trainer_scores_dims(config: PlanConfig, model_config) -> tuple[int, tuple[int, ...]]:
+    """(sequence, the model's dims) for `hand_count_lines`' look for `[T, T]` scores."""
+    c = model_config
+    dims = (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim)  # fmt: skip
+    return config.prompt_len + config.completion_len, dims
+
+
+def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
+    role = plan_trainer_role(config)
+    (report,), spec, devices, mesh = role.reports, role.spec, role.devices, role.mesh
+    step_cost, rows = role.costs[report.name], config.prompts * config.samples
     title = (
         f"trainer: {config.model} on {_where(config.trainer_topology, spec, devices, mesh)}, "
         f"{rows} rollouts x {config.prompt_len}+{config.completion_len} tokens, "
@@ -329,11 +367,7 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     print_table(title, [_row(report, spec, step_cost)])
     memory_fraction_note([report], spec, devices)
     xla_notes(report, spec)
-    c = model_config
-    dims = (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim)  # fmt: skip
-    sequence = config.prompt_len + config.completion_len
-    for line in hand_count_lines(report, spec, sequence, dims):
+    for line in hand_count_lines(report, spec, *trainer_scores_dims(config, role.model_config)):
         print(line)
     if report.error:
         print(f"  the compiler refused: {report.error}")
@@ -351,7 +385,9 @@ def _trainer(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
     return [report]
 
 
-def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
+def plan_generator_role(config: PlanConfig) -> RolePlan:
+    """Compiles the generator's prefill and decode step as `launch.plan` plans them (no
+    printing)."""
     mesh, devices = _mesh(
         "generator", config.generator_topology, config.generator_axes, config.generator_axis_sizes
     )
@@ -382,6 +418,13 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
                 strict=True,
             )
         )
+    return RolePlan([prefill, decode], spec, devices, mesh, costs, model_config)
+
+
+def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
+    role = plan_generator_role(config)
+    (prefill, decode), spec, devices, mesh = role.reports, role.spec, role.devices, role.mesh
+    costs = role.costs
     title = (
         f"generator: {config.model} on "
         f"{_where(config.generator_topology, spec, devices, mesh)}, {config.slots} slots x "
@@ -504,6 +547,16 @@ def plan_main(config: PlanConfig = PlanConfig(), serialize_to: str = "") -> int:
     return 0
 
 
+def plan_kwargs(gin_files: list[str], gin_params: list[str]) -> dict:
+    """`plan_main`'s arguments from gin files and bindings (gin is left parsed); `config`
+    always among them."""
+    parse_gin(gin_files, gin_params)
+    kwargs = resolve_bindings(plan_main, skip=())
+    if "config" not in kwargs:  # `PlanConfig.x = ...` bindings without `plan_main.config`
+        kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
+    return kwargs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gin_file", action="append", default=[])
@@ -516,10 +569,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        parse_gin(args.gin_file, args.gin_param)
-        kwargs = resolve_bindings(plan_main, skip=())
-        if "config" not in kwargs:  # `PlanConfig.x = ...` bindings without `plan_main.config`
-            kwargs["config"] = build_config(PlanConfig, gin.get_bindings("PlanConfig"))
+        kwargs = plan_kwargs(args.gin_file, args.gin_param)
         if args.serialize_to:
             kwargs["serialize_to"] = args.serialize_to
         platforms.compile_only()

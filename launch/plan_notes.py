@@ -62,31 +62,54 @@ def xla_notes(report: ProgramReport, spec: ChipSpec) -> None:
         )
 
 
+def whole_step_figures(
+    report: ProgramReport, spec: ChipSpec, sequence: int = 0, dims: tuple[int, ...] = ()
+) -> dict | None:
+    """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
+    counted as they run, Pallas kernels by their models) and their ratios to its hand count
+    (`jaxrl.plan.hand_count`); None without either. For the train step also the FLOPs-time and
+    bytes-time at the device's peaks and the bound, and with `sequence` the buffers holding
+    `[sequence, sequence]` attention scores (None: not looked for, where `sequence` is one of the
+    model's `dims`, whose activations would look the same)."""
+    cost = report.whole_step_cost() if report.hand is not None and not report.error else None
+    if cost is None:
+        return None
+    flops, bytes_ = cost
+    hand = report.hand
+    out = dict(
+        flops=flops, bytes=bytes_, bytes_ratio=bytes_ / hand.bytes, flops_ratio=flops / hand.flops
+    )
+    if report.name == "train_step":
+        compute, memory = flops / spec.peak_flops, bytes_ / spec.hbm_bandwidth
+        out |= dict(
+            flops_s=compute,
+            bytes_s=memory,
+            bound="compute-bound" if compute >= memory else "bytes-bound",
+            scores=None if not sequence or sequence in dims else report.square_buffers(sequence),
+        )
+    return out
+
+
 def hand_count_lines(
     report: ProgramReport, spec: ChipSpec, sequence: int = 0, dims: tuple[int, ...] = ()
 ) -> list[str]:
-    """The program's whole-step FLOPs and bytes per device as compiled (`whole_step_cost`: loops
-    counted as they run, Pallas kernels by their models) beside its hand count
-    (`jaxrl.plan.hand_count`), as ratios; for the train step also whether it is compute-bound at the
-    device's peaks, its largest buffers, and whether any buffer holds `[sequence, sequence]`
-    attention scores (not looked for where `sequence` is one of the model's `dims`, whose
-    activations would look the same)."""
-    cost = report.whole_step_cost() if report.hand is not None and not report.error else None
-    if cost is None:
+    """`whole_step_figures` as lines: the compiled whole step beside its hand count, as ratios;
+    for the train step also whether it is compute-bound at the device's peaks, its largest
+    buffers and collectives, and whether any buffer holds `[sequence, sequence]` scores."""
+    figures = whole_step_figures(report, spec, sequence, dims)
+    if figures is None:
         return []
-    flops, bytes_ = cost
-    hand = report.hand
+    flops, bytes_, hand = figures["flops"], figures["bytes"], report.hand
     lines = [
-        f"  {report.name}: bytes {bytes_ / hand.bytes:.2f}x, FLOPs {flops / hand.flops:.2f}x "
-        f"the hand count (whole step per device: compiled {bytes_:.3g} B, {flops:.3g} FLOP; "
-        f"hand {hand.bytes:.3g} B, {hand.flops:.3g} FLOP; bytes: {hand.describe()})"
+        f"  {report.name}: bytes {figures['bytes_ratio']:.2f}x, FLOPs "
+        f"{figures['flops_ratio']:.2f}x the hand count (whole step per device: compiled "
+        f"{bytes_:.3g} B, {flops:.3g} FLOP; hand {hand.bytes:.3g} B, {hand.flops:.3g} FLOP; "
+        f"bytes: {hand.describe()})"
     ]
     if report.name == "train_step":
-        compute, memory = flops / spec.peak_flops, bytes_ / spec.hbm_bandwidth
-        bound = "compute-bound" if compute >= memory else "bytes-bound"
         lines.append(
-            f"  {report.name}: FLOPs-time {compute * 1e3:.4g} ms, bytes-time {memory * 1e3:.4g} "
-            f"ms at the device's peaks: {bound}"
+            f"  {report.name}: FLOPs-time {figures['flops_s'] * 1e3:.4g} ms, bytes-time "
+            f"{figures['bytes_s'] * 1e3:.4g} ms at the device's peaks: {figures['bound']}"
         )
         biggest = ", ".join(
             f"{shape} {size / GiB:.2f} GiB" for shape, size in report.largest_buffers()
@@ -98,13 +121,13 @@ def hand_count_lines(
         )
         if collectives:
             lines.append(f"  {report.name}: largest collectives: {collectives}")
-        if sequence and sequence in dims:
+        square = figures["scores"]
+        if sequence and square is None:
             lines.append(
                 f"  {report.name}: [{sequence}, {sequence}] scores not looked for: the sequence "
                 "length equals a dimension of the model's"
             )
         elif sequence:
-            square = report.square_buffers(sequence)
             lines.append(
                 f"  {report.name}: no buffer of [{sequence}, {sequence}] scores"
                 if not square
