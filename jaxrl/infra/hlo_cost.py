@@ -465,6 +465,31 @@ def _grouped(operands: list[str], output: str) -> tuple[float, float]:
     return flops * share, sum(shape_bytes(x) for x in operands) + shape_bytes(output)
 
 
+def _grouped_gpu(transposed_lhs: bool):
+    """The Triton grouped matmul (`jaxrl.models.grouped_matmul_gpu`): FLOPs of each row through
+    its own group's matrix, `2 M K N` (the grouped work; the kernels' masked products on tiles
+    that two groups share, at most `(G - 1) tile` rows more, are not counted, as for megablox).
+    `gmm` (forward, and dx with w read transposed): operands (tile groups, tile counts, offsets
+    `[G + 1]`, first, x `[M, C]`, w), out `[M, O]`; `tgmm`: operands (offsets, first, x `[M, K]`,
+    dy `[M, N]`), out `[G_held, K, N]`. A device holding G_held of the G groups multiplies their
+    rows only: `G_held / G` of the rows on average. Bytes: operands and output once."""
+
+    def model(operands: list[str], output: str) -> tuple[float, float]:
+        out = _dims(output)
+        arrays = [_dims(x) for x in operands]
+        if transposed_lhs:
+            groups = arrays[0][0] - 1
+            (m, k), n, held = arrays[2], out[2], out[0]
+        else:
+            groups = arrays[2][0] - 1
+            (m, k), n, held = arrays[4], out[1], arrays[5][0]
+        share = held / groups if 0 < held < groups else 1.0
+        moved = sum(shape_bytes(x) for x in operands) + shape_bytes(output)
+        return 2.0 * m * k * n * share, moved
+
+    return model
+
+
 KERNEL_MODELS = {
     "flash_attention_forward": _flash(2),
     "flash_attention_dq": _flash(3),
@@ -476,6 +501,9 @@ KERNEL_MODELS = {
     "decode_attention_in_place_tpu": _decode(3),
     "gmm": _grouped,
     "tgmm": _grouped,
+    "grouped_matmul_gpu": _grouped_gpu(False),
+    "grouped_matmul_gpu_t": _grouped_gpu(False),
+    "grouped_matmul_gpu_tgmm": _grouped_gpu(True),
 }
 
 

@@ -18,14 +18,19 @@ which is `jax.lax.ragged_dot(x_mk, w_gkn, group_sizes_g)`. How it runs:
   tests check them). XLA:TPU compiles `ragged_dot`'s weights' gradient densely (every row
   through every group: G = 128 times its work; 43x for forward and both gradients together),
   which the kernels avoid. Row tiles by `tile_rows`.
-- **GPU** ("auto" in a GPU program, or the "pallas_gpu" form): `tiled`, plain XLA over row
-  tiles that each belong to one group (a batched matmul against the tiles' gathered matrices):
-  exact, at most `(M + (G - 1) tile) / M` times the grouped work. XLA:GPU compiles
-  `jax.lax.ragged_dot` and its gradient densely (every row masked against every group: `[G, M,
-  K]` intermediates, G times the work); its `xla_gpu_experimental_use_ragged_dot_*` flags
-  changed nothing deviceless, and JAX's Mosaic GPU grouped-matmul kernels cannot trace the
-  weights' gradient without a GPU attached. docs/scale.md ("Mixture of experts") has the
-  figures.
+- **GPU** ("auto" in a GPU program, or the "pallas_gpu" form): the Pallas Triton kernels of
+  `jaxrl.models.grouped_matmul_gpu` (forward, the gradient of x with the weights read
+  transposed, the weights' gradient per group; its custom VJP), each row tile multiplied by its
+  group's matrix read in the kernel (a tile that two groups share visited once per group, rows
+  of the other group masked): exact, nothing gathered, at most `(M + (G - 1) tile) / M` times
+  the grouped work (tile `tile_rows(M, G, TILE_TRITON)`); Pallas interpret mode off a GPU.
+  Dtypes the kernels do not take (not bf16 / f16 / f32) run `tiled`, plain XLA over row tiles
+  that each belong to one group (a batched matmul against the tiles' gathered matrices,
+  `[visits, K, N]`): exact, the same bound of work. XLA:GPU compiles `jax.lax.ragged_dot` and
+  its gradient densely (every row masked against every group: `[G, M, K]` intermediates, G
+  times the work); its `xla_gpu_experimental_use_ragged_dot_*` flags changed nothing
+  deviceless, and JAX's Mosaic GPU grouped-matmul kernels cannot trace the weights' gradient
+  without a GPU attached. docs/scale.md ("Mixture of experts") has the figures.
 
 Sharded (installed logical-axis rules and a mesh, `jaxrl.infra.sharding`), the kernel runs per
 device (`jax.shard_map`; the partitioner cannot split a kernel call; `_per_device`): the rows
@@ -57,7 +62,8 @@ from jaxrl.models import attention_forms
 # dimension: up to 512 rows (`tile_rows`), 1024-wide blocks of K and N (Qwen3-30B-A3B's
 # 2048 x 768 experts: two blocks of K, one of N).
 TILE_M, TILE_K, TILE_N = 512, 1024, 1024
-TILE_ROWS = 256  # rows per tile of the `tiled` form (GPU)
+TILE_ROWS = 256  # rows per tile of the `tiled` form (GPU dtypes the Triton kernels do not take)
+TILE_TRITON = 128  # rows per tile of the Triton kernels (GPU) at most
 _SUBLANES = 16  # a tile of rows is a multiple of this (bf16 packs 16 rows in a TPU vreg)
 
 WEIGHT_AXES = (ax.EXPERTS, ax.EXPERT_EMBED, ax.EXPERT_MLP)
@@ -83,12 +89,36 @@ def grouped_matmul(
         interpret = attention_forms.decode_kernel.platform() != "tpu"
         local = lambda x, w, g, first: megablox(x, w, g, interpret=interpret, first=first)  # noqa: E731
     elif platform == "gpu":
-        local = lambda x, w, g, first: tiled(  # noqa: E731
-            x, w, g, tile=tile_rows(x.shape[0], g.shape[0]), first=first
-        )
+        local = _gpu_local(x_mk.dtype, w_gkn.dtype)
     else:
         return jax.lax.ragged_dot(x_mk, w_gkn, group_sizes_g)
     return _per_device(local, x_mk, w_gkn, group_sizes_g, w_axes)
+
+
+def triton_supports(*dtypes) -> bool:
+    """Whether the Triton kernels (`grouped_matmul_gpu`) multiply these dtypes (bfloat16,
+    float16 and float32; others take the `tiled` form)."""
+    floats = (jnp.bfloat16, jnp.float16, jnp.float32)
+    return all(jnp.dtype(d) in tuple(map(jnp.dtype, floats)) for d in dtypes)
+
+
+def _gpu_local(*dtypes):
+    """`local(x, w, group_sizes, first)` of a GPU program: the Triton kernels
+    (`grouped_matmul_gpu.gmm`, interpret mode off a GPU) at `tile_rows(M, G, TILE_TRITON)`, or
+    `tiled` for dtypes they do not take."""
+    if not triton_supports(*dtypes):
+        return lambda x, w, g, first: tiled(  # noqa: E731
+            x, w, g, tile=tile_rows(x.shape[0], g.shape[0]), first=first
+        )
+    from jaxrl.models import grouped_matmul_gpu
+
+    interpret = attention_forms.decode_kernel.platform() != "gpu"
+
+    def local(x, w, g, first):
+        tile = tile_rows(x.shape[0], g.shape[0], TILE_TRITON)
+        return grouped_matmul_gpu.gmm(x, w, g, first=first, tile=tile, interpret=interpret)
+
+    return local
 
 
 def tile_rows(m: int, groups: int, most: int = TILE_ROWS) -> int:
@@ -253,7 +283,8 @@ def routed_experts(x_ne, weights_nk, experts_nk, gate_gef, up_gef, down_gfe, pla
         interpret = attention_forms.decode_kernel.platform() != "tpu"
         matmul = lambda x, w, g: megablox(x, w, g, interpret=interpret)  # noqa: E731
     elif platform == "gpu":
-        matmul = lambda x, w, g: tiled(x, w, g, tile=tile_rows(x.shape[0], w.shape[0]))  # noqa: E731
+        gpu_local = _gpu_local(x_ne.dtype, gate_gef.dtype)
+        matmul = lambda x, w, g: gpu_local(x, w, g, None)  # noqa: E731
     else:
         matmul = jax.lax.ragged_dot
 
