@@ -181,9 +181,9 @@ WORKLOADS = (
         "learning", "bench.learning",
         "does RL learn? an experiment's config against its controls (`learning --list`)",
         (
-            "rl_learning*", "rl_async_learning*", "rl_lora_learning.md (--out)",
+            "rl_learning*", "rl_async_learning*", "rl_lora_learning* (--out NAME)",
             "rl_streaming_learning*", "rl_streaming_recipe (rl-streaming --recipe_table)",
-            "calc_learning*", "smollm2_learning*",
+            "calc_learning*", "smollm2_learning*", "moe_learning*",
         ),
     ),
 )  # fmt: skip

@@ -9,10 +9,10 @@
 Reports greedy held-out accuracy at the start and end, the gain (the mean of the last 3
 evaluations over the start: one evaluation of 512 problems has a ~2-point standard error), the
 first evaluated step at which each run is +15 points over its start, bytes per weight push
-(`sync/bytes_pushed`, and as a share of the full run's push) and the issue's verdict for each
-LoRA row: it gains >= +15 greedy points, reaching them in at most 2x the steps full
-fine-tuning needs, with a push <= 2% of the full model's. The table (markdown) is printed and,
-with `--out`, written (bench/results/rl_lora_learning.md).
+(`sync/bytes_pushed`, and as a share of the full run's push) and the verdict for each LoRA row:
+it gains >= +15 greedy points, reaching them in at most 2x the steps full fine-tuning needs,
+with a push <= 2% of the full model's. Written to bench/results/rl_lora_learning.{json,md}
+(`--out NAME`: NAME.{json,md}, e.g. one name per LoRA variant).
 
     python -m bench learning rl-lora --full_steps 500     # ~15 min on an idle 2-core CPU
     python -m bench learning rl-lora --full_dir W/full --lora_dir "NAME=W/run" ...  # tabulate
@@ -27,7 +27,6 @@ cpu_devices.simulate(8)
 
 import json  # noqa: E402
 import os  # noqa: E402
-import time  # noqa: E402
 
 from bench.learning import runner  # noqa: E402
 
@@ -45,7 +44,9 @@ def add_options(parser) -> None:
     parser.add_argument("--full_steps", type=int, default=500)
     parser.add_argument("--lora_steps", type=int, default=0, help="default: 2x --full_steps")
     parser.add_argument("--eval_every", type=int, default=50)
-    parser.add_argument("--out", default="", help="write the table (markdown) here")
+    parser.add_argument(
+        "--out", default="", help=f"the results' name (default {RESULTS}): bench/results/OUT.json"
+    )
     parser.add_argument("--full_dir", default="", help="reuse this finished full run (and its SFT)")
     parser.add_argument("--lora_param", action="append", default=[], help="extra gin for LoRA")
     parser.add_argument("--lora_name", default=RUNS["lora"][0])
@@ -75,22 +76,37 @@ def summarise(name: str, metrics_path: str, seconds: float) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown; the first row is full fine-tuning (its push is the 100% of the last column)."""
-    head = (
-        "| run | steps | greedy start | greedy end | greedy (last 3 evals) | gain (last 3) | "
-        "first step at +15 | bytes per push | push / full model | s/step | wall s |"
-    )
-    lines = [head, "|---" * 11 + "|"]
+COLUMNS = [
+    ("run", "run"), ("steps", "steps"), ("greedy_start_cell", "greedy start"),
+    ("greedy_end_cell", "greedy end"), ("greedy_last3_cell", "greedy (last 3 evals)"),
+    ("gain_cell", "gain (last 3)"), ("steps_to_gain_cell", "first step at +15"),
+    ("bytes_cell", "bytes per push"), ("push_share", "push / full model"),
+    ("s_per_step_cell", "s/step"), ("seconds_cell", "wall s"),
+]  # fmt: skip
+
+
+def with_cells(rows: list[dict]) -> list[dict]:
+    """The rows with their table cells (`*_cell`, `push_share`) beside the raw figures; the
+    first row is full fine-tuning (its push is the 100% of the share column)."""
     full_bytes = rows[0]["bytes_pushed"] or float("nan")
+    out = []
     for r in rows:
-        lines.append(
-            f"| {r['run']} | {r['steps']} | {r['greedy_start']:.3f} | {r['greedy_end']:.3f} | "
-            f"{r['greedy_last3']:.3f} | {r['gain']:+.3f} | {r['steps_to_gain']} | "
-            f"{int(r['bytes_pushed']):,} | {100 * r['bytes_pushed'] / full_bytes:.2f}% | "
-            f"{r['s_per_step']:.3f} | {r['seconds']:.0f} |"
+        seconds = r["seconds"]
+        out.append(
+            r
+            | {
+                "greedy_start_cell": f"{r['greedy_start']:.3f}",
+                "greedy_end_cell": f"{r['greedy_end']:.3f}",
+                "greedy_last3_cell": f"{r['greedy_last3']:.3f}",
+                "gain_cell": f"{r['gain']:+.3f}",
+                "steps_to_gain_cell": str(r["steps_to_gain"]),
+                "bytes_cell": f"{int(r['bytes_pushed']):,}",
+                "push_share": f"{100 * r['bytes_pushed'] / full_bytes:.2f}%",
+                "s_per_step_cell": f"{r['s_per_step']:.3f}",
+                "seconds_cell": "" if seconds != seconds else f"{seconds:.0f}",  # nan: tabulated
+            }
         )
-    return "\n".join(lines)
+    return out
 
 
 def verdict(full: dict, lora: dict) -> dict:
@@ -107,7 +123,7 @@ def verdict(full: dict, lora: dict) -> dict:
 
 
 def run(args) -> list[dict]:
-    from bench.common import LEARNING_SMOKE, command
+    from bench.common import LEARNING_SMOKE, command, write_results
 
     lora_steps = args.lora_steps or 2 * args.full_steps
     common = [] if args.smoke else ["RLConfig.save_every_steps = 100000"]
@@ -137,12 +153,7 @@ def run(args) -> list[dict]:
         rows.append(summarise(name, os.path.join(run_dir, "metrics.jsonl"), seconds))
         print(json.dumps(rows[-1]), flush=True)
     verdicts = {row["run"]: verdict(rows[0], row) for row in rows[1:]}
-    text = (
-        f"<!-- `{command()}`; verdicts {verdicts}; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} -->\n{table(rows)}\n"
-    )
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    rows = with_cells(rows)
+    name = args.out or RESULTS + ("_smoke" if args.smoke else "")
+    print(write_results(name, rows, COLUMNS, f"`{command()}`; verdicts {verdicts}"))
     return rows
