@@ -208,3 +208,46 @@ def test_triton_kernels_compile_for_h100_and_are_costed_by_their_rows():
     assert len(costed) == 3
     visits = m // 64 + g - 1
     assert compiled.memory_analysis().temp_size_in_bytes < visits * k * n * 2 / 16
+
+
+def test_a_sharded_moe_layer_routing_per_device_equals_one_device():
+    """`MoEMLP` in a GPU program (the "pallas_gpu" form: the Triton kernels in interpret mode)
+    under the trainer's rules on (fsdp 4, tp 2) sorts each device's tokens (`routed_experts`,
+    as `routes_per_device` says) and equals the CPU program on one device (the global sort,
+    `ragged_dot`): output and the gradients of x and every parameter within 1e-5 of each
+    array's largest magnitude (the tp halves of the MLP width add in another order). The
+    generator's layout (experts over tp) keeps the global sort."""
+    from flax import nnx
+
+    from jaxrl.models import attention_forms
+    from jaxrl.models.config import ModelConfig
+    from jaxrl.models.moe import MoEMLP
+
+    c = ModelConfig(
+        model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+        num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, dtype="float32", param_dtype="float32",
+    )  # fmt: skip
+    graph, params = nnx.split(MoEMLP(c, nnx.Rngs(0), 0.5))
+    x = jax.random.normal(jax.random.key(1), (4, 4, 16), jnp.float32)
+
+    def run():
+        def loss(params, x):
+            out = nnx.merge(graph, params)(x)
+            return jnp.sum(jnp.sin(out)), out
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+
+    want = run()
+    mesh = make_mesh(MeshConfig(("fsdp", "tp"), (4, 2)), jax.devices()[:8])
+    with ax.sharding_context(mesh, ax.rules_for_role("trainer")):
+        assert gm.routes_per_device(c.num_experts, 16)
+        with attention_forms.decode_attention_form("pallas_gpu"):
+            got = run()
+            jaxpr = str(jax.make_jaxpr(lambda p, x: nnx.merge(graph, p)(x))(params, x))
+    assert jaxpr.count("shard_map[") == 1  # one per device around the three matmuls, not three
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        _close([g], [w], atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(w)))))
+    generator = make_mesh(MeshConfig(("dp", "tp"), (4, 2)), jax.devices()[:8])
+    with ax.sharding_context(generator, ax.rules_for_role("generator")):
+        assert not gm.routes_per_device(c.num_experts, 16)

@@ -42,9 +42,11 @@ tp; each device multiplies its own groups' rows, the results added); K and N spl
 say (a split K gives partial sums, added). Exact: no row is dropped or padded into another
 group's result.
 
-`routed_experts` is `MoEMLP._experts` with each device sorting its own tokens (the model's
-global sort makes every device gather the whole micro-batch's sorted rows under FSDP:
-docs/scale.md, "Mixture of experts"); tested, not wired into the model.
+`routed_experts` is `MoEMLP._experts` with each device sorting its own tokens (the global sort
+makes every device gather the whole micro-batch's sorted rows under FSDP: docs/scale.md,
+"Mixture of experts"); the model uses it in GPU and TPU programs in the trainer's layout
+(`routes_per_device`: experts gathered on every device). CPU programs and the generator's
+layout (experts split over tp) keep the global sort.
 """
 
 from __future__ import annotations
@@ -267,6 +269,20 @@ def _per_device(local, x_mk, w_gkn, group_sizes_g, w_axes) -> jax.Array:
     return partial[0] if partial.shape[0] == 1 else jnp.sum(partial, axis=0, dtype=partial.dtype)
 
 
+def routes_per_device(num_experts: int, rows: int) -> bool:
+    """Whether `routed_experts` applies to a layer traced now: no sharding installed, or the
+    trainer's layout (the experts unsplit, or split only over mesh axes that also split the
+    `rows` tokens: gathered on every device). The generator's layout (experts over tp, tokens
+    over dp: each device holds some experts) keeps the global sort, each device multiplying
+    its own experts' rows."""
+    rules = flax_spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return True
+    experts = _mapped(ax.EXPERTS, num_experts, rules, mesh)
+    return set(experts) <= set(_mapped(ax.ACT_BATCH, rows, rules, mesh))
+
+
 def routed_experts(x_ne, weights_nk, experts_nk, gate_gef, up_gef, down_gfe, platform="auto"):
     """`MoEMLP._experts` with the token sort per device: each device sorts its own tokens'
     (token, expert) pairs by expert, runs the three grouped matmuls on them against every
@@ -275,8 +291,8 @@ def routed_experts(x_ne, weights_nk, experts_nk, gate_gef, up_gef, down_gfe, pla
     or gathers another's tokens. `MoEMLP._experts` sorts all the tokens of a step at once: under
     FSDP every device then gathers the whole batch's `[N k, E]` sorted rows (docs/scale.md,
     "Mixture of experts"). The same sums as `_experts` (within rounding: the partial sums of a
-    split K add in another order). Experts are gathered on every device (the trainer's layout).
-    Not used by the model yet (see the docs)."""
+    split K add in another order). Experts are gathered on every device (the trainer's layout,
+    `routes_per_device`); `MoEMLP._experts` uses it in GPU and TPU programs where that holds."""
     if platform == "auto":
         platform = attention_forms.kernel_platform()
     if platform == "tpu" and megablox_supports(x_ne.dtype, gate_gef.dtype):

@@ -38,8 +38,9 @@ from flax import nnx
 
 from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
+from jaxrl.models import attention_forms
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.grouped_matmul import grouped_matmul
+from jaxrl.models.grouped_matmul import grouped_matmul, routed_experts, routes_per_device
 
 # The dtype of routing records (expert ids; -1: none recorded).
 ROUTING_DTYPE = jnp.int16
@@ -160,10 +161,18 @@ class MoEMLP(nnx.Module):
 
     def _experts(self, x_ne: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array) -> jax.Array:
         """Every token through its k experts, weighted and summed: the (token, expert) pairs
-        sorted by expert, three grouped matmuls over the groups, then unsorted."""
+        sorted by expert, three grouped matmuls over the groups, then unsorted. GPU and TPU
+        programs in the trainer's layout sort each device's own tokens
+        (`grouped_matmul.routed_experts`: no device gathers another's); CPU programs and the
+        generator's layout (experts split over devices) sort all the tokens at once."""
         c = self.config
         dtype = c.jnp_dtype
         n, k = experts_nk.shape
+        if attention_forms.kernel_platform() and routes_per_device(c.num_experts, n):
+            kernels = (self.gate_kernel, self.up_kernel, self.down_kernel)
+            return routed_experts(
+                x_ne, weights_nk, experts_nk, *(w[...].astype(dtype) for w in kernels)
+            )
         flat = experts_nk.reshape(n * k)
         order = jnp.argsort(flat, stable=True)  # pair p = order[i] is the i-th in expert order
         group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
