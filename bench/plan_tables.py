@@ -84,11 +84,12 @@ def _ms(seconds: float) -> str:
     return f"{ms:.0f}" if ms >= 1000 else f"{ms:.4g}"
 
 
-def attention_row(config, path: str) -> dict:
-    """The train step of `config`'s trainer per device, as the plan's table gives it."""
+def attention_row(config, path: str, trainer=None) -> dict:
+    """The train step of `config`'s trainer per device, as the plan's table gives it
+    (`trainer`: its `plan_trainer_role`, compiled here if None)."""
     from launch.plan import plan_trainer_role, table_cost, trainer_scores_dims
 
-    role = plan_trainer_role(config)
+    role = trainer or plan_trainer_role(config)
     (report,) = role.reports
     flops, bytes_, roofline = table_cost(report, role.spec, role.costs[report.name])
     sequence, dims = trainer_scores_dims(config, role.model_config)
@@ -116,14 +117,14 @@ def _pair(figures: dict | None) -> str:
     return f"{figures['bytes_ratio']:.2f} / {figures['flops_ratio']:.2f}"
 
 
-def ratios_row(config, plan: str, gin_file: str = "") -> dict:
+def ratios_row(config, plan: str, gin_file: str = "", trainer=None) -> dict:
     """One plan's whole-step figures as compiled against its hand count (trainer and
-    generator)."""
+    generator; `trainer`: the trainer's `plan_trainer_role`, compiled here if None)."""
     from launch.plan import plan_generator_role, plan_trainer_role, trainer_scores_dims
     from launch.plan_notes import whole_step_figures
 
     start = time.perf_counter()
-    trainer = plan_trainer_role(config)
+    trainer = trainer or plan_trainer_role(config)
     sequence, dims = trainer_scores_dims(config, trainer.model_config)
     train = whole_step_figures(trainer.reports[0], trainer.spec, sequence, dims)
     generator = plan_generator_role(config)

@@ -25,7 +25,7 @@ def test_docs_tables_equal_what_the_report_writes(doc):
     counts, problems = report.report(doc)
     assert problems == [], "\n".join(problems)
     if os.path.relpath(doc, report.ROOT) in report.BENCHMARK_DOCS:
-        assert counts["blocks"] > 0 and counts["records"] > 0
+        assert counts["blocks"] > 0  # records are allowed, none is needed (docs/scale.md)
 
 
 def test_every_table_of_a_benchmark_doc_is_generated_or_marked():
