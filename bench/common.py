@@ -1,12 +1,19 @@
 """Shared output format of the benchmarks: one JSON line per measurement on stdout, and
-results files under bench/results/ (JSON list + markdown table) that docs/benchmarks.md quotes."""
+results files under bench/results/ (JSON list + markdown table) that docs/benchmarks.md quotes;
+and the temporary git worktree of an earlier commit that before/after checks run in."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 # The RL learning benchmarks' --smoke: a few steps of everything, to check the plumbing.
@@ -55,8 +62,6 @@ def machine_facts() -> dict:
 
 def tree() -> dict:
     """The commit the figures were measured at, and whether the work tree had changes."""
-    import subprocess
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str:
@@ -73,6 +78,59 @@ def tree() -> dict:
         git("status", "--porcelain", "--untracked-files=no", "--", "jaxrl", "launch", "bench")
     )
     return {"commit": commit or "unknown", "dirty": dirty}
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_commit(rev: str) -> str:
+    """The full hash of the commit `rev` names in this repository; `SystemExit` naming `rev`
+    when git cannot resolve it."""
+    out = subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode or not out.stdout.strip():
+        raise SystemExit(
+            f"git cannot resolve the baseline {rev!r} to a commit of {REPO}; give a commit "
+            "hash, branch or tag that `git log --oneline` shows"
+        )
+    return out.stdout.strip()
+
+
+@contextlib.contextmanager
+def baseline_worktree(rev: str, prefix: str = "bench_baseline_"):
+    """Yields the path of a temporary detached `git worktree` of commit `rev`, removed again
+    (`git worktree remove --force`, then `git worktree prune`) on exit, on an exception, on
+    Ctrl-C and, in the main thread, on SIGTERM (turned into `SystemExit` while it is open)."""
+    commit = resolve_commit(rev)
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    path = os.path.join(scratch, "tree")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+
+        def terminate(signum, frame):
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        out = subprocess.run(
+            ["git", "-C", REPO, "worktree", "add", "--detach", path, commit],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode:
+            raise SystemExit(f"git worktree add of {rev!r} failed: {out.stderr.strip()}")
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "-C", REPO, "worktree", "remove", "--force", path], capture_output=True
+        )
+        subprocess.run(["git", "-C", REPO, "worktree", "prune"], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def command() -> str:

@@ -89,6 +89,12 @@ WORKLOADS = (
         ("rl_step*",),
     ),
     Workload(
+        "compare", "bench.compare",
+        "any workload in this tree vs an earlier commit (a git worktree), alternating: each "
+        "row's figures and their ratio (`compare --help`)",
+        ("compare_* (--name NAME)",),
+    ),
+    Workload(
         "rl-roles", "bench.rl_roles",
         "seconds per trainer step: role-split async on two pinned processes vs sync on one",
         ("rl_roles*",),

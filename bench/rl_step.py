@@ -22,14 +22,15 @@ achieved GFLOP/s of the measured train phase against this core's fp32 matmul pea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
+from bench.common import baseline_worktree
 from jaxrl.infra.xla_cpu import allocator_env, cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,18 +122,13 @@ def main(argv=None) -> list[dict]:
     mode = "smoke" if args.smoke else "full"
     core = sorted(os.sched_getaffinity(0))[-1]
     load_before = os.getloadavg()[0]
-    trees = {"this tree": REPO}
-    scratch = None
-    if not args.smoke:
-        scratch = tempfile.mkdtemp(prefix="rl_step_baseline_")
-        base = os.path.join(scratch, "tree")
-        subprocess.run(
-            ["git", "-C", REPO, "worktree", "add", "--detach", base, args.baseline],
-            check=True,
-            capture_output=True,
-        )
-        trees = {f"baseline {args.baseline}": base} | trees
-    try:
+    baseline = (
+        contextlib.nullcontext() if args.smoke else baseline_worktree(args.baseline, "rl_step_")
+    )
+    with baseline as base:
+        trees = {"this tree": REPO}
+        if base is not None:
+            trees = {f"baseline {args.baseline}": base} | trees
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for r in range(rounds):
             for name, tree in trees.items():
@@ -142,11 +138,6 @@ def main(argv=None) -> list[dict]:
                       f"{runs[name][-1]['step_s']:.3f} s/step "
                       f"({time.perf_counter() - start:.0f}s)", flush=True)  # fmt: skip
         flops = _run(REPO, FLOPS, [mode], core, args.allocator)
-    finally:
-        if scratch is not None:
-            subprocess.run(
-                ["git", "-C", REPO, "worktree", "remove", "--force", base], capture_output=True
-            )
     rows = []
     for name, results in runs.items():
         row = {"tree": name, "rounds": len(results)}
