@@ -185,3 +185,7 @@ def main(argv=None) -> int:
             )
             print(write_results("plan_ratios", rows, RATIO_COLUMNS, note))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
