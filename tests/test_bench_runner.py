@@ -43,6 +43,17 @@ def test_learning_lists_its_experiments():
         assert f"  {name} " in out.stdout
 
 
+def test_every_registered_module_runs_as_a_module_command():
+    """`python -m bench.MODULE` runs each workload (`bench compare` runs a baseline tree's
+    workloads that way: an older tree may predate `python -m bench NAME`)."""
+    for workload in registry.WORKLOADS:
+        path = os.path.join(REPO, *workload.module.split("."))
+        path = os.path.join(path, "__main__.py") if os.path.isdir(path) else path + ".py"
+        assert os.path.exists(path), workload.module
+        with open(path) as f:
+            assert 'if __name__ == "__main__":' in f.read(), workload.module
+
+
 def test_every_registered_module_imports_and_has_its_entry_point():
     """All imported (none run) in one fresh process: some set XLA flags at import."""
     modules = {w.module: ("main",) for w in registry.WORKLOADS}
