@@ -17,6 +17,7 @@ and the verdict of the acceptance bar the dense configs meet (+15 points greedy,
     python -m bench learning moe                       # SFT, then 2 runs x 2000 steps (hours)
     python -m bench learning moe --rl_steps 1200 --eval_every 100 \\
         --init_from W/async/sft                        # from a finished SFT stage
+    python -m bench learning moe --runs async --param "OptimizerConfig.learning_rate = 1e-4"
     python -m bench learning moe --smoke               # seconds, checks the plumbing
 """
 
@@ -58,6 +59,9 @@ def add_options(parser) -> None:
     parser.add_argument(
         "--runs", default=",".join(RUNS), help=f"which runs, in order (of {', '.join(RUNS)})"
     )
+    parser.add_argument(
+        "--param", action="append", default=[], help="a gin binding for every run (repeatable)"
+    )
 
 
 def summarise(label: str, workdir: str) -> dict:
@@ -85,7 +89,7 @@ def run(args) -> list[dict]:
     unknown = [n for n in names if n not in RUNS]
     if unknown or not names:
         raise SystemExit(f"--runs {args.runs!r}: name runs of {', '.join(RUNS)}")
-    overrides = list(LEARNING_SMOKE) if args.smoke else []
+    overrides = (list(LEARNING_SMOKE) if args.smoke else []) + list(getattr(args, "param", []))
     if args.rl_steps:
         overrides += [f"RLConfig.total_steps = {args.rl_steps}"]
     if args.eval_every:
