@@ -467,8 +467,9 @@ def _grouped(operands: list[str], output: str) -> tuple[float, float]:
 
 def _grouped_gpu(transposed_lhs: bool):
     """The Triton grouped matmul (`jaxrl.models.grouped_matmul_gpu`): FLOPs of each row through
-    its own group's matrix, `2 M K N` (the grouped work; the kernels' masked products on tiles
-    that two groups share, at most `(G - 1) tile` rows more, are not counted, as for megablox).
+    its own group's matrix, `2 M K N` (the grouped work; the kernels' masked products where
+    groups share a 16-row block, at most `(G - 1) 16` rows more, are not counted, nor are
+    megablox's on its shared tiles).
     `gmm` (forward, and dx with w read transposed): operands (tile groups, tile counts, offsets
     `[G + 1]`, first, x `[M, C]`, w), out `[M, O]`; `tgmm`: operands (offsets, first, x `[M, K]`,
     dy `[M, N]`), out `[G_held, K, N]`. A device holding G_held of the G groups multiplies their

@@ -15,16 +15,17 @@ Kernels (grid programs independent: each output block written by one program, no
 
 - `gmm`, grid (row tile, N / block_n): the rows cut into `tile`-row tiles; a tile's groups (the
   first and the number of held groups its rows touch, `_tile_groups`: computed outside the
-  kernel from the offsets) are visited one after another, each group's matrix read directly
-  from `w` (its `[K, block_n]` column block, `block_k` rows at a time), its product masked to
-  the group's rows and added into one fp32 accumulator. A tile that two groups share is
-  multiplied once per group; the rows a tile holds of another group add zeros. Work: at most
-  `2 (M + (G - 1) tile) K N` FLOPs (an empty group between two others inside one tile costs a
-  masked product), the exact `2 M K N` when the groups' edges fall on tile edges. Nothing is
-  gathered: no `[visits, K, N]` copy of the weights (the `tiled` XLA form's).
+  kernel from the offsets) decide its path. A tile within one group: one product of the tile
+  with the group's matrix, read directly from `w` (its `[K, block_n]` column block, `block_k`
+  rows at a time), rows outside the group (padding, groups not held) zeroed. A tile that
+  groups share: its `SUB` (16)-row blocks one after another, each multiplied by the matrix of
+  every group its rows reach, masked to the group's rows and added. Work: at most
+  `2 (M + (G - 1) SUB) K N` FLOPs (a group edge costs up to one 16-row block of another
+  group's rows; an empty group between two others inside one block a masked product), against
+  the `tiled` XLA form's `2 (M + (G - 1) tile) K N` and its gathered `[visits, K, N]` weights.
 - `tgmm`, grid (G, K / block_k, N / block_n): a group's program loops over the row tiles its
-  rows reach, `acc += x_tile^T dy_tile` with the rows outside the group masked to zero; an empty
-  group writes zeros.
+  rows reach, `acc += x_tile^T dy_tile`; a tile the group shares in `SUB`-row blocks, only
+  those that reach the group, rows outside it masked to zero. An empty group writes zeros.
 
 Padding: M to a multiple of the tile (zero rows outside every group), K and N to multiples of
 their blocks (zeros), outside the custom VJP, so JAX differentiates the pads and slices.
@@ -51,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MIN_BLOCK = 16  # Triton's dot needs every dim >= 16
+SUB = MIN_BLOCK  # rows per block of a tile that two groups share
 BLOCK_K, BLOCK_N = 64, 128  # contraction and output-column blocks (clipped to the dims)
 TILE = 128  # rows per tile at most (`tile` argument)
 NAMES = ("grouped_matmul_gpu", "grouped_matmul_gpu_t", "grouped_matmul_gpu_tgmm")
@@ -95,27 +97,59 @@ def _gmm_kernel(
 ):  # fmt: skip
     i = pl.program_id(0)
     first = first_ref[0]
-    rows = i * tile + jnp.arange(tile)
-    lo = lo_ref[i]
+    lo, count = lo_ref[i], count_ref[i]
+    width = y_ref.shape[1]
 
-    def group(n, acc):
-        g = lo + n
-        start, end = offsets_ref[first + g], offsets_ref[first + g + 1]
+    def product(top, size, g):
+        """Rows `[top, top + size)` of the tile times held group g's matrix, fp32, rows outside
+        the group zero."""
 
         def block(c, part):
             cols = pl.ds(c * block_k, block_k)
-            a = x_ref[:, cols]
+            a = x_ref[pl.ds(top, size), cols]
             if transpose:  # w [G, N_out, K_in]: the block [block_n, block_k], transposed
                 return part + plgpu.dot(a, w_ref[g, :, cols], trans_b=True)
             return part + plgpu.dot(a, w_ref[g, cols, :])
 
-        part = lax.fori_loop(0, contraction // block_k, block, jnp.zeros_like(acc))
-        inside = (rows >= start) & (rows < end)
-        return acc + jnp.where(inside[:, None], part, 0.0)
+        part = lax.fori_loop(
+            0, contraction // block_k, block, jnp.zeros((size, width), jnp.float32)
+        )
+        rows = i * tile + top + jnp.arange(size)
+        inside = (rows >= offsets_ref[first + g]) & (rows < offsets_ref[first + g + 1])
+        return jnp.where(inside[:, None], part, 0.0)
 
-    acc = jnp.zeros(y_ref.shape, jnp.float32)
-    acc = lax.fori_loop(0, count_ref[i], group, acc)
-    y_ref[...] = acc.astype(y_ref.dtype)
+    @pl.when(count == 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+
+    @pl.when(count == 1)
+    def _():
+        y_ref[...] = product(0, tile, lo).astype(y_ref.dtype)
+
+    @pl.when(count > 1)
+    def _():  # groups share the tile: SUB-row blocks, each through the groups it reaches
+        def sub(s, carry):
+            top = s * SUB
+            first_row = i * tile + top
+
+            def before(n, g):  # the tile's groups ending before this block
+                return g + (offsets_ref[first + lo + n + 1] <= first_row).astype(jnp.int32)
+
+            def reaches(state):
+                g, _ = state
+                return (g < lo + count) & (offsets_ref[first + g] < first_row + SUB)
+
+            def add(state):
+                g, acc = state
+                return g + 1, acc + product(top, SUB, g)
+
+            g0 = lax.fori_loop(0, count, before, lo)
+            zeros = jnp.zeros((SUB, width), jnp.float32)
+            _, acc = lax.while_loop(reaches, add, (g0, zeros))
+            y_ref[pl.ds(top, SUB), :] = acc.astype(y_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, tile // SUB, sub, 0)
 
 
 def _tgmm_kernel(offsets_ref, first_ref, x_ref, dy_ref, dw_ref, *, tile):
@@ -125,14 +159,25 @@ def _tgmm_kernel(offsets_ref, first_ref, x_ref, dy_ref, dw_ref, *, tile):
     top = start // tile
     tiles = jnp.where(end > start, (end - 1) // tile - top + 1, 0)
 
-    def body(n, acc):
-        t = top + n
-        span = pl.ds(t * tile, tile)
-        rows = t * tile + jnp.arange(tile)
+    def rows_product(acc, row, size):  # acc + x^T dy over rows [row, row + size) of the group
+        span = pl.ds(row, size)
+        rows = row + jnp.arange(size)
         inside = ((rows >= start) & (rows < end))[:, None]
         x = x_ref[span, :]
         x = jnp.where(inside, x, jnp.zeros_like(x))
         return acc + plgpu.dot(x, dy_ref[span, :], trans_a=True)
+
+    def body(n, acc):
+        t = top + n
+        whole = (t * tile >= start) & ((t + 1) * tile <= end)
+
+        def partly(acc):  # a tile the group shares: its SUB-row blocks that reach the group
+            low = (jnp.maximum(start, t * tile) - t * tile) // SUB
+            high = (jnp.minimum(end, (t + 1) * tile) - 1 - t * tile) // SUB
+            sub = lambda s, acc: rows_product(acc, t * tile + s * SUB, SUB)  # noqa: E731
+            return lax.fori_loop(low, high + 1, sub, acc)
+
+        return lax.cond(whole, lambda acc: rows_product(acc, t * tile, tile), partly, acc)
 
     acc = lax.fori_loop(0, tiles, body, jnp.zeros(dw_ref.shape, jnp.float32))
     dw_ref[...] = acc.astype(dw_ref.dtype)
