@@ -297,7 +297,12 @@ def gmm(
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes, dtype=jnp.int32)])
     first = jnp.zeros((1,), jnp.int32) if first is None else jnp.reshape(first, (1,))
     m_pad, k_pad, n_pad = _round_up(m, tile), _round_up(k, block_k), _round_up(n, block_n)
-    x = jnp.pad(x_mk.astype(dtype), ((0, m_pad - m), (0, k_pad - k)))
-    w = jnp.pad(w_gkn.astype(dtype), ((0, 0), (0, k_pad - k), (0, n_pad - n)))
+    x, w = x_mk.astype(dtype), w_gkn.astype(dtype)
+    if (m_pad, k_pad) != (m, k):  # no copy of x (or of w below) where nothing is padded
+        x = jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
+    if (k_pad, n_pad) != (k, n):
+        w = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
     y = _grouped(x, w, offsets, first.astype(jnp.int32), cfg)
-    return y[:m, :n].astype(x_mk.dtype)
+    if (m_pad, n_pad) != (m, n):
+        y = y[:m, :n]
+    return y.astype(x_mk.dtype)
