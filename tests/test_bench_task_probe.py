@@ -9,10 +9,8 @@ import json
 import os
 
 import pytest
-import tokenizers
-import transformers
+from chat_fixtures import chatml_tokenizer
 from flax import nnx
-from tokenizers import decoders, models
 
 from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
@@ -20,37 +18,14 @@ from jaxrl.models.transformer import Transformer
 
 pytest.importorskip("reasoning_gym")
 
-# SmolLM2-135M-Instruct's chat template (its tokenizer_config.json).
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
 
 @pytest.fixture(scope="module")
 def tiny_chat_dir(tmp_path_factory):
     """A random 2-layer Llama (context 512: the characters of a templated question fit) and a
     character tokenizer with ChatML's special tokens; EOS and pad `<|im_end|>`, as SmolLM2's."""
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in [*map(chr, range(32, 127)), "\n"]:
-        vocab[ch] = len(vocab)
-    core = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
-    core.add_special_tokens(SPECIALS)
-    core.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        chat_template=SMOLLM2_TEMPLATE,
-    )
+    tokenizer = chatml_tokenizer()
     config = ModelConfig(
-        "llama", len(vocab), 32, 64, 2, 4, 2, 8,
+        "llama", len(tokenizer), 32, 64, 2, 4, 2, 8,
         pad_token_id=2, bos_token_id=1, eos_token_id=2, max_position_embeddings=512,
     )  # fmt: skip
     path = str(tmp_path_factory.mktemp("tiny_chat"))

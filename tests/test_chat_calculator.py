@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import tokenizers
-import transformers
-from tokenizers import decoders, models
+from chat_fixtures import SMOLLM2_TEMPLATE, chatml_tokenizer
 
 from jaxrl.env.calculator import CalculatorTask
 from jaxrl.env.chat_calculator import (
@@ -23,35 +21,6 @@ from jaxrl.env.chat_calculator import (
 from jaxrl.job.specs import TaskSpec, build_source
 from jaxrl.tasks.chat import ChatTemplateError
 from jaxrl.tasks.source import PromptItem
-
-# SmolLM2-135M-Instruct's chat template (its tokenizer_config.json), default system turn included.
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def chatml_tokenizer(template: str | None = SMOLLM2_TEMPLATE):
-    """Printable ASCII characters and ChatML's special tokens; EOS `<|im_end|>` (as SmolLM2's)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in [*map(chr, range(32, 127)), "\n"]:
-        vocab[ch] = len(vocab)
-    core = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
-    core.add_special_tokens(SPECIALS)
-    core.decoder = decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        chat_template=template,
-    )
-
 
 TOK = chatml_tokenizer()
 END = TOK.convert_tokens_to_ids("<|im_end|>")
