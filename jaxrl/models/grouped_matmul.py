@@ -269,6 +269,23 @@ def _per_device(local, x_mk, w_gkn, group_sizes_g, w_axes) -> jax.Array:
     return partial[0] if partial.shape[0] == 1 else jnp.sum(partial, axis=0, dtype=partial.dtype)
 
 
+def sorted_swiglu(x_ne, weights_nk, experts_nk, gate_gef, up_gef, down_gfe, matmul, down=None):
+    """Every token through its k experts' SwiGLU, weighted and summed: the (token, expert) pairs
+    sorted by expert (stable), `matmul(x, w, group_sizes)` for the three grouped matmuls
+    (`down` for the down projection, if given), then unsorted. `MoEMLP._experts` (all the
+    tokens, `grouped_matmul`) and `routed_experts` (each device's own) both run it."""
+    n, k = experts_nk.shape
+    flat = experts_nk.reshape(n * k)
+    order = jnp.argsort(flat, stable=True)  # pair p = order[i] is the i-th in expert order
+    sizes = jnp.bincount(flat, length=gate_gef.shape[0]).astype(jnp.int32)
+    x_sorted = jnp.take(x_ne, order // k, axis=0)
+    hidden = jax.nn.silu(matmul(x_sorted, gate_gef, sizes)) * matmul(x_sorted, up_gef, sizes)
+    y_sorted = (down or matmul)(hidden, down_gfe, sizes)
+    inverse = jnp.argsort(order)  # pair p sits at row inverse[p] of the sorted rows
+    y_nke = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)
+    return jnp.sum(y_nke * weights_nk[..., None], axis=1)
+
+
 def routes_per_device(num_experts: int, rows: int) -> bool:
     """Whether `routed_experts` applies to a layer traced now: no sharding installed, or the
     trainer's layout (the experts unsplit, or split only over mesh axes that also split the
@@ -305,15 +322,7 @@ def routed_experts(x_ne, weights_nk, experts_nk, gate_gef, up_gef, down_gfe, pla
         matmul = jax.lax.ragged_dot
 
     def local(x, weights, experts, gate, up, down):
-        n, k = experts.shape
-        flat = experts.reshape(n * k)
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
-        x_sorted = jnp.take(x, order // k, axis=0)
-        hidden = jax.nn.silu(matmul(x_sorted, gate, sizes)) * matmul(x_sorted, up, sizes)
-        y_sorted = matmul(hidden, down, sizes)
-        y_nke = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
-        return jnp.sum(y_nke * weights[..., None], axis=1)
+        return sorted_swiglu(x, weights, experts, gate, up, down, matmul)
 
     rules = flax_spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()

@@ -30,6 +30,7 @@ reduces them.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -40,7 +41,12 @@ from jaxrl.infra import sharding as ax
 from jaxrl.infra.sharding import logical_param as _param
 from jaxrl.models import attention_forms
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.grouped_matmul import grouped_matmul, routed_experts, routes_per_device
+from jaxrl.models.grouped_matmul import (
+    grouped_matmul,
+    routed_experts,
+    routes_per_device,
+    sorted_swiglu,
+)
 
 # The dtype of routing records (expert ids; -1: none recorded).
 ROUTING_DTYPE = jnp.int16
@@ -166,24 +172,12 @@ class MoEMLP(nnx.Module):
         (`grouped_matmul.routed_experts`: no device gathers another's); CPU programs and the
         generator's layout (experts split over devices) sort all the tokens at once."""
         c = self.config
-        dtype = c.jnp_dtype
-        n, k = experts_nk.shape
-        if attention_forms.kernel_platform() and routes_per_device(c.num_experts, n):
-            kernels = (self.gate_kernel, self.up_kernel, self.down_kernel)
-            return routed_experts(
-                x_ne, weights_nk, experts_nk, *(w[...].astype(dtype) for w in kernels)
-            )
-        flat = experts_nk.reshape(n * k)
-        order = jnp.argsort(flat, stable=True)  # pair p = order[i] is the i-th in expert order
-        group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-        x_sorted = jnp.take(x_ne, order // k, axis=0)
-        gate = grouped_matmul(x_sorted, self.gate_kernel[...].astype(dtype), group_sizes)
-        up = grouped_matmul(x_sorted, self.up_kernel[...].astype(dtype), group_sizes)
-        hidden = jax.nn.silu(gate) * up
+        kernels = (self.gate_kernel, self.up_kernel, self.down_kernel)
+        gate, up, down = (w[...].astype(c.jnp_dtype) for w in kernels)
+        if attention_forms.kernel_platform() and routes_per_device(c.num_experts, len(x_ne)):
+            return routed_experts(x_ne, weights_nk, experts_nk, gate, up, down)
         down_axes = (ax.EXPERTS, ax.EXPERT_MLP, ax.EXPERT_EMBED)
-        y_sorted = grouped_matmul(
-            hidden, self.down_kernel[...].astype(dtype), group_sizes, w_axes=down_axes
+        down_matmul = functools.partial(grouped_matmul, w_axes=down_axes)
+        return sorted_swiglu(
+            x_ne, weights_nk, experts_nk, gate, up, down, grouped_matmul, down=down_matmul
         )
-        inverse = jnp.argsort(order)  # pair p sits at row inverse[p] of the sorted rows
-        y_nke = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, -1)
-        return jnp.sum(y_nke * weights_nk[..., None], axis=1)
