@@ -1,9 +1,11 @@
 """8-bit generator weights (`jaxrl.generation.quantize`, `GeneratorConfig.weights`): the
-per-channel quantization's error bound, the int8 engine's greedy tokens against fp32, the
-behaviour log-probs being the quantized policy's own, the refusals before any device work, and
-the caller's (trainer's) params never touched."""
+per-channel quantization's error bounds (int8 and fp8), the int8 engine's greedy tokens
+against fp32, the behaviour log-probs being the quantized policy's own, the refusals before any
+device work, and the caller's (trainer's) params never touched."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,32 @@ def test_per_channel_error_is_at_most_half_a_step():
             np.testing.assert_allclose(q.dequantize(), values * np.expand_dims(scales, axes))
 
 
+def test_fp8_per_channel_error_is_at_most_half_an_e4m3_step():
+    """e4m3 has 3 mantissa bits and its least normal exponent is -6: a scaled value v = w / s in
+    a binade [2^e, 2^(e+1)), e >= -6, rounds to a step of 2^(e-3), so by at most
+    2^(e-4) <= |v| 2^-4; below 2^-6 the subnormals' step is 2^-9, half of it 2^-10. In weights:
+    |error| <= |w| 2^-4 + s 2^-10 (the scale `s = max|w| / 448` per output channel)."""
+    rng = np.random.default_rng(0)
+    run = jax.jit(quantize.quantize_kernel, static_argnums=(1, 2, 3))
+    for lead in ((), (3,)):
+        for shape, contract in (((16, 4, 8), 1), ((4, 8, 16), 2), ((64, 24), 1)):
+            # Channels from 0.01 to 3, and per-weight magnitudes over 7 decades: subnormals too.
+            w = rng.normal(size=lead + shape) * np.linspace(0.01, 3.0, shape[-1])
+            w *= 10.0 ** rng.uniform(-7, 0, size=w.shape)
+            q = run(w.astype(np.float32), contract, bool(lead), "fp8")
+            values, scales = np.asarray(q.values), np.asarray(q.scales)
+            assert values.dtype == jnp.float8_e4m3fn and scales.shape == lead + shape[contract:]
+            axes = tuple(range(len(lead), len(lead) + contract))
+            np.testing.assert_allclose(scales, np.abs(w).max(axis=axes) / 448, rtol=1e-6)
+            v = values.astype(np.float32)
+            np.testing.assert_array_equal(np.abs(v).max(axis=axes), 448)  # each channel's max
+            s = np.expand_dims(scales, axes)
+            error = np.abs(v * s - w)
+            assert (error <= np.abs(w) * 2.0**-4 + s * 2.0**-10 + 1e-6 * np.abs(w)).all()
+            assert ((np.abs(v) < 2.0**-6) & (v != 0)).any()  # subnormals among them
+            np.testing.assert_allclose(q.dequantize(), v * s, rtol=1e-6)
+
+
 @pytest.mark.parametrize(("name", "weights"), [("untied", "int8_dynamic")])
 def test_int8_greedy_tokens_mostly_equal_fp32(models, name, weights):
     greedy = SamplingConfig(8, greedy=True)
@@ -74,7 +102,9 @@ def test_int8_greedy_tokens_mostly_equal_fp32(models, name, weights):
     assert engine.programs.weights == weights
 
 
-@pytest.mark.parametrize(("name", "weights"), [("untied", "int8_weights"), ("tied", "int8")])
+@pytest.mark.parametrize(
+    ("name", "weights"), [("untied", "int8_weights"), ("tied", "int8"), ("untied", "fp8")]
+)
 def test_engine_logprobs_are_the_quantized_policys(models, name, weights):
     model = models[name]
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
@@ -90,7 +120,7 @@ def test_engine_logprobs_are_the_quantized_policys(models, name, weights):
         engine.programs.engine_params(pushed)
     quantized = engine.programs.engine_params(params)
     assert quantize.weight_bytes(quantized) < 0.6 * quantize.weight_bytes(params)
-    if weights == "int8_weights":  # the dequantized weights in a plain fp32 model
+    if weights in ("int8_weights", "fp8"):  # weight-only: the dequantized weights, fp32 model
         dequant = jax.tree.map(
             lambda x: x.dequantize() if isinstance(x, quantize.QuantizedKernel) else x,
             quantized, is_leaf=lambda x: isinstance(x, quantize.QuantizedKernel),
@@ -134,6 +164,11 @@ def test_refusals_come_before_device_work(models):
         with pytest.raises(ValueError, match="overflow int32"):
             quantize.engine_format(wide_graph, wide, None, "int8_dynamic")
         assert quantize.engine_format(wide_graph, wide, None, "int8_weights")[0] == "int8_weights"
+        GeneratorConfig(weights="fp8").validate()
+        tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]))
+        with pytest.raises(ValueError, match="no fp8 matmul units.*use weights='int8'"):
+            quantize.engine_format(graphdef, CONFIG, tpu, "fp8")
+        assert quantize.resolve_format("fp8", "gpu") == quantize.resolve_format("fp8", "cpu")
         abstract = nnx.to_pure_dict(
             nnx.state(nnx.eval_shape(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0))))
         )
@@ -145,8 +180,6 @@ def test_refusals_come_before_device_work(models):
 def test_the_rl_sampler_carries_the_format(models):
     """`mesh_sampler` (rl_main's colocated and generator samplers) builds the engine with the
     format, and refuses it for a LoRA policy."""
-    from types import SimpleNamespace
-
     from jaxrl.generation.placement import mesh_sampler
 
     trainer = SimpleNamespace(
@@ -160,3 +193,12 @@ def test_the_rl_sampler_carries_the_format(models):
     lora = SimpleNamespace(**{**vars(trainer), "lora": lora_lib.LoraConfig(rank=2, alpha=4.0)})
     with pytest.raises(ValueError, match="with LoRA: not built yet"):
         mesh_sampler(lora, tokenizer, None, None, num_slots=4, weights="int8")
+
+
+def test_the_hlo_cost_model_counts_8_bit_arrays_a_byte_an_element():
+    """`jaxrl.infra.hlo_cost` (the plans' whole-step bytes) reads fp8 element types."""
+    from jaxrl.infra import hlo_cost
+
+    assert hlo_cost.shape_bytes("(f8e4m3fn[4096,14336], s8[8], f8e5m2[2], bf16[3])") == (
+        4096 * 14336 + 8 + 2 + 6
+    )

@@ -1,8 +1,8 @@
-"""8-bit generator weights: the engine's own int8 copy of the projection kernels.
+"""8-bit generator weights: the engine's own int8 or fp8 copy of the projection kernels.
 
 `GeneratorConfig.weights` (`jaxrl.generation.placement`) picks the generator's weight format:
-"native" (the weights as given: today's default), or int8 with one float32 scale per output
-channel (symmetric, `scale = max|w| / 127` over the contracted axes):
+"native" (the weights as given: today's default), int8 with one float32 scale per output
+channel (symmetric, `scale = max|w| / 127` over the contracted axes), or fp8:
 
 * "int8_weights": weight-only; each matmul converts the int8 kernel to the activations' dtype
   inside the matmul and scales its output (`x @ (q * s) == (x @ q) * s`, exact apart from the
@@ -13,14 +13,19 @@ channel (symmetric, `scale = max|w| / 127` over the contracted axes):
   VNNI / AMX units, ~5x its fp32 rate here; a converted-weight fp32 dot is no faster than fp32,
   docs/quantization.md), "int8_weights" on GPU / TPU (decode is bound by reading the weights;
   the activations keep their precision).
+* "fp8": weight-only float8_e4m3fn with one float32 scale per output channel
+  (`scale = max|w| / 448`, e4m3's largest finite value), the matmul as "int8_weights" (the fp8
+  kernel converted to the activations' dtype, the output scaled). On GPU and CPU. Refused on
+  TPU: v5e / v5p have no fp8 matmul units, so fp8 there reads the same one byte a weight as
+  int8 weight-only with 3 mantissa bits in place of int8's 7 (`check_platform`).
 
 Quantized: the q/k/v/o attention kernels, a dense MLP's gate/up/down kernels and an untied
 `lm_head`. Kept: the embedding (so a tied unembedding too), norms, biases, routers and a
 mixture-of-experts model's MLP kernels. The quantized leaves are `QuantizedKernel`s (a pytree of
-int8 values and float32 scales) in place of the kernel arrays; the model's `_matmul` multiplies
+8-bit values and float32 scales) in place of the kernel arrays; the model's `_matmul` multiplies
 by them (`QuantizedKernel.quantized_matmul`). They live only in the engine's copy of the weights
 (`EnginePrograms.engine_params`, made once per weights object on the engine's devices): the
-trainer's params, checkpoints and exports never hold int8.
+trainer's params, checkpoints and exports never hold 8-bit weights.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WEIGHT_FORMATS = ("native", "int8", "int8_weights", "int8_dynamic")
+WEIGHT_FORMATS = ("native", "int8", "int8_weights", "int8_dynamic", "fp8")
+# The largest finite float8_e4m3fn: the fp8 scale maps each channel's max |w| onto it.
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 # Leaves quantized, with how many leading axes each contracts (`transformer._matmul`).
 CONTRACT = {"q_kernel": 1, "k_kernel": 1, "v_kernel": 1, "o_kernel": 2}
 MLP_CONTRACT = {"gate_kernel": 1, "up_kernel": 1, "down_kernel": 1}
@@ -43,9 +50,10 @@ MAX_DYNAMIC_CONTRACTION = (2**31 - 1) // (127 * 127)
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class QuantizedKernel:
-    """A projection kernel as int8 `values` (the kernel's shape) and float32 `scales` (its output
-    axes' shape: `values.shape[contract:]`, with a leading layer axis when stacked); `mode`:
-    "int8_weights" or "int8_dynamic" (module docstring). Stands in for the kernel array in the
+    """A projection kernel as 8-bit `values` (int8, or float8_e4m3fn for "fp8"; the kernel's
+    shape) and float32 `scales` (its output axes' shape: `values.shape[contract:]`, with a
+    leading layer axis when stacked); `mode`: "int8_weights", "int8_dynamic" or "fp8" (module
+    docstring). Stands in for the kernel array in the
     model: `kernel[...]` and `.astype` return it unchanged, `_matmul` calls `quantized_matmul`."""
 
     values: jax.Array
@@ -101,7 +109,7 @@ class QuantizedKernel:
             acc = jax.lax.dot_general(xq, self.values, dims, preferred_element_type=jnp.int32)
             row_scale = row_scale.reshape(b * t, *(1,) * (acc.ndim - 1))
             y = acc.astype(jnp.float32) * row_scale * self.scales
-        else:
+        else:  # weight-only ("int8_weights", "fp8")
             y = jax.lax.dot_general(x, self.values.astype(x.dtype), dims)
             y = y.astype(jnp.float32 if preferred_element_type else y.dtype)
             y = y * self.scales.astype(y.dtype)
@@ -109,13 +117,26 @@ class QuantizedKernel:
 
 
 def resolve_format(weights: str, platform: str) -> str:
-    """The concrete format ("native", "int8_weights", "int8_dynamic") of `weights` on
-    `platform` ("cpu", "gpu", "tpu")."""
+    """The concrete format ("native", "int8_weights", "int8_dynamic", "fp8") of `weights` on
+    `platform` ("cpu", "gpu", "tpu"); refuses fp8 on TPU (`check_platform`)."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"generator weights {weights!r}; expected one of {WEIGHT_FORMATS}")
+    check_platform(weights, platform)
     if weights == "int8":
         return "int8_dynamic" if platform == "cpu" else "int8_weights"
     return weights
+
+
+def check_platform(weights: str, platform: str) -> None:
+    """Refuses "fp8" on TPU: v5e / v5p have no fp8 matmul units, so an fp8 kernel would be
+    converted before each matmul exactly as int8 weight-only is, reading the same one byte a
+    weight with less precision (3 mantissa bits against int8's 7 over each channel's range)."""
+    if weights == "fp8" and platform == "tpu":
+        raise ValueError(
+            "GeneratorConfig.weights='fp8' on TPU: v5e / v5p have no fp8 matmul units, and "
+            "weight-only fp8 reads the same bytes as int8 with less precision; use "
+            "weights='int8' (weight-only int8 on TPU)"
+        )
 
 
 def _targets(params: dict, model_config, stacked: bool):
@@ -147,7 +168,7 @@ def check_shapes(params: dict, model_config, stacked: bool) -> None:
         shape = tuple(np.shape(leaf))
         if len(shape) != rank:
             raise ValueError(
-                f"int8 generator weights: {'/'.join(map(str, path))} has shape {shape}; the "
+                f"8-bit generator weights: {'/'.join(map(str, path))} has shape {shape}; the "
                 f"per-output-channel scales take a rank-{rank} kernel of this model's layout. "
                 "Quantize only the Transformer's own params, or set GeneratorConfig.weights="
                 "'native'"
@@ -170,19 +191,25 @@ def check_contraction(model_config, fmt: str) -> None:
 
 
 def quantize_kernel(w: jax.Array, contract: int, stacked: bool, mode: str) -> QuantizedKernel:
-    """Symmetric per-output-channel int8 of one kernel (module docstring)."""
+    """Symmetric per-output-channel int8 (or, `mode` "fp8", float8_e4m3fn: rounded to nearest
+    even, each channel's max |w| at 448) of one kernel (module docstring)."""
     lead = 1 if stacked else 0
     axes = tuple(range(lead, lead + contract))
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+    top = FP8_MAX if mode == "fp8" else 127.0
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    if mode == "fp8":  # clipped first: a value past 448 would convert to NaN (e4m3 has no inf)
+        values = jnp.clip(w32 / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    else:
+        values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
     return QuantizedKernel(values, jnp.squeeze(scale, axis=axes), mode)
 
 
 def quantize_params(params: dict, model_config, fmt: str, stacked: bool) -> dict:
     """`params` (a pure dict of the model's weights) with its projection kernels replaced by
-    `QuantizedKernel`s of format `fmt` ("int8_weights" / "int8_dynamic"); run it under `jit`."""
+    `QuantizedKernel`s of format `fmt` ("int8_weights" / "int8_dynamic" / "fp8"); run it under
+    `jit`."""
     check_shapes(params, model_config, stacked)
     out = jax.tree.map(lambda x: x, params)  # a fresh nest of dicts over the same leaves
     for path, leaf, contract in _targets(params, model_config, stacked):
@@ -194,7 +221,7 @@ def quantize_params(params: dict, model_config, fmt: str, stacked: bool) -> dict
 
 
 def weight_bytes(params) -> int:
-    """Bytes of a params tree (int8 values count one byte each)."""
+    """Bytes of a params tree (int8 and fp8 values count one byte each)."""
     leaves = jax.tree.leaves(params)
     return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
@@ -202,9 +229,9 @@ def weight_bytes(params) -> int:
 def engine_format(graphdef, model_config, mesh, weights: str):
     """`(format, quantize)` for an engine running `graphdef` on `mesh` (None: the default
     backend): the concrete format and the jitted function making the engine's quantized copy
-    (None for "native"). Refuses before any device work: an unknown format, a LoRA policy
-    (adapters are not quantized yet), a contraction "int8_dynamic" cannot accumulate, a kernel
-    the scale layout cannot take."""
+    (None for "native"). Refuses before any device work: an unknown format, fp8 on TPU, a LoRA
+    policy (adapters are not quantized yet), a contraction "int8_dynamic" cannot accumulate, a
+    kernel the scale layout cannot take."""
     from flax import nnx
 
     from jaxrl.models.transformer import Transformer

@@ -44,7 +44,9 @@ CONTROL = {"while", "call", "conditional"}
 _HEAD = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+# Element types: pred, s8 / u32 / f16 ..., bf16, complex, and the small floats (f8e4m3fn,
+# f8e5m2, f4e2m1fn ...: their width is the digit after the f).
+_ARRAY = re.compile(r"\b(pred|f\de\dm\d\w*|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
 
@@ -52,7 +54,7 @@ def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape string (an array or a tuple of arrays)."""
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
-        bits = _BITS.get(dtype) or int(dtype[1:])
+        bits = _BITS.get(dtype) or int(re.match(r"[suf](\d+)", dtype).group(1))
         total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
     return total
 
