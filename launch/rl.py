@@ -203,7 +203,7 @@ def rl_main(
             mask_observations,
         )  # fmt: skip
         controller = build_controller(
-            rl, optimizer, trainer, tokenizer, rl_task, io, feed, ref_params
+            rl, optimizer, trainer, tokenizer, rl_task, io, feed, ref_params, gen.mismatch
         )
         try:
             if place.role == "generator":
@@ -263,6 +263,17 @@ def check_job(rl, loss, gen, model_config, rl_task, generator_mesh, roles, lora,
                 rl, episodes, rl_task.env_source, roles if jax.process_count() > 1 else None
             )
         loss.check_replay(model_config, gen.kind, episodes=episodes is not None)
+        if gen.mismatch == "uncorrected" and (rl.schedule == "streaming" or episodes):
+            raise ValueError(
+                "GeneratorConfig.mismatch='uncorrected' replaces whole batches' behaviour "
+                "log-probs; a streaming run's samples span versions whose weights are gone and "
+                "multi-turn episodes are not scored: use a sync or fixed-lag run for the control"
+            )
+        if gen.mismatch == "measure" and episodes is not None:
+            raise ValueError(
+                "GeneratorConfig.mismatch='measure' is not built for multi-turn episodes: use "
+                "mismatch='auto' (off for episodes) or single-turn RL"
+            )
         if gen.weights != "native" and lora is not None:
             raise ValueError(
                 f"GeneratorConfig.weights={gen.weights!r} with LoRA is not built yet (base "
@@ -363,6 +374,8 @@ def build_feed(
         sampler = colocated_sampler(
             trainer, tokenizer, **engine, precompile=gen.precompile, weights=gen.weights
         )
+        if gen.weights != "native":  # evaluations measure the trained, full-precision policy
+            eval_sampler = colocated_sampler(trainer, tokenizer, **engine)
     else:
         gen_dtype = gen.resolve_dtype(gen_mesh)
         sync = make_weight_sync(
@@ -393,13 +406,28 @@ def build_feed(
     return Feed(sampler, weights, eval_sampler, feed)
 
 
-def build_controller(rl, optimizer, trainer, tokenizer, rl_task, io, feed, ref_params):
+def build_controller(
+    rl, optimizer, trainer, tokenizer, rl_task, io, feed, ref_params, mismatch="auto"
+):
     """The controller (`jaxrl.loop.controller`): the generator's and the reward's executors, the
-    task's source, the run's IO and the feed."""
+    task's source, the run's IO and the feed. `mismatch`: `GeneratorConfig.mismatch`, measured
+    where this process's sampler is an 8-bit engine (a role-split trainer's evaluation sampler
+    is not: its generator processes measure)."""
+    engine = getattr(feed.sampler, "engine", None)
+    if engine is None or engine.programs.weights == "native":
+        mismatch = "off"
+    elif mismatch == "auto":
+        mismatch = "measure"
     return Controller(
         rl,
         trainer,
-        GeneratorExecutor(feed.sampler, sampling_config(rl), rl.samples_per_prompt, seed=rl.seed),
+        GeneratorExecutor(
+            feed.sampler,
+            sampling_config(rl),
+            rl.samples_per_prompt,
+            seed=rl.seed,
+            mismatch=mismatch,
+        ),  # fmt: skip
         RewardExecutor(
             rl_task.reward, tokenizer, shuffle_seed=rl.seed if rl.shuffle_rewards else None
         ),

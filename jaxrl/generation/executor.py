@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxrl.generation.mismatch import MISMATCH_MODES, MismatchScorer, score_batch
 from jaxrl.generation.sampling import Sampler, SamplingConfig
 from jaxrl.tasks.source import PromptItem
 
@@ -48,6 +49,8 @@ class GeneratedBatch:
     # A mixture-of-experts engine's routing records, one per row (`SampleOutput.routing_b`:
     # `[len(prompt) + len(completion), L, k]`); None for a dense model or the static sampler.
     routing: tuple[np.ndarray, ...] | None = None
+    # The generator's own figures (an 8-bit engine's `gen/mismatch_*`, `jaxrl.generation.mismatch`).
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 class GeneratorExecutor:
@@ -57,7 +60,12 @@ class GeneratorExecutor:
         sampling: SamplingConfig,
         samples_per_prompt: int,
         seed: int,
+        mismatch: str = "off",
     ):
+        """`mismatch` (`GeneratorConfig.mismatch`, an 8-bit engine only): "off", "measure"
+        (each batch's `gen/mismatch_*` metrics: its tokens scored with the full-precision
+        weights the engine quantized) or "uncorrected" (also hands the trainer those
+        full-precision log-probs as the behaviour log-probs: the negative control)."""
         if sampling.top_k or sampling.top_p < 1.0:
             raise ValueError(
                 "RL sampling uses top_k=0 and top_p=1: the trainer's log pi must be computed "
@@ -65,6 +73,9 @@ class GeneratorExecutor:
             )
         self.sampler, self.sampling = sampler, sampling
         self.samples_per_prompt, self.seed = samples_per_prompt, seed
+        self.mismatch, self.scorer = mismatch, None
+        if mismatch != "off":
+            self.scorer = mismatch_scorer(sampler, sampling, mismatch)
 
     def generate(
         self,
@@ -85,7 +96,7 @@ class GeneratorExecutor:
             num_samples=n,
         )
         lengths = out.lengths_b
-        return GeneratedBatch(
+        generated = GeneratedBatch(
             items=[it for it in items for _ in range(n)],
             prompt_ids=rows,
             completion_ids=[out.tokens_bn[i, : lengths[i]] for i in range(len(rows))],
@@ -96,3 +107,25 @@ class GeneratorExecutor:
             seconds=time.perf_counter() - start,
             routing=out.routing_b,
         )
+        if self.scorer is None:
+            return generated
+        generated, metrics = score_batch(
+            self.scorer, params, generated, self.mismatch == "uncorrected"
+        )
+        return dataclasses.replace(generated, metrics=metrics)
+
+
+def mismatch_scorer(sampler, sampling: SamplingConfig, mismatch: str) -> MismatchScorer:
+    """The `MismatchScorer` of an 8-bit engine sampler (`GeneratorExecutor`'s `mismatch`)."""
+    if mismatch not in MISMATCH_MODES:
+        raise ValueError(f"GeneratorConfig.mismatch={mismatch!r}; expected one of {MISMATCH_MODES}")
+    engine = getattr(sampler, "engine", None)
+    if engine is None or engine.programs.weights == "native":
+        raise ValueError(
+            f"GeneratorConfig.mismatch={mismatch!r} compares an 8-bit engine with the weights it "
+            "was quantized from; this generator samples the weights as given (weights='native'): "
+            "set GeneratorConfig.weights (e.g. 'int8') or mismatch='off'"
+        )
+    # The caller's graphdef: the params it hands over are laid out for it (the engine's own
+    # graphdef may have per-layer weights).
+    return MismatchScorer(sampler.graphdef, sampling.temperature, engine.programs.call_on_mesh)

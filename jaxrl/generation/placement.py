@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from jaxrl.generation.engine_sampler import GENERATORS, EngineSampler, make_sampler
+from jaxrl.generation.mismatch import MISMATCH_MODES
 from jaxrl.generation.quantize import WEIGHT_FORMATS
 from jaxrl.generation.sampler import Sampler as StaticSampler
 from jaxrl.generation.sampling import Sampler
@@ -60,6 +61,12 @@ class GeneratorConfig:
       (weight-only), "int8_dynamic" (activations per token too), "int8" (the platform's choice:
       dynamic on CPU, weight-only on GPU / TPU). Engine only, not with LoRA yet; the behaviour
       log-probs are the quantized policy's (docs/quantization.md).
+    mismatch (8-bit weights): "auto" (the default: "measure" with 8-bit weights, else "off"),
+      "off", "measure" (each batch's tokens scored with the full-precision weights the engine
+      quantized, on the generator's devices: `gen/mismatch_kl` etc., `jaxrl.generation.mismatch`)
+      or "uncorrected" (a negative control: the trainer gets those full-precision log-probs as
+      the behaviour log-probs, so its importance weights correct the lag but not the
+      quantization; whole-batch schedules only).
     """
 
     kind: str = "engine"
@@ -69,6 +76,7 @@ class GeneratorConfig:
     max_len: int = 0
     precompile: bool = False
     weights: str = "native"
+    mismatch: str = "auto"
 
     def validate(self) -> None:
         if self.kind not in GENERATORS:
@@ -85,6 +93,17 @@ class GeneratorConfig:
             raise ValueError(
                 f"GeneratorConfig.weights={self.weights!r} needs kind='engine' (the static "
                 "sampler has no quantized path); use kind='engine' or weights='native'"
+            )
+        if self.mismatch not in ("auto", *MISMATCH_MODES):
+            raise ValueError(
+                f"GeneratorConfig.mismatch={self.mismatch!r}; expected one of "
+                f"{('auto', *MISMATCH_MODES)}"
+            )
+        if self.mismatch in ("measure", "uncorrected") and self.weights == "native":
+            raise ValueError(
+                f"GeneratorConfig.mismatch={self.mismatch!r} compares an 8-bit generator with "
+                "the weights it was quantized from; weights='native' has no mismatch: set "
+                "GeneratorConfig.weights (e.g. 'int8') or mismatch='auto'"
             )
         if self.slots < 0 or self.steps_per_call < 1 or self.max_len < 0:
             raise ValueError(

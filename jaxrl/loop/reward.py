@@ -66,7 +66,7 @@ class RewardExecutor:
             "completion/mean_tokens": float(lengths.mean()),
             "time/reward_s": time.perf_counter() - start,
         }
-        return rollouts, metrics
+        return rollouts, metrics | batch.metrics  # the generator's own (`gen/mismatch_*`)
 
 
 def shuffled_rewards(rewards: np.ndarray, seed: int, batch_index: int) -> np.ndarray:

@@ -75,6 +75,7 @@ import numpy as np
 from jaxrl.generation.engine import Request
 from jaxrl.generation.engine_sampler import EngineSampler
 from jaxrl.generation.executor import GeneratedBatch, sampling_key
+from jaxrl.generation.mismatch import score_batch
 from jaxrl.infra.closable import QueueClosed, unwrap
 from jaxrl.loop.config import RLConfig
 from jaxrl.loop.feeds.base import ControllerView, GeneratorThread, Taken, check_resumable, publish
@@ -141,8 +142,37 @@ class PromptGroups:
         )
 
     def run(self, params, key, **engine_run) -> Iterator[ScoredBatch]:
+        # The version the engine holds now and its weights: an 8-bit engine's mismatch is
+        # measured on the groups it sampled with these alone (`_mismatch`).
+        self.current = (engine_run.get("version"), params)
+        update = engine_run.get("update")
+
+        def tracked(version):
+            newer = update(version)
+            if newer is not None:
+                self.current = newer
+            return newer
+
+        if update is not None:
+            engine_run["update"] = tracked
         for group in self.engine.run(params, key, **engine_run):
             yield self._score(group)
+
+    def _mismatch(self, generated: GeneratedBatch, versions) -> dict:
+        """`gen/mismatch_*` over the samples of the group drawn by the engine's current
+        version alone (the weights of older versions are gone); {} without a scorer."""
+        scorer = self.controller.generator.scorer
+        version, params = getattr(self, "current", (None, None))
+        rows = [i for i, v in enumerate(versions) if len(v) and (v == version).all()]
+        if scorer is None or not rows:
+            return {}
+        sub = dataclasses.replace(
+            generated,
+            prompt_ids=[generated.prompt_ids[i] for i in rows],
+            completion_ids=[generated.completion_ids[i] for i in rows],
+            behaviour_logprobs=[generated.behaviour_logprobs[i] for i in rows],
+        )
+        return score_batch(scorer, params, sub, uncorrected=False)[1]
 
     def _score(self, group) -> ScoredBatch:
         ctl = self.controller
@@ -161,6 +191,7 @@ class PromptGroups:
             batch_index=group.request_id,
             seconds=0.0,
         )
+        generated = dataclasses.replace(generated, metrics=self._mismatch(generated, versions))
         rollouts, metrics = ctl.rewarder.score(generated)  # one group: filtered in `produce`
         # A mixture-of-experts engine's routing records, one per sample (None: dense).
         routing_g = [None] * g if group.routing_g is None else group.routing_g
@@ -377,13 +408,29 @@ def _group_metrics(groups: list[ScoredBatch]) -> dict[str, float]:
     rewards = [r.reward for g in groups for r in g.rollouts]
     lengths = [len(r.completion_ids) for g in groups for r in g.rollouts]
     spread = [len({r.reward for r in g.rollouts}) > 1 for g in groups]
-    episodes = {k for g in groups for k in g.metrics if k.startswith("episode/")}  # multi-turn
-    return {
-        k: float(np.mean([g.metrics[k] for g in groups if k in g.metrics])) for k in episodes
-    } | {
-        "reward/mean": float(np.mean(rewards)),
-        "data/informative_trained": float(np.mean(spread)),
-        "completion/mean_tokens": float(np.mean(lengths)),
-        "completion/max_tokens": float(np.max(lengths)),
-        "time/reward_s": float(sum(g.metrics.get("time/reward_s", 0.0) for g in groups)),
-    }
+    # Multi-turn episodes' figures and an 8-bit engine's mismatch: means over the groups with
+    # them (the largest log-ratio: the largest).
+    means = {k for g in groups for k in g.metrics if k.startswith(("episode/", "gen/mismatch"))}
+    means.discard("gen/mismatch_abs_log_ratio_max")
+    worst = [g.metrics["gen/mismatch_abs_log_ratio_max"] for g in groups
+             if "gen/mismatch_abs_log_ratio_max" in g.metrics]  # fmt: skip
+    return (
+        {k: float(np.mean([g.metrics[k] for g in groups if k in g.metrics])) for k in means}
+        | ({"gen/mismatch_abs_log_ratio_max": float(max(worst))} if worst else {})
+        | {
+            "reward/mean": float(np.mean(rewards)),
+            "data/informative_trained": float(np.mean(spread)),
+            "completion/mean_tokens": float(np.mean(lengths)),
+            "completion/max_tokens": float(np.max(lengths)),
+            "time/reward_s": float(sum(g.metrics.get("time/reward_s", 0.0) for g in groups)),
+            **(
+                {
+                    "time/mismatch_s": float(
+                        sum(g.metrics.get("time/mismatch_s", 0.0) for g in groups)
+                    )
+                }
+                if worst
+                else {}
+            ),
+        }
+    )
