@@ -82,3 +82,28 @@ def test_lora_tabulates_finished_runs_into_its_result_file(tmp_path):
     )
     assert [r["run"] for r in result["rows"]] == ["full fine-tuning", "LoRA r=4"]
     assert "lora_steps_le_2x_full': True" in result["note"]
+
+
+def test_quantized_rows_read_the_mismatch(tmp_path):
+    """`python -m bench learning quantized`: gain, reward, mean mismatch KL and truncated
+    fraction from a run's records; a full-precision run has no mismatch column value."""
+    from bench.learning import quantized
+
+    _metrics(tmp_path / "metrics.jsonl", [0.30, 0.40, 0.45], every=2)  # steps 0-4
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    for r in records:
+        r["wall_time_s"] = 10.0 * r["step"]
+        if r["step"]:
+            r |= {"gen/mismatch_kl": 0.01 * r["step"], "truncated_fraction": 0.5}
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q.jsonl").rename(tmp_path / "q" / "metrics.jsonl")
+    row = quantized.summarise("int8", "int8", str(tmp_path / "q"))
+    assert row["steps"] == 4 and row["greedy_start"] == 0.3 and row["greedy_end"] == 0.45
+    assert row["gain_pts"] == 15.0 and row["mismatch_kl"] == 0.025
+    assert row["truncated_fraction"] == 0.5 and row["reward_last10"] == 0.1
+    (tmp_path / "f").mkdir()
+    for r in records:
+        r.pop("gen/mismatch_kl", None)
+    (tmp_path / "f" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert quantized.summarise("fp32", "fp32", str(tmp_path / "f"))["mismatch_kl"] is None

@@ -54,6 +54,10 @@ EXPERIMENTS = {
         "bench.learning.smollm2",
         "RL on SmolLM2-135M-Instruct (basic_arithmetic) vs shuffled rewards, on a wall budget",
     ),
+    "quantized": Experiment(
+        "bench.learning.quantized",
+        "SmolLM2 RL with int8 rollouts vs fp32 and vs int8 left uncorrected, equal steps",
+    ),
     "moe": Experiment(
         "bench.learning.moe",
         "a mixture-of-experts policy (8 experts, top-2) by sync and async RL from one SFT start",

@@ -1,0 +1,145 @@
+"""Does sampling in 8 bits change what RL learns? SmolLM2-135M-Instruct on reasoning-gym's
+basic_arithmetic (`configs/rl/smollm2_arith.gin`: async, fixed lag 1, AIPO), the same seeds and
+steps, three runs from the same weights:
+
+1. fp32: the generator samples the pushed weights as they are (`GeneratorConfig.weights`
+   'native').
+2. int8: the generator's engine samples an int8 copy of each pushed version (W8A8 on CPU,
+   `jaxrl.generation.quantize`); AIPO's importance weights see the quantized policy's
+   behaviour log-probs, so they correct the quantization as they correct the lag.
+   `gen/mismatch_kl` measures KL(int8 || fp32) at the behaviour version per step.
+3. int8, uncorrected (the negative control): the same sampling, but the trainer is handed the
+   full-precision log-probs of the sampled tokens at the behaviour version as the behaviour
+   log-probs (`GeneratorConfig.mismatch = 'uncorrected'`): the lag is corrected, the
+   quantization is not.
+
+Each run is a child `launch.rl` on 2 simulated CPU devices (trainer on one, the generator on the
+other) for `--steps` steps, evaluated greedily in full precision on `--eval_size` held-out
+problems every `--eval_every` steps (step 0 included). Reports per run: the greedy accuracy at
+the start and the end, the gain, the mean train reward of the first and last 10 steps, the mean
+`gen/mismatch_kl`, AIPO's truncated fraction and the trainer's `abs_log_ratio_max`; the verdict
+of issue 54's criterion (int8's gain within 3 points of fp32's). Writes bench/results/NAME.{json,
+md} and NAME.png (held-out accuracy, train reward, mismatch KL and truncated fraction by step).
+
+    python -m bench learning quantized --init_from ~/.cache/jaxrl/smollm2-135m-instruct
+    python -m bench learning quantized --init_from DIR --smoke   # 2 short steps each: plumbing
+    python -m bench learning quantized --workdir W --no_launch   # summarise runs already in W
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from bench.learning import runner, smollm2
+
+CONFIG = smollm2.CONFIG
+RESULTS = "quantized_learning"
+RUNS = {
+    "fp32": ("fp32 generator", ["GeneratorConfig.weights = 'native'"]),
+    "int8": ("int8 generator (AIPO corrects it)", ["GeneratorConfig.weights = 'int8'"]),
+    "uncorrected": (
+        "control: int8, full-precision log-probs as behaviour",
+        ["GeneratorConfig.weights = 'int8'", "GeneratorConfig.mismatch = 'uncorrected'"],
+    ),
+}
+WITHIN_PTS = 3.0
+PANELS = [
+    ("eval/accuracy", "held-out greedy accuracy"),
+    ("reward/mean", "mean train reward"),
+    ("gen/mismatch_kl", "KL(int8 || fp32) at the behaviour version"),
+    ("truncated_fraction", "AIPO truncated fraction"),
+]
+TITLE = "SmolLM2-135M-Instruct, basic_arithmetic: 8-bit rollouts (smollm2_arith.gin)"
+
+
+def add_options(parser) -> None:
+    parser.add_argument("--init_from", default="", help="save_pretrained dir of SmolLM2")
+    parser.add_argument("--runs", default="fp32,int8,uncorrected", help=f"of {sorted(RUNS)}")
+    parser.add_argument("--steps", type=int, default=60, help="trainer steps per run")
+    parser.add_argument("--eval_every", type=int, default=30)
+    parser.add_argument("--eval_size", type=int, default=256)
+    parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
+    parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
+    parser.add_argument("--name", default="", help=f"results name (default {RESULTS})")
+
+
+def _mean(records, key):
+    values = [r[key] for r in records if key in r]
+    return round(statistics.mean(values), 6) if values else None
+
+
+def summarise(name: str, label: str, workdir: str) -> dict:
+    row, evals, steps = runner.run_row(name, label, workdir, digits=1)
+    if evals:
+        row["greedy_start"] = evals[0]["eval/accuracy"]
+        row["greedy_end"] = evals[-1]["eval/accuracy"]
+        row["gain_pts"] = round(100 * (row["greedy_end"] - row["greedy_start"]), 1)
+        row["evals"] = len(evals)
+    if steps:
+        row["reward_first10"] = round(statistics.mean(r["reward/mean"] for r in steps[:10]), 3)
+        row["reward_last10"] = round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3)
+        for key, column in (("gen/mismatch_kl", "mismatch_kl"),
+                            ("truncated_fraction", "truncated_fraction"),
+                            ("abs_log_ratio_max", "abs_log_ratio_max")):  # fmt: skip
+            row[column] = _mean(steps, key)
+    return row
+
+
+def run(args) -> None:
+    if args.smoke:
+        args.steps, args.eval_every, args.eval_size = 2, 1, 8
+        args.gin_param += ["RLConfig.num_prompts = 2", "RLConfig.max_new_tokens = 16"]
+    names = [n for n in args.runs.split(",") if n]
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown:
+        raise SystemExit(f"--runs {unknown}: choose from {sorted(RUNS)}")
+    if not args.no_launch and not args.init_from:
+        raise SystemExit("--init_from: a save_pretrained directory of SmolLM2-135M-Instruct")
+    workdir = args.workdir
+    os.makedirs(workdir, exist_ok=True)
+    dirs = {n: os.path.join(workdir, n) for n in names}
+    if not args.no_launch:
+        from bench.common import command
+
+        runner.note_launch(workdir, f"{command()}\n")
+        params = [
+            f"PolicySpec.init_from = '{os.path.abspath(os.path.expanduser(args.init_from))}'",
+            f"RLConfig.total_steps = {args.steps}",
+            f"RLConfig.eval_every_steps = {args.eval_every}",
+            f"RLConfig.eval_size = {args.eval_size}",
+            f"RLConfig.save_every_steps = {args.steps}",
+            "rl_main.plot = False",
+        ] + list(args.gin_param)
+        for n in names:
+            runner.launch_child(CONFIG, dirs[n], params + RUNS[n][1], devices=smollm2.DEVICES)
+
+    rows = [summarise(n, RUNS[n][0], dirs[n]) for n in names]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    by_name = {r["name"]: r for r in rows}
+    verdict = {}
+    if "gain_pts" in by_name.get("fp32", {}) and "gain_pts" in by_name.get("int8", {}):
+        gap = by_name["int8"]["gain_pts"] - by_name["fp32"]["gain_pts"]
+        verdict["int8_gain_minus_fp32_pts"] = round(gap, 1)
+        verdict["int8_within_3_pts"] = abs(gap) <= WITHIN_PTS
+    print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
+
+    from bench.common import RESULTS_DIR, command, write_results
+
+    name = args.name or (RESULTS + ("_smoke" if args.smoke else ""))
+    columns = [
+        ("run", "run"), ("steps", "steps"), ("s_per_step", "s / step"),
+        ("greedy_start", "greedy start"), ("greedy_end", "greedy end"), ("gain_pts", "gain (pts)"),
+        ("reward_first10", "reward, first 10 steps"), ("reward_last10", "reward, last 10 steps"),
+        ("mismatch_kl", "gen/mismatch_kl (mean)"), ("truncated_fraction", "truncated fraction"),
+        ("abs_log_ratio_max", "abs log-ratio max (mean)"),
+    ]  # fmt: skip
+    note = f"`{command()}` on {smollm2.DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
+    note += runner.launches(workdir)
+    print(write_results(name, rows, columns, note))
+    labels = {RUNS[n][0]: dirs[n] for n in names}
+    png = os.path.join(RESULTS_DIR, name + ".png")
+    print(f"plot: {runner.plot_curves(labels, png, PANELS, title=TITLE, dpi=110)}")
+    print(f"runs: {workdir}")
