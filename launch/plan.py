@@ -33,6 +33,7 @@ from typing import Any
 import gin
 import jax
 
+from jaxrl.generation import quantize
 from jaxrl.infra import gpu, platforms, tpu
 from jaxrl.infra.chips import ChipSpec, TopologyError
 from jaxrl.infra.config import (
@@ -90,6 +91,8 @@ class PlanConfig:
     model: a preset of `jaxrl.models.presets.PRESETS` (real Llama 3.1 / Qwen3 shapes).
     trainer_param_dtype: the trainer's master weights and Adam moments; generator_param_dtype:
       the weights the generator decodes with (the weight push casts); dtype: compute dtype.
+    generator_weights: the engine's copy of them, `GeneratorConfig.weights` ("native", "int8",
+      "fp8" ...: `jaxrl.generation.quantize`; fp8 is refused on TPU).
     *_topology: a TPU slice, '<chip>:<X>x<Y>[x<Z>]' (whole hosts: 2x2 chips each).
     *_axes / *_axis_sizes: the role's mesh over the slice (one size may be -1: the rest).
       Trainer axes from ("dp", "fsdp", "tp") (dp replicates the weights), generator ("dp", "tp").
@@ -110,6 +113,7 @@ class PlanConfig:
     model: str = "llama3_8b"
     trainer_param_dtype: str = "float32"
     generator_param_dtype: str = "bfloat16"
+    generator_weights: str = "native"
     dtype: str = "bfloat16"
     remat_policy: str = "full"
     scan_layers: bool = True
@@ -150,6 +154,7 @@ class PlanConfig:
                 "attention_impl='cudnn' on a TPU topology: cuDNN runs on NVIDIA GPUs only; plan "
                 "with None (the TPU's Pallas Mosaic kernels, the default) or 'xla'"
             )
+        quantize.resolve_format(self.generator_weights, "gpu" if on_gpu[1] else "tpu")
         for name in ("prompts", "samples", "prompt_len", "completion_len", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -398,6 +403,7 @@ def plan_generator_role(config: PlanConfig) -> RolePlan:
         samples=config.samples,
         prompt_len=config.prompt_len,
         completion_len=config.completion_len,
+        weights=config.generator_weights,
     )
     prefill, decode = plan_generator(model_config, mesh, **kwargs)
     costs: dict[str, tuple[float, float] | None] = {"prefill": None, "decode_step": None}
@@ -431,14 +437,18 @@ def _generator(config: PlanConfig, problems: list[str]) -> list[ProgramReport]:
         f"{config.prompt_len + config.completion_len} tokens, prefill "
         f"{max(config.slots // config.samples, 1)} prompts"
     )
+    if config.generator_weights != "native":
+        title += f", {config.generator_weights} weights"
     rows = [_row(r, spec, costs[r.name]) for r in (prefill, decode)]
     print_table(title, rows)
     memory_fraction_note([prefill, decode], spec, devices)
+    copy = "per-layer copy of the scanned weights (`Engine(layer_layout=...)`)"
+    if config.generator_weights != "native":
+        copy = f"{config.generator_weights} copy of the weights, held beside them"
     if decode.resident_bytes:
         print(
-            f"  the engine decodes on its own per-layer copy of the scanned weights "
-            f"(`Engine(layer_layout=...)`): {decode.resident_bytes / GiB:.2f} GiB more per "
-            "device, in the totals"
+            f"  the engine decodes on its own {copy}: {decode.resident_bytes / GiB:.2f} GiB "
+            "more per device, in the totals"
         )
     for r in (prefill, decode):
         xla_notes(r, spec)

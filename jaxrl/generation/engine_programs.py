@@ -159,7 +159,9 @@ class EnginePrograms:
             self._unstack = jax.jit(unstack, out_shardings=out)
         self.graphdef, self.model_config = graphdef, model_config
         # 8-bit weights (`jaxrl.generation.quantize`): the engine's own copy, checked up front.
-        self.weights, self._quantize = quantize.engine_format(graphdef, model_config, mesh, weights)
+        self.weights, self._quantize = quantize.engine_format(
+            graphdef, model_config, mesh, weights, rules
+        )
         self.num_slots, self.steps_per_call, self.pad_id = num_slots, steps_per_call, pad_id
         # Mixture-of-experts models: the cache is (KV cache, routing record) (`engine_routing`).
         self.record = engine_routing.records(model_config)
@@ -192,8 +194,12 @@ class EnginePrograms:
         if not self.unstack and self._quantize is None:
             return params
         convert = self._convert
-        if abstract:
-            return self.call_on_mesh(jax.eval_shape, convert, params)
+        if abstract:  # each jit's own eval_shape: their out_shardings carry to the result
+            if self.unstack:
+                params = self.call_on_mesh(jax.eval_shape, self._unstack, params)
+            if self._quantize is not None:
+                params = self.call_on_mesh(jax.eval_shape, self._quantize, pure_params(params))
+            return params
         if self._converted is None or self._converted[0] is not params:
             self._converted = None  # the previous copy goes before the new one is made
             self._converted = (params, self.call_on_mesh(convert, params))

@@ -220,18 +220,39 @@ def quantize_params(params: dict, model_config, fmt: str, stacked: bool) -> dict
     return out
 
 
+def quantized_shardings(shardings: dict, model_config, fmt: str, stacked: bool) -> dict:
+    """The NamedShardings of `quantize_params`' output from `shardings`, the params' own (a pure
+    dict): a `QuantizedKernel`'s values laid out as its kernel, its scales as the kernel's
+    output axes (and layer axis, stacked)."""
+    out = jax.tree.map(lambda x: x, shardings)
+    for path, leaf, contract in _targets(shardings, model_config, stacked):
+        lead = 1 if stacked and path[0] == "layers" else 0
+        rank = RANK.get(path[-1], 2) + lead
+        spec = (*leaf.spec, *(None,) * (rank - len(leaf.spec)))
+        scales = jax.sharding.NamedSharding(
+            leaf.mesh, jax.sharding.PartitionSpec(*spec[:lead], *spec[lead + contract :])
+        )
+        node = out
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = QuantizedKernel(leaf, scales, fmt)
+    return out
+
+
 def weight_bytes(params) -> int:
     """Bytes of a params tree (int8 and fp8 values count one byte each)."""
     leaves = jax.tree.leaves(params)
     return sum(int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
-def engine_format(graphdef, model_config, mesh, weights: str):
+def engine_format(graphdef, model_config, mesh, weights: str, rules=None):
     """`(format, quantize)` for an engine running `graphdef` on `mesh` (None: the default
     backend): the concrete format and the jitted function making the engine's quantized copy
-    (None for "native"). Refuses before any device work: an unknown format, fp8 on TPU, a LoRA
-    policy (adapters are not quantized yet), a contraction "int8_dynamic" cannot accumulate, a
-    kernel the scale layout cannot take."""
+    (None for "native"), laid out by the logical `rules` on `mesh` when both are given (the
+    copy's layout is then fixed, and programs lowered for abstract params see it). Refuses
+    before any device work: an unknown format, fp8 on TPU, a LoRA policy (adapters are not
+    quantized yet), a contraction "int8_dynamic" cannot accumulate, a kernel the scale layout
+    cannot take."""
     from flax import nnx
 
     from jaxrl.models.transformer import Transformer
@@ -251,4 +272,11 @@ def engine_format(graphdef, model_config, mesh, weights: str):
     check_contraction(model_config, fmt)
     stacked = bool(model_config.scan_layers)
     check_shapes(nnx.to_pure_dict(abstract), model_config, stacked)
-    return fmt, jax.jit(lambda params: quantize_params(params, model_config, fmt, stacked))
+    out = None
+    if mesh is not None and rules is not None:
+        from jaxrl.infra import sharding as ax
+
+        shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
+        out = quantized_shardings(shardings, model_config, fmt, stacked)
+    quantize = lambda params: quantize_params(params, model_config, fmt, stacked)  # noqa: E731
+    return fmt, jax.jit(quantize, out_shardings=out)

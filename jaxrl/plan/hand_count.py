@@ -82,17 +82,50 @@ def _split(n: float, parts: int) -> float:
     return n / max(parts, 1)
 
 
+def quantized_weights(c: ModelConfig, head: bool = True) -> tuple[int, int]:
+    """(weights, scales) of the engine's 8-bit copy (`jaxrl.generation.quantize`): the attention
+    projections, a dense model's MLP and (`head`) an untied LM head in one byte a weight, one
+    float32 scale per output channel."""
+    e, d, layers = c.hidden_size, c.head_dim, c.num_layers
+    weights = layers * e * d * (2 * c.num_heads + 2 * c.num_kv_heads)
+    scales = layers * (d * (c.num_heads + 2 * c.num_kv_heads) + e)
+    if not c.moe_layers:
+        weights += layers * 3 * e * c.intermediate_size
+        scales += layers * (2 * c.intermediate_size + e)
+    if head and not c.tie_word_embeddings:
+        weights, scales = weights + c.vocab_size * e, scales + c.vocab_size
+    return weights, scales
+
+
+def _weight_bytes(c: ModelConfig, stored: int, quantized: bool, head: bool) -> float:
+    """Bytes of `stored` matmul weights in the parameter dtype, less the 8-bit copy's share."""
+    pb = _size(c.param_dtype)
+    if not quantized:
+        return stored * pb
+    weights, scales = quantized_weights(c, head)
+    return (stored - weights) * pb + weights + 4 * scales
+
+
 def decode_step(
-    c: ModelConfig, *, rows: int, span: int, capacity: int, cache_bytes: int, tp: int
+    c: ModelConfig,
+    *,
+    rows: int,
+    span: int,
+    capacity: int,
+    cache_bytes: int,
+    tp: int,
+    quantized: bool = False,
 ) -> HandCount:
     """One decode step of `rows` rows (per device) attending `span` positions of a cache of
-    `capacity` positions, `cache_bytes` per device (keys and values, all layers)."""
+    `capacity` positions, `cache_bytes` per device (keys and values, all layers); `quantized`:
+    on the engine's 8-bit copy of the weights (`quantized_weights`)."""
     pb = _size(c.param_dtype)
     head = c.vocab_size * c.hidden_size
     matmul = active_weights(c) + head  # layers (a token's experts) + LM head
     heads = _split(c.num_heads, tp)
+    stored = _weight_bytes(c, stored_weights(c) + head, quantized, head=True)
     terms = {  # every expert read: a batch of rows reaches nearly all of them
-        "weights": _split((stored_weights(c) + head) * pb, tp) + rows * c.hidden_size * pb,
+        "weights": _split(stored, tp) + rows * c.hidden_size * pb,
         "K/V read": cache_bytes * span / capacity,
         "K/V written": cache_bytes / capacity,
     }
@@ -101,10 +134,18 @@ def decode_step(
 
 
 def prefill(
-    c: ModelConfig, *, prompts: int, prompt_len: int, capacity: int, cache_bytes: int, tp: int
+    c: ModelConfig,
+    *,
+    prompts: int,
+    prompt_len: int,
+    capacity: int,
+    cache_bytes: int,
+    tp: int,
+    quantized: bool = False,
 ) -> HandCount:
     """The engine's prefill of `prompts` prompts (per device) of `prompt_len` tokens into a cache
-    of `capacity` positions, `cache_bytes` per device (every slot's copy written)."""
+    of `capacity` positions, `cache_bytes` per device (every slot's copy written); `quantized`:
+    on the engine's 8-bit copy of the weights."""
     pb = _size(c.param_dtype)
     matmul = active_weights(c)
     tokens = prompts * prompt_len
@@ -112,7 +153,8 @@ def prefill(
     pairs = prompts * prompt_len * (prompt_len + 1) / 2
     flops = 2 * _split(matmul, tp) * tokens + 4 * heads * c.head_dim * c.num_layers * pairs
     terms = {
-        "weights": _split(stored_weights(c) * pb, tp) + tokens * c.hidden_size * pb,
+        "weights": _split(_weight_bytes(c, stored_weights(c), quantized, head=False), tp)
+        + tokens * c.hidden_size * pb,
         "activations": tokens * c.num_layers * _activations(c, tp) * _size(c.dtype) * 2,
         "K/V written": cache_bytes * prompt_len / capacity,
     }

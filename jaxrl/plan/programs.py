@@ -403,11 +403,14 @@ def plan_generator(
     completion_len: int,
     rules: ax.LogicalRules = ax.GENERATOR_RULES,
     span: int | None = None,
+    weights: str = "native",
 ) -> tuple[ProgramReport, ProgramReport]:
     """Compiles the engine's prefill (`num_slots // samples` prompts, each copied into `samples`
     slots) and one decode step of all `num_slots` slots attending a cache prefix of `span`
-    positions (default: the full cache, `prompt_len + completion_len`); parts: params,
-    kv_cache (and the prompts for prefill)."""
+    positions (default: the full cache, `prompt_len + completion_len`), on the engine's copy of
+    the weights in format `weights` (`GeneratorConfig.weights`: 8-bit kernels and their scales
+    are then the programs' parameters); parts: params (the copy the programs take), kv_cache
+    (and the prompts for prefill)."""
     capacity = prompt_len + completion_len
     graphdef, params = abstract_params(model_config, mesh, rules)
     engine = Engine(
@@ -423,10 +426,12 @@ def plan_generator(
         mesh=mesh,
         rules=rules,
         compile_only=True,
+        weights=weights,
     )
     floor = mesh_min_buffer(mesh)
     cache_bytes = sharded_bytes(engine.abstract_cache(), floor)
-    common = {"params": sharded_bytes(params, floor), "kv_cache": cache_bytes}
+    copy = engine.programs.engine_params(params, abstract=True)
+    common = {"params": sharded_bytes(copy, floor), "kv_cache": cache_bytes}
     prompts = max(num_slots // samples, 1)
     # Decode attention is traced in the target's form (this process's default backend may be
     # the CPU while the mesh is a TPU or GPU topology): on GPUs the in-place decode kernel.
@@ -442,12 +447,14 @@ def plan_generator(
         decode, _ = compile_report("decode_step", lowered, common)
     sizes = dict(mesh.shape)
     tp, dp = sizes.get("tp", 1), sizes.get("dp", 1)
-    cache = dict(capacity=capacity, cache_bytes=cache_bytes, tp=tp)
+    quantized = engine.programs.weights != "native"
+    cache = dict(capacity=capacity, cache_bytes=cache_bytes, tp=tp, quantized=quantized)
     hand = hand_count.prefill(model_config, prompts=prompts / dp, prompt_len=prompt_len, **cache)
     prefill = dataclasses.replace(prefill, hand=hand)
     hand = hand_count.decode_step(model_config, rows=num_slots / dp, span=span or capacity, **cache)
-    # A GPU engine decodes on its own per-layer copy of scanned weights, held beside them.
-    resident = common["params"] if engine.programs.unstack else 0
+    # A GPU engine decodes on its own per-layer (and an 8-bit engine on its quantized) copy of
+    # the weights it is given, held beside them.
+    resident = sharded_bytes(params, floor) if engine.programs.unstack or quantized else 0
     prefill = dataclasses.replace(prefill, resident_bytes=resident)
     return prefill, dataclasses.replace(decode, hand=hand, resident_bytes=resident)
 
