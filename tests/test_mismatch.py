@@ -165,3 +165,10 @@ def test_a_sync_int8_run_logs_the_mismatch(tmp_path):
         assert r["gen/mismatch_kl"] > 0 and r["gen/mismatch_abs_log_ratio_max"] > 1e-4, r
         # On-policy in sync mode: the trainer's ratio sees the same quantization.
         assert r["abs_log_ratio_max"] > 1e-4
+    # What the run saved is the full-precision policy: no 8-bit leaf reaches a checkpoint.
+    from jaxrl.job import workdir as run_dir
+
+    config, _ = run_dir.load_model_spec(str(tmp_path / "run"))
+    step, saved = run_dir.restore_params(str(tmp_path / "run"), config)
+    leaves = jax.tree.leaves(saved)
+    assert step == 2 and leaves and all(x.dtype == jnp.float32 for x in leaves)

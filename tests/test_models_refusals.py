@@ -106,3 +106,25 @@ def test_safetensors_writer_roundtrip_bf16(tmp_path):
 
     with safe_open(path, framework="pt") as f:
         np.testing.assert_array_equal(f.get_tensor("a").numpy(), arrays["a"])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantized_checkpoint_is_refused_where_full_precision_is_expected(tmp_path, dtype):
+    """An 8-bit tensor (an int8 or fp8 release) is named, not cast to float and loaded as if it
+    were the weights; a config declaring its quantization is refused before any tensor."""
+    import ml_dtypes
+
+    save_tiny_checkpoint(tmp_path, "llama3")
+    reader = SafetensorsReader(str(tmp_path))
+    tensors = {k: np.array(reader[k]) for k in reader}
+    del reader
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = np.clip(tensors[name] * 100, -127, 127).astype(getattr(ml_dtypes, dtype, dtype))
+    write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    with pytest.raises(hf.CheckpointMismatchError, match=rf"'{name}'.*is {dtype}.*dequantize"):
+        hf.load_model(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"quantized checkpoint.*'fp8'.*bf16 / fp32"):
+        hf.load_config(str(tmp_path))

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -164,6 +165,25 @@ def param_map(config: ModelConfig) -> dict[tuple, TensorMap | StackedTensorMap]:
     return out
 
 
+# What a full-precision checkpoint's tensors are stored as.
+_FLOAT_TENSORS = tuple(
+    np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)
+)
+
+
+def full_precision(array: np.ndarray, name: str, path: str) -> np.ndarray:
+    """`array` (tensor `name` of the checkpoint at `path`), refused unless a full-precision
+    float: an integer or 8-bit float tensor is a quantized checkpoint's."""
+    if array.dtype not in _FLOAT_TENSORS:
+        raise CheckpointMismatchError(
+            f"tensor {name!r} in {path} is {array.dtype}, not a full-precision float (float32 / "
+            "bfloat16 / float16): a quantized checkpoint. Policies load in full precision and "
+            "the generator quantizes its own copy (GeneratorConfig.weights); load the model's "
+            "bf16 / fp32 release, or dequantize this one first"
+        )
+    return array
+
+
 def check_weights_dir(path: str) -> None:
     """Raises a clear error unless `path` is a directory with safetensors weights."""
     missing = missing_dir_message(path, SAVE_PRETRAINED)
@@ -197,6 +217,17 @@ def load_config(path: str, **overrides: Any) -> ModelConfig:
     except ValueError as e:
         # AutoConfig refuses model types it does not know; say what this library supports.
         raise UnsupportedModelError(f"{path}/config.json: {e}") from None
+    quantized = getattr(hf_config, "quantization_config", None)
+    if quantized:
+        method = (quantized if isinstance(quantized, dict) else vars(quantized)).get(
+            "quant_method", "?"
+        )
+        raise UnsupportedModelError(
+            f"{path} is a quantized checkpoint (quantization_config, quant_method {method!r}); "
+            "policies load and train in full precision, and the generator quantizes its own "
+            "copy (GeneratorConfig.weights = 'int8' / 'fp8'). Load the model's bf16 / fp32 "
+            "release, or dequantize this one first"
+        )
     return ModelConfig.from_hf(hf_config, **overrides)
 
 
@@ -267,7 +298,7 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
                 f"tensor {spec.hf_name!r} is missing from {path} (needed for model parameter "
                 f"{'/'.join(map(str, key))}, shape {shape})"
             )
-        hf_array = reader[spec.hf_name]
+        hf_array = full_precision(reader[spec.hf_name], spec.hf_name, path)
         expected_hf_shape = spec.to_hf(np.empty(shape, np.uint8)).shape
         if hf_array.shape != expected_hf_shape:
             raise CheckpointMismatchError(
@@ -280,7 +311,9 @@ def load_params(path: str, config: ModelConfig, shardings: Any | None = None) ->
 
     def read_stacked(key, spec: StackedTensorMap, shape: tuple, dtype) -> np.ndarray:
         # Names and shapes were checked by _check_present.
-        host = np.asarray(spec.to_model([reader[n] for n in spec.hf_names]))
+        host = np.asarray(
+            spec.to_model([full_precision(reader[n], n, path) for n in spec.hf_names])
+        )
         return host.astype(dtype, copy=False)
 
     def load_leaf(key_path, variable):
