@@ -51,6 +51,7 @@ from jaxrl.loop.feeds import feed_class
 from jaxrl.loop.feeds.episodes import check_episode_job, episode_feed
 from jaxrl.loop.reward import RewardExecutor
 from jaxrl.sync.cross_process import make_weight_sync
+from jaxrl.sync.quantized import QuantizingSync
 from jaxrl.sync.store import GeneratorWeights
 from jaxrl.train.sft import rl_source_after_sft, run_sft
 from jaxrl.train.trainer import Trainer
@@ -391,6 +392,14 @@ def build_feed(
                 trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype,
                 **engine, precompile=gen.precompile, weights=gen.weights,
             )  # fmt: skip
+            if quantized_push(gen, role, trainer):  # 8-bit kernels move, not full precision
+                sync = QuantizingSync(
+                    trainer.param_shardings,
+                    generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
+                    trainer.model_config,
+                    sampler.engine.programs.weights,
+                    generator_dtype=gen_dtype,
+                )
             latest_only = role == "both" and feed_class(rl).latest_only(rl)
             weights = GeneratorWeights(sync, latest_only=latest_only)
             if role == "both":  # evaluations compile lazily, on the trainer's devices
@@ -404,6 +413,19 @@ def build_feed(
     else:
         feed = None
     return Feed(sampler, weights, eval_sampler, feed)
+
+
+def quantized_push(gen: GeneratorConfig, role: str, trainer) -> bool:
+    """Whether an async run's push quantizes on the trainer (`jaxrl.sync.quantized`): 8-bit
+    generator weights whose mismatch is not measured (the measurement needs the full-precision
+    weights on the generator), one process holding both roles, a full (not LoRA) policy."""
+    return (
+        gen.weights != "native"
+        and gen.mismatch == "off"
+        and role == "both"
+        and jax.process_count() == 1
+        and trainer.lora is None
+    )
 
 
 def build_controller(

@@ -195,9 +195,11 @@ class EnginePrograms:
             return params
         convert = self._convert
         if abstract:  # each jit's own eval_shape: their out_shardings carry to the result
+            pushed = self._quantize is not None and quantize.pushed_quantized(params, self.weights)
             if self.unstack:
-                params = self.call_on_mesh(jax.eval_shape, self._unstack, params)
-            if self._quantize is not None:
+                unstack = self._unstack_quantized() if pushed else self._unstack
+                params = self.call_on_mesh(jax.eval_shape, unstack, params)
+            if self._quantize is not None and not pushed:
                 params = self.call_on_mesh(jax.eval_shape, self._quantize, pure_params(params))
             return params
         if self._converted is None or self._converted[0] is not params:
@@ -206,10 +208,29 @@ class EnginePrograms:
         return self._converted[1]
 
     def _convert(self, params):
-        """The engine's copy: per-layer weights (`unstack`), then quantized (`weights`)."""
+        """The engine's copy: per-layer weights (`unstack`), then quantized (`weights`); a tree
+        pushed already quantized (`jaxrl.sync.quantized`) is taken as it is."""
+        pushed = self._quantize is not None and quantize.pushed_quantized(params, self.weights)
         if self.unstack:
-            params = self._unstack(params)
-        return params if self._quantize is None else self._quantize(pure_params(params))
+            params = (self._unstack_quantized() if pushed else self._unstack)(params)
+        return params if self._quantize is None or pushed else self._quantize(pure_params(params))
+
+    def _unstack_quantized(self):
+        """The jitted `unstack` of a quantized tree: the per-layer kernels' values and scales
+        laid out as the engine's own quantized copy would be."""
+        if not hasattr(self, "_unstack_q"):
+            out = None
+            if self.mesh is not None:
+                abstract = nnx.state(
+                    nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(0)))
+                )
+                shardings = nnx.to_pure_dict(ax.param_shardings(abstract, self.mesh, self.rules))
+                out = quantize.quantized_shardings(
+                    shardings, self.model_config, self.weights, stacked=False
+                )
+            unstack = lambda p: unstack_layers(pure_params(p), self.source_layers)  # noqa: E731
+            self._unstack_q = jax.jit(unstack, out_shardings=out)
+        return self._unstack_q
 
     def run(self, name: str, *args, **static):
         """Runs program `name` (its precompiled executable if `precompile` made one)."""

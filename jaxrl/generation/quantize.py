@@ -239,6 +239,20 @@ def quantized_shardings(shardings: dict, model_config, fmt: str, stacked: bool) 
     return out
 
 
+def pushed_quantized(params, fmt: str) -> bool:
+    """Whether `params` already holds `QuantizedKernel`s (a push that quantized on the trainer,
+    `jaxrl.sync.quantized`); of another format than the engine's `fmt`: refused."""
+    is_q = lambda x: isinstance(x, QuantizedKernel)  # noqa: E731
+    modes = {x.mode for x in jax.tree.leaves(params, is_leaf=is_q) if is_q(x)}
+    if modes and modes != {fmt}:
+        raise ValueError(
+            f"the generator's engine runs {fmt!r} weights and was handed kernels quantized as "
+            f"{sorted(modes)}: push with the engine's format (quantize.resolve_format on the "
+            "generator's platform)"
+        )
+    return bool(modes)
+
+
 def weight_bytes(params) -> int:
     """Bytes of a params tree (int8 and fp8 values count one byte each)."""
     leaves = jax.tree.leaves(params)
