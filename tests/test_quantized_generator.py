@@ -179,7 +179,7 @@ def test_refusals_come_before_device_work(models):
 
 def test_the_rl_sampler_carries_the_format(models):
     """`mesh_sampler` (rl_main's colocated and generator samplers) builds the engine with the
-    format, and refuses it for a LoRA policy."""
+    format; a LoRA policy's too (its base quantized once: tests/test_quantized_lora.py)."""
     from jaxrl.generation.placement import mesh_sampler
 
     trainer = SimpleNamespace(
@@ -190,9 +190,16 @@ def test_the_rl_sampler_carries_the_format(models):
     assert sampler.engine.programs.weights == "int8_dynamic"
     native = mesh_sampler(trainer, tokenizer, None, None, num_slots=4)
     assert native.engine.programs.weights == "native"
-    lora = SimpleNamespace(**{**vars(trainer), "lora": lora_lib.LoraConfig(rank=2, alpha=4.0)})
-    with pytest.raises(ValueError, match="with LoRA: not built yet"):
-        mesh_sampler(lora, tokenizer, None, None, num_slots=4, weights="int8")
+    config = lora_lib.LoraConfig(rank=2, alpha=4.0)
+    graphdef, _ = lora_lib.abstract_lora(CONFIG, config)
+    lora = SimpleNamespace(**{**vars(trainer), "lora": config, "graphdef": graphdef})
+    lora.base_params, lora.mesh, lora.rules = (
+        nnx.to_pure_dict(nnx.state(models["tied"])),
+        None,
+        None,
+    )
+    adapted = mesh_sampler(lora, tokenizer, None, None, num_slots=4, weights="int8")
+    assert adapted.engine.programs.weights == "int8_dynamic" and adapted.graphdef == graphdef
 
 
 def test_the_hlo_cost_model_counts_8_bit_arrays_a_byte_an_element():
@@ -202,3 +209,47 @@ def test_the_hlo_cost_model_counts_8_bit_arrays_a_byte_an_element():
     assert hlo_cost.shape_bytes("(f8e4m3fn[4096,14336], s8[8], f8e5m2[2], bf16[3])") == (
         4096 * 14336 + 8 + 2 + 6
     )
+
+
+# The TPU compiler's int8 matmul of one layer of stacked weights (Llama 3 8B's decode on v5e,
+# trimmed): the stack retiled by a copy fusion, a layer sliced out of it, nested in the matmul's.
+RETILED_SLICE = """
+%retile (input: s8[80,64,64]) -> s8[80,64,64] {
+  %input = s8[80,64,64]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %copy = s8[80,64,64]{2,1,0:T(8,128)(4,1)} copy(%input)
+}
+
+%slice_layer (w: s8[80,64,64], i: s32[]) -> s8[64,64] {
+  %w = s8[80,64,64] parameter(0)
+  %retiled = s8[80,64,64] fusion(%w), kind=kLoop, calls=%retile
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = s8[1,64,64] dynamic-slice(%retiled, %i, %zero, %zero), dynamic_slice_sizes={1,64,64}
+  ROOT %layer = s8[64,64] bitcast(%ds)
+}
+
+%matmul (x: bf16[8,64], w: s8[80,64,64], i: s32[]) -> bf16[8,64] {
+  %x = bf16[8,64] parameter(0)
+  %w = s8[80,64,64] parameter(1)
+  %i = s32[] parameter(2)
+  %layer = s8[64,64] fusion(%w, %i), kind=kLoop, calls=%slice_layer
+  ROOT %dot = bf16[8,64] convolution(%x, %layer), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[8,64], w: s8[80,64,64], i: s32[]) -> bf16[8,64] {
+  %x = bf16[8,64] parameter(0)
+  %w = s8[80,64,64] parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %y = bf16[8,64] fusion(%x, %w, %i), kind=kOutput, calls=%matmul
+}
+"""
+
+
+def test_a_layer_sliced_out_of_retiled_int8_weights_counts_one_layer():
+    """The fused relayout of the whole stack runs only for the elements the slice takes: the
+    matmul reads one int8 layer, not the [80, 64, 64] stack (it did: 32x a layer on 8B)."""
+    from jaxrl.infra import hlo_cost
+
+    (kernel,) = hlo_cost.kernels(RETILED_SLICE)
+    one_layer, x_and_out, index = 64 * 64, 2 * 8 * 64 * 2, 4
+    assert kernel.bytes == one_layer + x_and_out + index

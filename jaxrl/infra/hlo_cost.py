@@ -256,12 +256,26 @@ def _params(body: list[_Instr]) -> dict[int, _Instr]:
     return {int(i.args): i for i in body if i.opcode == "parameter" and i.args.isdigit()}
 
 
+def _relayout(instr: _Instr, computations: dict[str, list[_Instr]] | None) -> bool:
+    """Whether `instr` only lays its one operand out anew: a copy, a bitcast, or a fusion of
+    them (the TPU compiler retiles stacked int8 weights this way before slicing a layer)."""
+    if len(instr.operands) != 1:
+        return False
+    if instr.opcode in ("copy", "bitcast"):
+        return True
+    calls = re.search(r"calls=%([\w.\-]+)", instr.attrs)
+    nested = computations.get(calls.group(1)) if calls and computations else None
+    if instr.opcode != "fusion" or not nested:
+        return False
+    return all(i.opcode in ("parameter", "copy", "bitcast") for i in nested)
+
+
 def _sliced_read(
     param: _Instr, body: list[_Instr], computations: dict[str, list[_Instr]] | None, depth: int = 0
 ) -> int | None:
-    """Bytes read of a fused computation's parameter used only through slices, directly or
-    through fusions nested in it (the TPU compiler nests a layer's dynamic slice of stacked
-    weights in the matmul's fusion); None if any use reads it whole."""
+    """Bytes read of a fused computation's parameter used only through slices, directly, through
+    relayouts (`_relayout`) or through fusions nested in it (the TPU compiler nests a layer's
+    dynamic slice of stacked weights in the matmul's fusion); None if any use reads it whole."""
     us = _users(body).get(param.name, [])
     if not us or depth > 4:
         return None
@@ -269,6 +283,12 @@ def _sliced_read(
     for u in us:
         if u.opcode in SLICES and u.operands[0] == param.name:
             total += shape_bytes(u.shape)
+            continue
+        if _relayout(u, computations):  # its slices read the elements they select, no more
+            read = _sliced_read(u, body, computations, depth + 1)
+            if read is None:
+                return None
+            total += read
             continue
         calls = re.search(r"calls=%([\w.\-]+)", u.attrs)
         nested = computations.get(calls.group(1)) if calls and computations else None
