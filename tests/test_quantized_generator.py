@@ -179,7 +179,7 @@ def test_refusals_come_before_device_work(models):
 
 def test_the_rl_sampler_carries_the_format(models):
     """`mesh_sampler` (rl_main's colocated and generator samplers) builds the engine with the
-    format, and refuses it for a LoRA policy."""
+    format; a LoRA policy's too (its base quantized once: tests/test_quantized_lora.py)."""
     from jaxrl.generation.placement import mesh_sampler
 
     trainer = SimpleNamespace(
@@ -190,9 +190,13 @@ def test_the_rl_sampler_carries_the_format(models):
     assert sampler.engine.programs.weights == "int8_dynamic"
     native = mesh_sampler(trainer, tokenizer, None, None, num_slots=4)
     assert native.engine.programs.weights == "native"
-    lora = SimpleNamespace(**{**vars(trainer), "lora": lora_lib.LoraConfig(rank=2, alpha=4.0)})
-    with pytest.raises(ValueError, match="with LoRA: not built yet"):
-        mesh_sampler(lora, tokenizer, None, None, num_slots=4, weights="int8")
+    config = lora_lib.LoraConfig(rank=2, alpha=4.0)
+    graphdef, _ = lora_lib.abstract_lora(CONFIG, config)
+    lora = SimpleNamespace(**{**vars(trainer), "lora": config, "graphdef": graphdef})
+    lora.base_params = nnx.to_pure_dict(nnx.state(models["tied"]))
+    lora.mesh = lora.rules = None
+    adapted = mesh_sampler(lora, tokenizer, None, None, num_slots=4, weights="int8")
+    assert adapted.engine.programs.weights == "int8_dynamic" and adapted.graphdef == graphdef
 
 
 def test_the_hlo_cost_model_counts_8_bit_arrays_a_byte_an_element():

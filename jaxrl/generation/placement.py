@@ -18,6 +18,7 @@ from flax import nnx
 from jaxrl.generation.engine_sampler import GENERATORS, EngineSampler, make_sampler
 from jaxrl.generation.mismatch import MISMATCH_MODES
 from jaxrl.generation.quantize import WEIGHT_FORMATS
+from jaxrl.generation.quantized_lora import QuantizedBase, attach
 from jaxrl.generation.sampler import Sampler as StaticSampler
 from jaxrl.generation.sampling import Sampler
 from jaxrl.infra.sharding import param_shardings
@@ -59,8 +60,9 @@ class GeneratorConfig:
       given), or 8-bit with per-output-channel scales, made on the generator's devices once per
       weights object (sync: once per step; async: once per pushed version): "int8_weights"
       (weight-only), "int8_dynamic" (activations per token too), "int8" (the platform's choice:
-      dynamic on CPU, weight-only on GPU / TPU). Engine only, not with LoRA yet; the behaviour
-      log-probs are the quantized policy's (docs/quantization.md).
+      dynamic on CPU, weight-only on GPU / TPU). Engine only; a LoRA policy's base is quantized
+      once and its adapters applied unquantized (`jaxrl.generation.quantized_lora`). The
+      behaviour log-probs are the quantized policy's (docs/quantization.md).
     mismatch (8-bit weights): "auto" (the default: "measure" with 8-bit weights, else "off"),
       "off", "measure" (each batch's tokens scored with the full-precision weights the engine
       quantized, on the generator's devices: `gen/mismatch_kl` etc., `jaxrl.generation.mismatch`)
@@ -131,12 +133,21 @@ class _Adapters:
 
     base_params: dict | None = None
 
-    def generate(self, params, *args, **kwargs):
+    def full_params(self, params):
+        """The full-precision policy of adapters `params`: the base with them added, for the
+        caller's (LoRA) `graphdef` (e.g. to score an 8-bit engine's samples against)."""
         if self.base_params is None:
             raise ValueError(
                 f"{type(self).__name__}.base_params is unset: place the frozen base first"
             )
-        return super().generate(lora_lib.combine(self.base_params, params), *args, **kwargs)
+        return lora_lib.combine(self.base_params, params)
+
+    def sampled_params(self, params):
+        """The tree the sampler runs for adapters `params`."""
+        return self.full_params(params)
+
+    def generate(self, params, *args, **kwargs):
+        return super().generate(self.sampled_params(params), *args, **kwargs)
 
 
 class AdapterSampler(_Adapters, StaticSampler):
@@ -144,7 +155,40 @@ class AdapterSampler(_Adapters, StaticSampler):
 
 
 class AdapterEngineSampler(_Adapters, EngineSampler):
-    """The engine of a LoRA policy (see `_Adapters`)."""
+    """The engine of a LoRA policy (see `_Adapters`).
+
+    With 8-bit `weights` (`GeneratorConfig.weights`, `jaxrl.generation.quantized_lora`) the
+    engine runs the plain `Transformer` on the base quantized once, on the first call after
+    `base_params` is set (`quantized_base`, one copy shared by every call and pushed version),
+    with each call's adapters attached unquantized; `lora` (the policy's `LoraConfig`) gives
+    their scale. `graphdef` stays the caller's LoRA model (`full_params`' layout)."""
+
+    def __init__(self, graphdef, model_config, *, weights: str = "native", lora=None, **kwargs):
+        self.quantized_base, self.lora = None, lora
+        if weights == "native":
+            super().__init__(graphdef, model_config, weights=weights, **kwargs)
+            return
+        if lora is None:
+            raise ValueError(
+                f"AdapterEngineSampler with weights={weights!r} needs the policy's LoraConfig "
+                "(lora=...): the adapters' scale alpha / r"
+            )
+        # Checked (format, platform, contraction) before the engine is built.
+        mesh, rules = kwargs.get("mesh"), kwargs.get("rules")
+        self.quantized_base = QuantizedBase(model_config, mesh, weights, rules)
+        # The engine takes the tree as it is: its kernels are quantized already.
+        super().__init__(self.quantized_base.graphdef, model_config, weights=weights, **kwargs)
+        self.graphdef = graphdef
+
+    def sampled_params(self, params):
+        if self.quantized_base is None:
+            return super().sampled_params(params)
+        if self.base_params is None:
+            raise ValueError(
+                f"{type(self).__name__}.base_params is unset: place the frozen base first"
+            )
+        base = self.quantized_base(self.base_params, self.engine.programs.call_on_mesh)
+        return attach(base, params, self.lora.scale)
 
 
 def mesh_sampler(
@@ -173,13 +217,9 @@ def mesh_sampler(
     (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
     pushed version."""
     lora = trainer.lora is not None
-    if lora and weights != "native":
-        raise ValueError(
-            f"generator weights {weights!r} with LoRA: not built yet (the base would be "
-            "quantized once and the adapters kept unquantized); use GeneratorConfig.weights="
-            "'native' for a LoRA policy"
-        )
     quantized = {"weights": weights} if weights != "native" else {}
+    if lora and quantized:  # the base quantized once, the adapters unquantized
+        quantized["lora"] = trainer.lora
     sampler = make_sampler(
         generator,
         trainer.graphdef,

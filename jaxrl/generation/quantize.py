@@ -264,9 +264,9 @@ def engine_format(graphdef, model_config, mesh, weights: str, rules=None):
     backend): the concrete format and the jitted function making the engine's quantized copy
     (None for "native"), laid out by the logical `rules` on `mesh` when both are given (the
     copy's layout is then fixed, and programs lowered for abstract params see it). Refuses
-    before any device work: an unknown format, fp8 on TPU, a LoRA policy (adapters are not
-    quantized yet), a contraction "int8_dynamic" cannot accumulate, a kernel the scale layout
-    cannot take."""
+    before any device work: an unknown format, fp8 on TPU, a wrapped (LoRA) model (its base is
+    quantized by `quantized_lora`), a contraction "int8_dynamic" cannot accumulate, a kernel
+    the scale layout cannot take."""
     from flax import nnx
 
     from jaxrl.models.transformer import Transformer
@@ -279,9 +279,10 @@ def engine_format(graphdef, model_config, mesh, weights: str, rules=None):
     if graphdef != graph:
         raise ValueError(
             f"generator weights {weights!r} are for a plain Transformer; this engine's model is "
-            "wrapped (LoRA adapters?): 8-bit weights with LoRA (base quantized once, adapters "
-            "unquantized) are not built yet. Set GeneratorConfig.weights='native', or merge the "
-            "adapters into a full-precision policy first"
+            "wrapped (LoRA adapters?), whose adapter term qwix would add inside the 8-bit "
+            "matmul. A LoRA policy's engine quantizes its base once and applies the adapters "
+            "unquantized: build it with jaxrl.generation.placement.mesh_sampler (or "
+            "AdapterEngineSampler(..., weights=..., lora=...)), or set weights='native'"
         )
     check_contraction(model_config, fmt)
     stacked = bool(model_config.scan_layers)
