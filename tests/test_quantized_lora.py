@@ -208,6 +208,8 @@ def test_the_base_is_quantized_once_and_the_adapters_never(base, weight_only):
     for i, adapters in enumerate(pushes):
         sampler.generate(adapters, PROMPTS[:1], SAMPLING, jax.random.key(i), num_samples=2)
     assert sampler.quantized_base.count == 1
+    held = jax.tree.leaves(sampler.quantized_base(sampler.base_params), is_leaf=_is_q)
+    assert not any(isinstance(x, AdaptedKernel) for x in held)  # the calls left it as it was
     programs = sampler.engine.programs  # which runs the tree as it is given (no quantizing)
     assert programs.weights == "int8_weights" and programs.engine_params(seen[-1]) is seen[-1]
     runs = [jax.tree.leaves(params, is_leaf=_is_q) for params in seen]

@@ -38,7 +38,7 @@ from flax import nnx
 from jaxrl.generation import quantize
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.transformer import Transformer, _matmul
+from jaxrl.models.transformer import Transformer
 from jaxrl.train import lora as lora_lib
 
 
@@ -82,8 +82,14 @@ class AdaptedKernel:
         """`[B, T, *K] -> [B, T, *N]`: the base's matmul plus `scale * (x @ A) @ B`, the adapter
         term from the unquantized activations, in the dtype of the adapters and activations
         (qwix's `_compute_lora_delta`), added to the base's output in its dtype."""
-        y = _matmul(x_btk, self.base, contract, **kwargs)
         b, t = x_btk.shape[:2]
+        if isinstance(self.base, quantize.QuantizedKernel):
+            y = self.base.quantized_matmul(x_btk, contract, **kwargs)
+        else:  # `transformer._matmul`'s matmul
+            rows = x_btk.reshape(b * t, *x_btk.shape[2:])
+            dims = ((tuple(range(1, contract + 1)), tuple(range(contract))), ((), ()))
+            y = jax.lax.dot_general(rows, self.base, dims, **kwargs)
+            y = y.reshape(b, t, *self.base.shape[contract:])
         x = x_btk.reshape(b * t, -1)
         dims = (((1,), (0,)), ((), ()))
         delta = jax.lax.dot_general(jax.lax.dot_general(x, self.lora_a, dims), self.lora_b, dims)
@@ -95,14 +101,16 @@ def attach(base: dict, adapters: dict, scale: float) -> dict:
     """The plain model's tree the engine runs: `base` (the engine's quantized copy; with
     LoRA-FA holding the frozen A's) with each adapted kernel replaced by an `AdaptedKernel` of
     it and its A, B (the `adapters`' leaves themselves: nothing is copied or cast)."""
-    tree = lora_lib.combine(base, adapters)  # fresh dicts along every adapter's path
-    for path, kernel, a, b in lora_lib._walk(tree):
-        node = tree
-        for key in path:
-            node = node[key]
-        node[kernel] = AdaptedKernel(node[kernel], a, b, scale)
-        del node[f"{kernel}_lora_a"], node[f"{kernel}_lora_b"]
-    return tree
+
+    def visit(node: dict) -> dict:  # a fresh nest of dicts: `base`'s own are never changed
+        out = {k: visit(v) if isinstance(v, dict) else v for k, v in node.items()}
+        for key in [k for k in out if isinstance(k, str) and k.endswith("_lora_a")]:
+            kernel = key.removesuffix("_lora_a")
+            a, b = out.pop(key), out.pop(f"{kernel}_lora_b")
+            out[kernel] = AdaptedKernel(out[kernel], a, b, scale)
+        return out
+
+    return visit(lora_lib.combine(base, adapters))
 
 
 class QuantizedBase:
@@ -128,10 +136,20 @@ class QuantizedBase:
         self.fmt, _ = quantize.engine_format(graphdef, model_config, mesh, weights)
         if self.fmt == "native":
             raise ValueError("QuantizedBase needs 8-bit weights; 'native' runs the base as given")
-        targets = quantize._targets(nnx.to_pure_dict(abstract), model_config, stacked=False)
-        self.paths = [path for path, _, _ in targets]
-        contracts = tuple(contract for _, _, contract in targets)
-        fmt, out = self.fmt, None
+        # Where the engine's format quantizes, and how many axes each kernel contracts.
+        fmt, is_q = self.fmt, lambda x: isinstance(x, quantize.QuantizedKernel)  # noqa: E731
+        shapes = jax.eval_shape(
+            lambda p: quantize.quantize_params(p, model_config, fmt, stacked=False),
+            nnx.to_pure_dict(abstract),
+        )
+        targets = [
+            (tuple(k.key for k in path), q.values.ndim - q.scales.ndim)
+            for path, q in jax.tree_util.tree_leaves_with_path(shapes, is_leaf=is_q)
+            if is_q(q)
+        ]
+        self.paths = [path for path, _ in targets]
+        contracts = tuple(contract for _, contract in targets)
+        out = None
         if mesh is not None and rules is not None:
             shardings = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
             laid = quantize.quantized_shardings(shardings, model_config, fmt, stacked=False)
