@@ -27,7 +27,7 @@ from jaxrl.train import lora as lora_lib
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34]]
 CONFIG = ModelConfig(
-    "llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128, tie_word_embeddings=False
+    "llama", 64, 32, 64, 1, 4, 4, 8, max_position_embeddings=128, tie_word_embeddings=False
 )
 LORA = lora_lib.LoraConfig(rank=2, alpha=4.0)
 SAMPLING = SamplingConfig(6, temperature=1.0)
