@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.generation import quantize
-from jaxrl.generation.engine_sampler import EngineSampler
+from jaxrl.generation.engine import Engine
 from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.infra.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings
 from jaxrl.models.config import ModelConfig
@@ -64,10 +64,11 @@ def test_the_push_moves_the_generators_own_8bit_kernels(scan):
     # engine quantizing the full-precision push itself.
     copies = []
     for given in (pushed.params, fp32.params):
-        sampler, _ = EngineSampler.for_model(
-            model, num_slots=4, mesh=gen_mesh, rules=GENERATOR_RULES, weights="int8"
-        )
-        copies.append(sampler.engine.programs.engine_params(given))
+        engine, _ = Engine.for_model(
+            model, num_slots=4, mesh=gen_mesh, rules=GENERATOR_RULES, weights="int8",
+            layer_layout="unrolled",
+        )  # fmt: skip
+        copies.append(engine.programs.engine_params(given))
     got, want = (jax.tree.leaves(c) for c in copies)
     assert all(isinstance(k, int) for k in copies[0]["layers"])  # per-layer weights
     for a, b in zip(got, want, strict=True):

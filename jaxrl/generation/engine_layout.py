@@ -10,8 +10,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl.generation import quantize
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.scan import unstack_layers
 from jaxrl.models.transformer import Transformer, kernel_platform
 
 LAYER_LAYOUTS = ("auto", "stacked", "unrolled")
@@ -40,6 +42,20 @@ def note_xla_decode(config: ModelConfig, capacity: int) -> None:
 
 def pure_params(params):
     return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def unstacker(config: ModelConfig, mesh, rules, num_layers: int, quantized: str | None = None):
+    """The jitted per-layer copy of scanned weights (`unrolls`), laid out by `rules` on `mesh`
+    as the unrolled model's params; `quantized`: of a tree whose kernels are already
+    `QuantizedKernel`s of that format (`jaxrl.generation.quantize`)."""
+    unrolled = config.replace(scan_layers=False)
+    out = None
+    if mesh is not None:
+        abstract = nnx.state(nnx.eval_shape(lambda: Transformer(unrolled, rngs=nnx.Rngs(0))))
+        out = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
+        if quantized is not None:
+            out = quantize.quantized_shardings(out, unrolled, quantized, stacked=False)
+    return jax.jit(lambda p: unstack_layers(pure_params(p), num_layers), out_shardings=out)
 
 
 # "auto" makes the per-layer copy where the weights take at most this share of a device's memory

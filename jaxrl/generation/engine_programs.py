@@ -25,10 +25,9 @@ weights out of the stack at every step (a `dynamic-slice` it cannot fuse into th
 read them): the weights move three times a step where a step reads them once (Llama 3 8B on
 TP 4: 14.2 GB a step against 7.2 GB, `launch.plan`'s decode line). On a GPU the programs
 therefore run the same model with its layers unrolled ("auto", where the weights take at most
-`UNROLL_SHARE` of a device's memory; "unrolled" anywhere), on the engine's own per-layer copy of
-the weights, made on the devices once per weights object passed in (`engine_params`: the first
-call with new weights pays one copy of them, later calls reuse it) and held beside the caller's
-stacked weights. "stacked" keeps the caller's layout.
+`UNROLL_SHARE` of a device's memory; "unrolled" anywhere), on the engine's own per-layer copy
+made on the devices once per weights object (`engine_params`), held beside the caller's stacked
+weights. "stacked" keeps the caller's layout. 8-bit weights (`quantize`): the same copy.
 
 Copies into slots are in-place `dynamic_update_slice`s per row (`_copy_rows`). Each program is
 compiled once per (bucket, static sampling config): one prefill per (prompt-batch, prompt-length)
@@ -61,13 +60,13 @@ from jaxrl.generation.engine_layout import (  # noqa: F401  (LAYER_LAYOUTS, UNRO
     note_xla_decode,
     pure_params,
     unrolls,
+    unstacker,
 )
 from jaxrl.generation.engine_requests import EngineStats
 from jaxrl.generation.sampling import SamplingConfig, inverse_cdf_tokens, processed_logprobs
 from jaxrl.infra import sharding as ax
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.masks import SegmentMask
-from jaxrl.models.scan import unstack_layers
 from jaxrl.models.transformer import (
     Transformer,
     constrain_cache,
@@ -146,17 +145,14 @@ class EnginePrograms:
         self.mesh, self.rules, self.stats = mesh, rules, stats
         self.unstack = unrolls(graphdef, model_config, mesh, rules, layer_layout)
         self._converted: tuple[Any, Any] | None = None  # (weights passed in, the engine's copy)
+        self._unstack_q = None  # `unstack` of a tree pushed already quantized
         if self.unstack:
             self.source_layers = model_config.num_layers
+            self._unstack = unstacker(model_config, mesh, rules, self.source_layers)
             model_config = model_config.replace(scan_layers=False)
-            graphdef, abstract = nnx.split(
+            graphdef = nnx.graphdef(
                 nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
             )
-            out = None
-            if mesh is not None:
-                out = nnx.to_pure_dict(ax.param_shardings(abstract, mesh, rules))
-            unstack = lambda p: unstack_layers(pure_params(p), self.source_layers)  # noqa: E731
-            self._unstack = jax.jit(unstack, out_shardings=out)
         self.graphdef, self.model_config = graphdef, model_config
         # 8-bit weights (`jaxrl.generation.quantize`): the engine's own copy, checked up front.
         self.weights, self._quantize = quantize.engine_format(
@@ -193,44 +189,33 @@ class EnginePrograms:
         (`abstract`: ShapeDtypeStructs of it, for lowering; nothing runs)."""
         if not self.unstack and self._quantize is None:
             return params
-        convert = self._convert
         if abstract:  # each jit's own eval_shape: their out_shardings carry to the result
-            pushed = self._quantize is not None and quantize.pushed_quantized(params, self.weights)
-            if self.unstack:
-                unstack = self._unstack_quantized() if pushed else self._unstack
-                params = self.call_on_mesh(jax.eval_shape, unstack, params)
-            if self._quantize is not None and not pushed:
-                params = self.call_on_mesh(jax.eval_shape, self._quantize, pure_params(params))
+            for step in self._steps(params):
+                if step is not None:
+                    params = self.call_on_mesh(jax.eval_shape, step, pure_params(params))
             return params
         if self._converted is None or self._converted[0] is not params:
             self._converted = None  # the previous copy goes before the new one is made
-            self._converted = (params, self.call_on_mesh(convert, params))
+            self._converted = (params, self.call_on_mesh(self._convert, params))
         return self._converted[1]
 
-    def _convert(self, params):
-        """The engine's copy: per-layer weights (`unstack`), then quantized (`weights`); a tree
-        pushed already quantized (`jaxrl.sync.quantized`) is taken as it is."""
-        pushed = self._quantize is not None and quantize.pushed_quantized(params, self.weights)
-        if self.unstack:
-            params = (self._unstack_quantized() if pushed else self._unstack)(params)
-        return params if self._quantize is None or pushed else self._quantize(pure_params(params))
+    def _convert(self, params):  # the engine's copy (`_steps`)
+        for step in self._steps(params):
+            if step is not None:
+                params = step(pure_params(params))
+        return params
 
-    def _unstack_quantized(self):
-        """The jitted `unstack` of a quantized tree: the per-layer kernels' values and scales
-        laid out as the engine's own quantized copy would be."""
-        if not hasattr(self, "_unstack_q"):
-            out = None
-            if self.mesh is not None:
-                abstract = nnx.state(
-                    nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(0)))
-                )
-                shardings = nnx.to_pure_dict(ax.param_shardings(abstract, self.mesh, self.rules))
-                out = quantize.quantized_shardings(
-                    shardings, self.model_config, self.weights, stacked=False
-                )
-            unstack = lambda p: unstack_layers(pure_params(p), self.source_layers)  # noqa: E731
-            self._unstack_q = jax.jit(unstack, out_shardings=out)
-        return self._unstack_q
+    def _steps(self, params) -> tuple:
+        """(unstack, quantize): what makes the engine's copy of `params`, per-layer weights then
+        8-bit (None: not needed); a tree pushed already quantized (`jaxrl.sync.quantized`) is
+        not quantized again, and its per-layer copy is laid out as the engine's own."""
+        pushed = self._quantize is not None and quantize.pushed_quantized(params, self.weights)
+        if pushed and self.unstack and self._unstack_q is None:
+            self._unstack_q = unstacker(
+                self.model_config, self.mesh, self.rules, self.source_layers, self.weights
+            )
+        unstack = (self._unstack_q if pushed else self._unstack) if self.unstack else None
+        return unstack, None if pushed else self._quantize
 
     def run(self, name: str, *args, **static):
         """Runs program `name` (its precompiled executable if `precompile` made one)."""
