@@ -141,6 +141,12 @@ WORKLOADS = (
         ("plan_attention_h100", "plan_ratios"),
     ),
     Workload(
+        "quantized-plans", "bench.quantized_plans",
+        "launch.plan's generator on 8-bit weights vs bf16, deviceless: one matmul's forms on "
+        "H100 / v5e, the 8B decode step (fp8 H100, int8 v5e), LlamaRL's rows",
+        ("quantized_plans_matmul", "quantized_plans_decode", "quantized_plans_llamarl*"),
+    ),
+    Workload(
         "scale-validate", "bench.scale_validate",
         "the speed-up model against this machine's measured `rl` rows, phase by phase",
         (

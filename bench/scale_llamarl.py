@@ -200,10 +200,18 @@ def _meshes(s: Setting, hw: dict):
     )
 
 
-def compiled_costs(s: Setting, remat_policy: str = "full", hw: dict = H100) -> dict:
+def compiled_costs(
+    s: Setting,
+    remat_policy: str = "full",
+    hw: dict = H100,
+    weights: str = "native",
+    train_row: tuple[float, float] | None = None,
+) -> dict:
     """Per-device FLOPs and bytes of the train step, prefill and decode step of setting `s`,
     from programs compiled for `hw`'s devices (H100 with XLA:GPU, TPU v5p with the TPU
-    compiler; deviceless), scaled to the setting.
+    compiler; deviceless), scaled to the setting; the generator's programs on the engine's
+    copy of the weights in format `weights` (`GeneratorConfig.weights`: "fp8", "int8" ...);
+    `train_row`: the train step's cost from an earlier call (not compiled again).
 
     Each program is compiled with 1 and 2 unrolled layers and extrapolated to the model's L
     (`jaxrl.plan.programs.probe_per_step`); a program's cost is its whole run as compiled
@@ -243,7 +251,7 @@ def compiled_costs(s: Setting, remat_policy: str = "full", hw: dict = H100) -> d
         def probe(c):
             p, d = plan_generator(
                 c, gen_mesh, num_slots=rows, samples=rows // 8, prompt_len=s.prompt_len,
-                completion_len=s.completion_len // 2,
+                completion_len=s.completion_len // 2, weights=weights,
             )  # fmt: skip
             decode_probes.setdefault(rows, {})[c.num_layers] = d.whole_step_cost()
             return p.whole_step_cost()
@@ -261,11 +269,13 @@ def compiled_costs(s: Setting, remat_policy: str = "full", hw: dict = H100) -> d
     per_row = tuple((b - a) / (r2 - r1) for a, b in zip(c1, c2, strict=True))
     fixed = tuple(a - r1 * d for a, d in zip(c1, per_row, strict=True))
     return dict(
-        train_row=probe_per_step(train, model),  # one rollout on one device
+        # one rollout on one device
+        train_row=train_row if train_row is not None else probe_per_step(train, model),
         prefill_prompt=tuple(x / 8 for x in prefill),  # per prompt, per TP-group device
         decode_fixed=fixed,  # per decode step, per device: weights etc.
         decode_row=per_row,  # per slot
         remat=remat_policy,
+        weights=weights,
     )
 
 
@@ -314,6 +324,7 @@ def predict_compiled(s: Setting, costs: dict, hw=H100) -> dict:
     hand = predict(dataclasses.replace(s, tp_sync=tp, gen_bytes_async=2), hw)
     return dict(
         name=s.name, gpus=s.gpus, gen_gpus=gen_gpus, tp=tp, remat=costs["remat"],
+        weights=costs.get("weights", "native"),
         sync_generate=gen_sync["total"], sync_train=tt_sync, sync_reshard=reshard, sync=sync,
         async_generate=gen_async["total"], async_train=tt_async, async_push=ts, asynch=asyn,
         speedup=sync / asyn, paper_sync=PAPER[s.name][0], paper_async=PAPER[s.name][1],
