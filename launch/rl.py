@@ -275,11 +275,6 @@ def check_job(rl, loss, gen, model_config, rl_task, generator_mesh, roles, lora,
                 "GeneratorConfig.mismatch='measure' is not built for multi-turn episodes: use "
                 "mismatch='auto' (off for episodes) or single-turn RL"
             )
-        if gen.weights != "native" and lora is not None:
-            raise ValueError(
-                f"GeneratorConfig.weights={gen.weights!r} with LoRA is not built yet (base "
-                "quantized once, adapters unquantized): use GeneratorConfig.weights='native'"
-            )
     except ValueError as err:
         raise SystemExit(str(err)) from None
 

@@ -271,3 +271,25 @@ def test_refusals_come_before_device_work(base):
                           num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
         with pytest.raises(ValueError, match="mixture-of-experts"):
             lora_lib.abstract_lora(moe, LORA)
+
+
+def test_the_mismatch_is_measured_against_the_full_precision_lora_policy(weight_only):
+    """rl_main's generator executor on a LoRA 8-bit sampler: the scorer gets base + adapters in
+    full precision (`full_params`; the adapters alone are not a model's params), and the
+    "uncorrected" control hands the trainer exactly those log-probs."""
+    from jaxrl.generation.executor import GeneratorExecutor
+    from jaxrl.tasks.source import PromptItem
+
+    adapters = _adapters(LORA, 5)
+    items = [PromptItem(text="p", reference=None)]
+    out = {}
+    for mode in ("measure", "uncorrected"):
+        executor = GeneratorExecutor(weight_only, SAMPLING, 2, seed=0, mismatch=mode)
+        out[mode] = executor.generate(adapters, items, PROMPTS[:1], 1, 0)
+    measured = out["measure"].metrics
+    assert measured["gen/mismatch_kl"] > 0 and measured["gen/mismatch_abs_log_ratio_max"] > 0
+    full = executor.scorer.logprobs(
+        weight_only.full_params(adapters), out["measure"].prompt_ids, out["measure"].completion_ids
+    )
+    for got, want in zip(out["uncorrected"].behaviour_logprobs, full, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -109,8 +109,12 @@ class GeneratorExecutor:
         )
         if self.scorer is None:
             return generated
+        full = getattr(self.sampler, "full_params", None)  # a LoRA sampler: base + adapters
         generated, metrics = score_batch(
-            self.scorer, params, generated, self.mismatch == "uncorrected"
+            self.scorer,
+            params if full is None else full(params),
+            generated,
+            self.mismatch == "uncorrected",
         )
         return dataclasses.replace(generated, metrics=metrics)
 

@@ -68,7 +68,10 @@ class GeneratorConfig:
       quantized, on the generator's devices: `gen/mismatch_kl` etc., `jaxrl.generation.mismatch`)
       or "uncorrected" (a negative control: the trainer gets those full-precision log-probs as
       the behaviour log-probs, so its importance weights correct the lag but not the
-      quantization; whole-batch schedules only).
+      quantization; whole-batch schedules only). With "off" in a one-process async run the push
+      itself quantizes, on the trainer's devices, and moves the 8-bit kernels
+      (`jaxrl.sync.quantized`: a quarter of an fp32 push's bytes); measuring needs the
+      full-precision weights on the generator, so the push stays full precision otherwise.
     """
 
     kind: str = "engine"
