@@ -60,7 +60,8 @@ class GeneratorConfig:
       given), or 8-bit with per-output-channel scales, made on the generator's devices once per
       weights object (sync: once per step; async: once per pushed version): "int8_weights"
       (weight-only), "int8_dynamic" (activations per token too), "int8" (the platform's choice:
-      dynamic on CPU, weight-only on GPU / TPU). Engine only; a LoRA policy's base is quantized
+      dynamic on CPU, weight-only on GPU / TPU), "fp8" (weight-only float8_e4m3fn, GPU / CPU;
+      refused on TPU: use "int8"). Engine only; a LoRA policy's base is quantized
       once and its adapters applied unquantized (`jaxrl.generation.quantized_lora`). The
       behaviour log-probs are the quantized policy's (docs/quantization.md).
     mismatch (8-bit weights): "auto" (the default: "measure" with 8-bit weights, else "off"),
