@@ -177,6 +177,7 @@ def test_rollouts_from_samples_and_the_reward_executor_carry_the_records():
         policy_version=3,
         batch_index=0,
         routing=records,
+        metrics={},
     )
     scored, _ = RewardExecutor(lambda p, c, r: [1.0] * len(c), tokenizer).score(generated)
     for r, record in zip(scored, records, strict=True):
@@ -363,6 +364,7 @@ def test_streaming_turns_an_engine_group_result_into_routed_rollouts():
     controller = SimpleNamespace(
         source=SimpleNamespace(item=lambda i: PromptItem(f"q{i}", "a")),
         rewarder=RewardExecutor(lambda p, c, r: [0.0] * len(c), tokenizer),
+        generator=SimpleNamespace(scorer=None),  # native weights: no mismatch to score
     )
     scored = PromptGroups(controller, engine=None)._score(group)
     assert scored.batch_index == 17 and scored.policy_version == 4
