@@ -374,27 +374,26 @@ def build_feed(
             eval_sampler = colocated_sampler(trainer, tokenizer, **engine)
     else:
         gen_dtype = gen.resolve_dtype(gen_mesh)
-        sync = make_weight_sync(
-            trainer.param_shardings,
-            generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
-            generator_dtype=gen_dtype,
-        )
+        gen_shardings = generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES)
         if role == "trainer":  # evaluations on the trainer's devices; pushes leave
             sampler = colocated_sampler(trainer, tokenizer, **engine)
-            weights = roles_lib.PushOnly(sync)
         else:
             sampler = mesh_sampler(
                 trainer, tokenizer, gen_mesh, GENERATOR_RULES, base_dtype=gen_dtype,
                 **engine, precompile=gen.precompile, weights=gen.weights,
             )  # fmt: skip
-            if quantized_push(gen, role, trainer):  # 8-bit kernels move, not full precision
-                sync = QuantizingSync(
-                    trainer.param_shardings,
-                    generator_param_shardings(trainer, gen_mesh, GENERATOR_RULES),
-                    trainer.model_config,
-                    sampler.engine.programs.weights,
-                    generator_dtype=gen_dtype,
-                )
+        if quantized_push(gen, role, trainer):  # 8-bit kernels move, not full precision
+            sync = QuantizingSync(
+                trainer.param_shardings, gen_shardings, trainer.model_config,
+                sampler.engine.programs.weights, generator_dtype=gen_dtype,
+            )  # fmt: skip
+        else:
+            sync = make_weight_sync(
+                trainer.param_shardings, gen_shardings, generator_dtype=gen_dtype
+            )
+        if role == "trainer":
+            weights = roles_lib.PushOnly(sync)
+        else:
             latest_only = role == "both" and feed_class(rl).latest_only(rl)
             weights = GeneratorWeights(sync, latest_only=latest_only)
             if role == "both":  # evaluations compile lazily, on the trainer's devices

@@ -77,9 +77,8 @@ def summarise(name: str, label: str, workdir: str) -> dict:
         row["greedy_end"] = evals[-1]["eval/accuracy"]
         row["gain_pts"] = round(100 * (row["greedy_end"] - row["greedy_start"]), 1)
         row["evals"] = len(evals)
+    row |= smollm2.reward_ends(steps)
     if steps:
-        row["reward_first10"] = round(statistics.mean(r["reward/mean"] for r in steps[:10]), 3)
-        row["reward_last10"] = round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3)
         for key, column in (("gen/mismatch_kl", "mismatch_kl"),
                             ("truncated_fraction", "truncated_fraction"),
                             ("abs_log_ratio_max", "abs_log_ratio_max")):  # fmt: skip
@@ -91,15 +90,8 @@ def run(args) -> None:
     if args.smoke:
         args.steps, args.eval_every, args.eval_size = 2, 1, 8
         args.gin_param += ["RLConfig.num_prompts = 2", "RLConfig.max_new_tokens = 16"]
-    names = [n for n in args.runs.split(",") if n]
-    unknown = sorted(set(names) - set(RUNS))
-    if unknown:
-        raise SystemExit(f"--runs {unknown}: choose from {sorted(RUNS)}")
-    if not args.no_launch and not args.init_from:
-        raise SystemExit("--init_from: a save_pretrained directory of SmolLM2-135M-Instruct")
-    workdir = args.workdir
-    os.makedirs(workdir, exist_ok=True)
-    dirs = {n: os.path.join(workdir, n) for n in names}
+    dirs = smollm2.run_dirs(args, RUNS)
+    names, workdir = list(dirs), args.workdir
     if not args.no_launch:
         from bench.common import command
 

@@ -105,25 +105,38 @@ def summarise(name: str, label: str, workdir: str) -> dict:
     if len(within) >= 2:
         best3 = statistics.mean(r["eval/accuracy"] for r in within[-3:])
         row["gain_pts_2h"] = round(100 * (best3 - row["greedy_start"]), 1)
-    if steps:
-        row["reward_first10"] = round(statistics.mean(r["reward/mean"] for r in steps[:10]), 3)
-        row["reward_last10"] = round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3)
-    return row
+    return row | reward_ends(steps)
+
+
+def reward_ends(steps: list[dict]) -> dict:
+    """The mean train reward of a run's first and last 10 steps ({} before its first step)."""
+    if not steps:
+        return {}
+    return {
+        "reward_first10": round(statistics.mean(r["reward/mean"] for r in steps[:10]), 3),
+        "reward_last10": round(statistics.mean(r["reward/mean"] for r in steps[-10:]), 3),
+    }
+
+
+def run_dirs(args, runs: dict) -> dict[str, str]:
+    """{name: WORKDIR/name} of the runs `--runs` names, checked against `runs` (and, unless
+    `--no_launch`, `--init_from` given); WORKDIR made."""
+    names = [n for n in args.runs.split(",") if n]
+    unknown = sorted(set(names) - set(runs))
+    if unknown:
+        raise SystemExit(f"--runs {unknown}: choose from {sorted(runs)}")
+    if not args.no_launch and not args.init_from:
+        raise SystemExit("--init_from: a save_pretrained directory of SmolLM2-135M-Instruct")
+    os.makedirs(args.workdir, exist_ok=True)
+    return {n: os.path.join(args.workdir, n) for n in names}
 
 
 def run(args) -> None:
     if args.smoke:
         args.steps, args.eval_every, args.eval_size, args.save_every = 2, 1, 8, 100
         args.gin_param += ["RLConfig.num_prompts = 2", "RLConfig.max_new_tokens = 16"]
-    names = [n for n in args.runs.split(",") if n]
-    unknown = sorted(set(names) - set(RUNS))
-    if unknown:
-        raise SystemExit(f"--runs {unknown}: choose from {sorted(RUNS)}")
-    if not args.no_launch and not args.init_from:
-        raise SystemExit("--init_from: a save_pretrained directory of SmolLM2-135M-Instruct")
-    workdir = args.workdir
-    os.makedirs(workdir, exist_ok=True)
-    dirs = {n: os.path.join(workdir, n) for n in names}
+    dirs = run_dirs(args, RUNS)
+    names, workdir = list(dirs), args.workdir
 
     if not args.no_launch:  # every launching command, in order
         from bench.common import command

@@ -133,6 +133,7 @@ class PromptGroups:
 
     def __init__(self, controller: ControllerView, engine):
         self.controller, self.engine = controller, engine
+        self.current = (None, None)  # (version, params) the engine holds now (`run`)
 
     def submit(self, index: int) -> None:
         ctl = self.controller
@@ -162,7 +163,7 @@ class PromptGroups:
         """`gen/mismatch_*` over the samples of the group drawn by the engine's current
         version alone (the weights of older versions are gone); {} without a scorer."""
         scorer = self.controller.generator.scorer
-        version, params = getattr(self, "current", (None, None))
+        version, params = self.current
         rows = [i for i, v in enumerate(versions) if len(v) and (v == version).all()]
         if scorer is None or not rows:
             return {}
