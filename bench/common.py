@@ -150,14 +150,18 @@ def format_cell(value) -> str:
     return str(value)
 
 
+ALIGN = {"left": ":---", "right": "---:", "center": ":---:"}  # a column's optional third item
+
+
 def render_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """The markdown table of `rows` under `columns` ((key, header) pairs), no heading comment."""
+    """The markdown table of `rows` under `columns` ((key, header) pairs, or (key, header,
+    alignment): "left", "right" or "center" in the delimiter row), no heading comment."""
     lines = [
-        "| " + " | ".join(h for _, h in columns) + " |",
-        "|" + "|".join("---" for _ in columns) + "|",
+        "| " + " | ".join(c[1] for c in columns) + " |",
+        "|" + "|".join(ALIGN.get(c[2], "---") if len(c) > 2 else "---" for c in columns) + "|",
     ]
     for row in rows:
-        lines.append("| " + " | ".join(format_cell(row.get(key, "")) for key, _ in columns) + " |")
+        lines.append("| " + " | ".join(format_cell(row.get(c[0], "")) for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -181,11 +185,48 @@ def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], n
         "columns": [list(c) for c in columns],
         "rows": rows,
     }
+    return _write(name, result)
+
+
+def write_archive(
+    name: str,
+    rows: list[dict],
+    columns: list[tuple[str, ...]],
+    note: str,
+    command: str,
+    tree: dict,
+    machine: str,
+    date: str,
+    transcribed_from: str,
+) -> str:
+    """Writes bench/results/NAME.json and NAME.md for rows transcribed from a doc's table (runs
+    whose own result files were not kept); returns the markdown table. The same layout as
+    `write_results`, but what it cannot know comes from the doc: the command, the tree (e.g.
+    {"commit": None, "note": "not recorded"}), the machine (a sentence) and the date as the doc
+    writes them, and `transcribed_from`, the doc's path, which the report's heading names."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    result = {
+        "schema": SCHEMA,
+        "command": command,
+        "tree": tree,
+        "machine": machine,
+        "date": date,
+        "note": note,
+        "columns": [list(c) for c in columns],
+        "rows": rows,
+        "transcribed_from": transcribed_from,
+    }
+    return _write(name, result)
+
+
+def _write(name: str, result: dict) -> str:
+    """Writes `result` to RESULTS_DIR/NAME.json and its note and table to NAME.md."""
     path = os.path.join(RESULTS_DIR, f"{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
-    table = f"<!-- {note}; {stamp} -->\n" + render_table(rows, columns)
+    columns = [tuple(c) for c in result["columns"]]
+    table = f"<!-- {result['note']}; {result['date']} -->\n" + render_table(result["rows"], columns)
     with open(os.path.join(RESULTS_DIR, f"{name}.md"), "w") as f:
         f.write(table + "\n")
     return table

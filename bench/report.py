@@ -6,7 +6,8 @@ spaces: their rows in that order, each with the key `file`, its file's name with
 and `.json`), and optionally, one per line:
 
 - `columns: key=Header | key | ...`: the columns (`key` alone: the key is the header); without
-  it the (first) file's own `columns` (files of the current schema, `bench.common.SCHEMA`);
+  it the (first) file's own `columns` (files of the current schema, `bench.common.SCHEMA`;
+  `[key, header, "right"]` there right-aligns a column);
 - `rows: key=value | value; key=value`: the rows whose cell under each `key` reads one of its
   values (as the table prints it), in the file's order;
 - `command: ...`: the command that wrote the file(s), for files written before the schema
@@ -19,7 +20,11 @@ and `.json`), and optionally, one per line:
     (generated: a line naming the file, its command, date and commit; then the table)
     <!-- /bench.report -->
 
-The table is `bench.common.render_table`'s, the same text as the result's `NAME.md`.
+The table is `bench.common.render_table`'s, the same text as the result's `NAME.md`. A file
+written by `bench.common.write_archive` holds rows transcribed from a doc's table (runs whose own
+result files were not kept): its key `transcribed_from` names the doc, and the generated line
+says the rows were transcribed from it, then the command, date, commit and machine the doc gave
+("commit not recorded" where it gave none).
 
 Other tables of a benchmark doc carry a one-line marker right above them (blank lines between
 are allowed), so that a reader, and the check, can tell generated tables from the rest:
@@ -187,15 +192,22 @@ def _made(result: dict, options: dict) -> str:
     from bench.registry import runner_command
 
     command = _command(result, options)
+    now = " ; ".join(runner_command(c) for c in command.split(" ; "))
     made = f"`{command}`"
-    if runner_command(command) != command:  # a module command: the runner's spelling
-        made += f" (now `{runner_command(command)}`)"
+    if now != command:  # a module command: the runner's spelling
+        made += f" (now `{now}`)"
     made += f", {result.get('date', 'undated')}"
     if tree.get("commit"):
         made += f", commit {tree['commit']}" + (
             " (uncommitted changes)" if tree.get("dirty") else ""
         )
     machine = result.get("machine") or {}
+    if result.get("transcribed_from"):  # the doc's words for the commit and the machine
+        made += "" if tree.get("commit") else ", commit not recorded"
+        return (
+            f"rows transcribed by hand from {result['transcribed_from']}, where no result file "
+            f"held them; measured by {made}; machine: {machine or 'not recorded'}"
+        )
     if machine.get("devices"):
         made += f", on {machine['devices']} ({machine.get('cpu', '?')}, {machine.get('cpus')} cpus)"
     return made
@@ -226,7 +238,7 @@ def render(block: Block, root: str = ROOT) -> list[str]:
             "fix: add `columns: key=Header | ...` to the marker"
         )
     keys = {k for row in rows for k in row}
-    for key, _ in columns:
+    for key, *_ in columns:
         if key not in keys:
             raise MarkerError(
                 f"{where}: unknown column {key!r} of {block.result}; fix: use one "

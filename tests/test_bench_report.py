@@ -3,6 +3,7 @@ table of a benchmark doc is generated or marked, and bad markers fail with their
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -179,3 +180,72 @@ def test_a_block_of_several_files_joins_their_rows_each_tagged_by_its_file(tmp_p
     os.remove(tmp_path / "bench" / "results" / "x_64.json")
     problems = report.report(doc, root=str(tmp_path))[1]
     assert problems[0].startswith("doc.md:3: result file bench/results/x_64.json does not exist")
+
+
+def test_a_transcribed_result_names_its_doc_and_a_changed_row_fails_the_check(
+    tmp_path, monkeypatch
+):
+    from bench import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path / "bench" / "results"))
+    table = common.write_archive(
+        "archive_x",
+        [{"side": "a", "step_s": "**1.0**", "vs": ""}, {"side": "b", "step_s": "2.50", "vs": "2"}],
+        [["side", "side"], ["step_s", "RL step s", "right"], ["vs", "vs a"]],
+        "what it measures. Rows transcribed from docs/x.md at abc1234",
+        "python -m bench.x --n 3 ; python -m launch.rl --gin_file=C",
+        {"commit": None, "note": "not recorded"},
+        "2-core machine, load ~20",
+        "2026-12-01 22:20-22:38 UTC",
+        "docs/x.md",
+    )
+    rendered = "| side | RL step s | vs a |\n|---|---:|---|\n| a | **1.0** |  |\n| b | 2.50 | 2 |"
+    assert table.endswith(rendered)  # the cells' text as given, the alignment kept
+    with open(tmp_path / "bench" / "results" / "archive_x.json") as f:
+        result = json.load(f)
+    assert result["transcribed_from"] == "docs/x.md" and result["schema"] == common.SCHEMA
+    doc = _write(tmp_path, "# t\n\n<!-- bench.report: bench/results/archive_x.json -->\n" + END)
+    assert report.report(doc, root=str(tmp_path), write=True)[1] == []
+    with open(doc) as f:
+        text = f.read()
+    assert (
+        "from `bench/results/archive_x.json`: rows transcribed by hand from docs/x.md, where "
+        "no result file held them; measured by "
+        "`python -m bench.x --n 3 ; python -m launch.rl --gin_file=C`, 2026-12-01 22:20-22:38 "
+        "UTC, commit not recorded; machine: 2-core machine, load ~20.*" in text
+    )
+    assert rendered + "\n" in text
+    assert report.report(doc, root=str(tmp_path)) == (
+        {"blocks": 1, "records": 0, "references": 0, "tables": 1, "rewritten": 0},
+        [],
+    )
+    with open(doc, "w") as f:
+        f.write(text.replace("| b | 2.50 |", "| b | 2.5 |"))
+    problems = report.report(doc, root=str(tmp_path))[1]
+    assert len(problems) == 1 and "archive_x.json differs" in problems[0]
+
+
+def test_a_record_marker_still_marks_a_table(tmp_path):
+    doc = _write(
+        tmp_path,
+        "# t\n\n<!-- bench.report: record; measured 2026-12-01 by `python -m bench.x`; by hand -->"
+        "\n| a |\n|---|\n| 1 |\n",
+    )
+    assert report.report(doc) == (
+        {"blocks": 0, "records": 1, "references": 0, "tables": 1, "rewritten": 0},
+        [],
+    )
+
+
+def test_every_archive_file_names_its_source_and_is_a_block_of_that_doc():
+    paths = sorted(glob.glob(os.path.join(report.ROOT, "bench", "results", "archive_*.json")))
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        for key in ("schema", "command", "tree", "machine", "date", "note", "columns", "rows"):
+            assert result.get(key) not in (None, ""), (path, key)
+        doc = os.path.join(report.ROOT, result["transcribed_from"])
+        with open(doc) as f:
+            blocks = report.parse(doc, f.read().split("\n"))[0]
+        name = os.path.relpath(path, report.ROOT)
+        assert any(name in b.result.split(" ") for b in blocks), (name, doc)
