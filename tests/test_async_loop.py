@@ -156,7 +156,8 @@ def test_fixed_lag_is_reproducible_and_resumes_exactly_after_kills(tmp_path, xla
 
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, xla_cache):
     """A real SIGTERM from outside while the run trains: it finishes the step, saves it with the
-    async state, exits 0 within 30 s and says where the checkpoint is; the rerun resumes there."""
+    async state, exits 0 within 30 s and says where the checkpoint is; the rerun resumes there
+    (and stops gracefully again after its first step)."""
     run = tmp_path / "run"
     long = ["RLConfig.total_steps = 100", "RLConfig.save_every_steps = 1000"]
     process = _start(run, xla_cache, long)
@@ -178,9 +179,12 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, xla_cache):
     resumed = _run(run, xla_cache, long[:1] + ["RLConfig.total_steps = " + str(step + 2)])
     assert resumed.returncode != 0  # a different config is refused, not silently mixed
     assert "holds a run with a different config" in resumed.stderr
-    resumed = _run(run, xla_cache, long)
+    # The rerun resumes there; stopped again one step later (its 100 steps would add ~40 s).
+    resumed = _run(run, xla_cache, long, fault=f"sigterm_at_step={step + 1}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"from step {step}" in resumed.stdout
+    again = next(x for x in resumed.stdout.splitlines() if "stopped by SIGTERM after step" in x)
+    assert step < int(again.split("after step ")[1].split(";")[0]) < 100, again
 
 
 # --- faults ------------------------------------------------------------------------------------
