@@ -190,6 +190,12 @@ WORKLOADS = (
         ("peers_gen*",),
     ),
     Workload(
+        "suite", "bench.suite",
+        "the test suite's wall time (`make test`'s pytest), this commit against a baseline "
+        "commit, alternating",
+        ("suite*",),
+    ),
+    Workload(
         "learning", "bench.learning",
         "does RL learn? an experiment's config against its controls (`learning --list`)",
         (
