@@ -355,9 +355,18 @@ def summarise_proxy_async(trainer: list[dict], generator: list[dict], warmup: in
 # --- processes -----------------------------------------------------------------------------------
 
 
-def _child(fn, args, devices: int, cores, result) -> None:
-    """A fresh process: its device count and cores set before JAX starts."""
-    os.environ["XLA_FLAGS"] = cpu_xla_flags("", devices=devices)
+def smoke_xla_flags() -> str:
+    """The flags a smoke run's processes keep from this one's XLA_FLAGS: LLVM's optimisation
+    level for XLA:CPU's machine code (the tests set 0: their tiny programs spend more time
+    compiling than running). A smoke run checks the plumbing, not the speed; a full run's
+    processes start from no flags."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if f.startswith("--xla_backend_optimization_level="))
+
+
+def _child(fn, args, devices: int, cores, result, flags: str = "") -> None:
+    """A fresh process: its device count, XLA flags and cores set before JAX starts."""
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(flags, devices=devices)
     os.environ["JAX_PLATFORMS"] = "cpu"
     if cores is not None:
         os.sched_setaffinity(0, cores)
@@ -368,11 +377,11 @@ def _child(fn, args, devices: int, cores, result) -> None:
 
 
 class Spawned:
-    def __init__(self, fn, *args, devices: int = 1, cores=None):
+    def __init__(self, fn, *args, devices: int = 1, cores=None, flags: str = ""):
         ctx = multiprocessing.get_context("spawn")
         self._result, send = ctx.Pipe(duplex=False)
         self.name = fn.__name__
-        self.process = ctx.Process(target=_child, args=(fn, args, devices, cores, send))
+        self.process = ctx.Process(target=_child, args=(fn, args, devices, cores, send, flags))
         self.process.start()
 
     def result(self):
@@ -387,7 +396,8 @@ class Spawned:
 def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
     """Sync on 1 and 2 cores, then async; the smoke run skips the 2-core row and starts all of
     its processes at once (it checks the plumbing, not the timing)."""
-    sync_runs = [Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]})]
+    flags = smoke_xla_flags() if smoke else ""
+    sync_runs = [Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]}, flags=flags)]
     if not smoke:
         sync_runs[0].result()
         sync_runs.append(Spawned(run_mode, PROXY_SYNC_2, steps, smoke, cores=set(cores[:2])))
@@ -397,11 +407,13 @@ def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
     rollouts_in, rollouts_out = ctx.Pipe(duplex=False)
     weights_in, weights_out = ctx.Pipe(duplex=False)
     trainer = Spawned(
-        proxy_trainer, steps, smoke, control_out, rollouts_in, weights_out, cores={cores[0]}
-    )
+        proxy_trainer, steps, smoke, control_out, rollouts_in, weights_out, cores={cores[0]},
+        flags=flags,
+    )  # fmt: skip
     generator = Spawned(
-        proxy_generator, steps, smoke, control_in, rollouts_out, weights_in, cores={cores[1]}
-    )
+        proxy_generator, steps, smoke, control_in, rollouts_out, weights_in, cores={cores[1]},
+        flags=flags,
+    )  # fmt: skip
     records = trainer.result(), generator.result()
     return [r.result() for r in sync_runs] + [
         summarise_proxy_async(*records, warmup=1 if smoke else 2)
@@ -454,7 +466,8 @@ def main(argv=None) -> list[dict]:
     load_before = os.getloadavg()[0]
     # The full run measures one row at a time (rows would compete for the cores); the smoke run
     # only checks the plumbing, so its two settings run side by side.
-    fake8 = Spawned(fake8_rows, steps, args.smoke, devices=8)
+    flags = smoke_xla_flags() if args.smoke else ""
+    fake8 = Spawned(fake8_rows, steps, args.smoke, devices=8, flags=flags)
     if not args.smoke:
         fake8.result()
     proxy = proxy_rows(steps, args.smoke, cores) if len(cores) >= 2 else []
