@@ -394,12 +394,14 @@ class Spawned:
 
 
 def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
-    """Sync on 1 and 2 cores, then async; the smoke run skips the 2-core row and starts all of
-    its processes at once (it checks the plumbing, not the timing)."""
+    """Sync on 1 and 2 cores, then async; the smoke run skips the 2-core row and starts the
+    async processes as soon as the 1-core row is done, beside the 8-device rows (it checks the
+    plumbing, not the timing): they load the programs the sync row compiled (the train step, its
+    initialisation) from the persistent XLA cache when one is set, as the tests set it."""
     flags = smoke_xla_flags() if smoke else ""
     sync_runs = [Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]}, flags=flags)]
+    sync_runs[0].result()  # smoke: the async processes load its programs from the XLA cache
     if not smoke:
-        sync_runs[0].result()
         sync_runs.append(Spawned(run_mode, PROXY_SYNC_2, steps, smoke, cores=set(cores[:2])))
         sync_runs[1].result()
     ctx = multiprocessing.get_context("spawn")
