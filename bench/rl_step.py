@@ -31,6 +31,7 @@ import sys
 import time
 
 from bench.common import baseline_worktree
+from bench.rl import smoke_xla_flags
 from jaxrl.infra.xla_cpu import allocator_env, cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,16 +44,19 @@ RUN = (
 PHASES = ("step_s", "generate_s", "reward_s", "train_s")
 
 
-def _env(allocator: str = "keep") -> dict:
+def _env(allocator: str = "keep", flags: str = "") -> dict:
     env = allocator_env(dict(os.environ), allocator)  # both trees alike
-    env["XLA_FLAGS"] = cpu_xla_flags("", devices=1)
+    env["XLA_FLAGS"] = cpu_xla_flags(flags, devices=1)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def _run(tree: str, code: str, args: list[str], core: int, allocator: str = "keep") -> dict:
-    """`code` in a fresh process importing from `tree`, pinned to `core`; its `ROW` line."""
-    env = _env(allocator) | {"PYTHONPATH": tree}
+def _run(
+    tree: str, code: str, args: list[str], core: int, allocator: str = "keep", flags: str = ""
+) -> dict:
+    """`code` in a fresh process importing from `tree`, pinned to `core`, with XLA flags `flags`
+    (and one device); its `ROW` line."""
+    env = _env(allocator, flags) | {"PYTHONPATH": tree}
     out = subprocess.run(
         ["taskset", "-c", str(core), sys.executable, "-c", code, *args],
         cwd=tree,
@@ -120,6 +124,9 @@ def main(argv=None) -> list[dict]:
     rounds = args.rounds or (1 if args.smoke else 3)
     steps = args.steps or (4 if args.smoke else 16)
     mode = "smoke" if args.smoke else "full"
+    # The smoke's processes keep this one's LLVM optimisation level (0 in the tests): it checks
+    # the plumbing and XLA's FLOP count, which the level does not change.
+    flags = smoke_xla_flags() if args.smoke else ""
     core = sorted(os.sched_getaffinity(0))[-1]
     load_before = os.getloadavg()[0]
     baseline = (
@@ -133,11 +140,11 @@ def main(argv=None) -> list[dict]:
         for r in range(rounds):
             for name, tree in trees.items():
                 start = time.perf_counter()
-                runs[name].append(_run(tree, RUN, [str(steps), mode], core, args.allocator))
+                runs[name].append(_run(tree, RUN, [str(steps), mode], core, args.allocator, flags))
                 print(f"[rl_step] round {r + 1}/{rounds} {name}: "
                       f"{runs[name][-1]['step_s']:.3f} s/step "
                       f"({time.perf_counter() - start:.0f}s)", flush=True)  # fmt: skip
-        flops = _run(REPO, FLOPS, [mode], core, args.allocator)
+        flops = _run(REPO, FLOPS, [mode], core, args.allocator, flags)
     rows = []
     for name, results in runs.items():
         row = {"tree": name, "rounds": len(results)}
