@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 from flax import nnx
 from hf_fixtures import hf_greedy, save_tiny_checkpoint
 
@@ -20,6 +21,11 @@ from jaxrl.models import hf
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 
+# Every test builds new engines (new jitted functions), most of the same shapes as another's:
+# with the disk cache on they load those programs instead of compiling them again (13 decode
+# compiles of 4 programs in the slot-count test alone). The same machine code: no result changes.
+pytestmark = pytest.mark.usefixtures("jax_disk_cache")
+
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34], [1, 40]]
 BUDGETS = [24, 9, 17, 30]  # per-request max_new_tokens: rows finish at different steps
 
@@ -28,6 +34,13 @@ BUDGETS = [24, 9, 17, 30]  # per-request max_new_tokens: rows finish at differen
 def tiny_model():
     config = ModelConfig("llama", 64, 32, 64, 2, 4, 4, 8, max_position_embeddings=128)
     return Transformer(config, rngs=nnx.Rngs(0), init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def forward_logits(tiny_model):
+    """The tiny model's logits, one jitted function for the module: the teacher-forced rows of
+    every sampling below have the same lengths, so each length compiles once, not per sampling."""
+    return jax.jit(lambda tokens: tiny_model(tokens))
 
 
 def _requests(sampling, prompts=PROMPTS, budgets=BUDGETS, samples=2, first_id=0):
@@ -96,7 +109,9 @@ def test_greedy_matches_transformers_and_sampler_with_groups_and_late_arrivals(s
     ],
     ids=["t1", "t0.7-topk5", "t1.3-topp0.8"],
 )
-def test_logprobs_equal_teacher_forced_forward_while_slots_refill(tiny_model, sampling):
+def test_logprobs_equal_teacher_forced_forward_while_slots_refill(
+    tiny_model, forward_logits, sampling
+):
     engine, params = Engine.for_model(tiny_model, pad_id=0, eos_ids=(), num_slots=4,
                                       steps_per_call=3)  # fmt: skip
     requests = _requests(sampling, samples=2) + _requests(
@@ -113,13 +128,19 @@ def test_logprobs_equal_teacher_forced_forward_while_slots_refill(tiny_model, sa
         # One unpadded row per forward: XLA:CPU's fp32 rounding changes with the batch shape
         # (a padded [16, 38] batch differs from the same rows alone by up to 2e-5 on this
         # large-logit model).
-        forward = jax.jit(lambda tokens: processed_logprobs(tiny_model(tokens), sampling))
-        forced = [np.asarray(forward(jnp.asarray([p + list(t)])))[0] for p, t, _, _ in rows]
+        # The logits (compiled per length once for all samplings), then this sampling's
+        # processing (a small program per length).
+        process = jax.jit(lambda logits: processed_logprobs(logits, sampling))
+        forced = [
+            np.asarray(process(forward_logits(jnp.asarray([p + list(t)]))))[0]
+            for p, t, _, _ in rows
+        ]
     worst, kept = 0.0, 0
     for row, (p, t, lp, m) in enumerate(rows):
         ref = forced[row][np.arange(len(p) - 1, len(p) - 1 + len(t)), t]
         worst = max(worst, float(np.abs(np.where(m, ref - lp, 0.0)).max()))
         kept += int(m.sum())
+    print(f"worst |engine - teacher-forced| log-prob: {worst:.3g}")
     assert worst <= 1e-5, worst
     assert kept == sum(BUDGETS) * 4  # no EOS: every row used its whole budget
 
