@@ -365,9 +365,12 @@ def smoke_xla_flags() -> str:
 
 
 def _child(fn, args, devices: int, cores, result, flags: str = "") -> None:
-    """A fresh process: its device count, XLA flags and cores set before JAX starts."""
+    """A fresh process: its device count, XLA flags and cores set before JAX starts (a smoke
+    run's process has imported JAX, not started it)."""
     os.environ["XLA_FLAGS"] = cpu_xla_flags(flags, devices=devices)
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # read at import: the forkserver's imports came first
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
     if cores is not None:
         os.sched_setaffinity(0, cores)
     try:
@@ -376,9 +379,35 @@ def _child(fn, args, devices: int, cores, result, flags: str = "") -> None:
         result.send(("error", traceback.format_exc()))
 
 
+# What a smoke run's processes have imported when they start (`processes(smoke=True)`).
+SMOKE_PRELOAD = [
+    "bench.rl",
+    "bench.pipes",
+    "bench.rl_streaming_pinned",
+    "flax.nnx",
+    "optax",
+    "jaxrl.loop.controller",
+    "jaxrl.generation.executor",
+    "jaxrl.train.trainer",
+    "launch.rl",
+]
+
+
+def processes(smoke: bool):
+    """The multiprocessing context of the rows' processes: a full run's each start a fresh
+    interpreter ("spawn"); a smoke run's are forked from a server process that imported
+    `SMOKE_PRELOAD` (JAX, the library) once, without starting JAX ("forkserver"), instead of
+    each importing them (seconds a process)."""
+    if not smoke:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(SMOKE_PRELOAD)  # read when the server starts (the first process)
+    return ctx
+
+
 class Spawned:
-    def __init__(self, fn, *args, devices: int = 1, cores=None, flags: str = ""):
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, fn, *args, devices: int = 1, cores=None, flags: str = "", smoke=False):
+        ctx = processes(smoke)
         self._result, send = ctx.Pipe(duplex=False)
         self.name = fn.__name__
         self.process = ctx.Process(target=_child, args=(fn, args, devices, cores, send, flags))
@@ -399,22 +428,24 @@ def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
     plumbing, not the timing): they load the programs the sync row compiled (the train step, its
     initialisation) from the persistent XLA cache when one is set, as the tests set it."""
     flags = smoke_xla_flags() if smoke else ""
-    sync_runs = [Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]}, flags=flags)]
+    sync_runs = [
+        Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]}, flags=flags, smoke=smoke)
+    ]
     sync_runs[0].result()  # smoke: the async processes load its programs from the XLA cache
     if not smoke:
         sync_runs.append(Spawned(run_mode, PROXY_SYNC_2, steps, smoke, cores=set(cores[:2])))
         sync_runs[1].result()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes(smoke)
     control_in, control_out = ctx.Pipe(duplex=False)
     rollouts_in, rollouts_out = ctx.Pipe(duplex=False)
     weights_in, weights_out = ctx.Pipe(duplex=False)
     trainer = Spawned(
         proxy_trainer, steps, smoke, control_out, rollouts_in, weights_out, cores={cores[0]},
-        flags=flags,
+        flags=flags, smoke=smoke,
     )  # fmt: skip
     generator = Spawned(
         proxy_generator, steps, smoke, control_in, rollouts_out, weights_in, cores={cores[1]},
-        flags=flags,
+        flags=flags, smoke=smoke,
     )  # fmt: skip
     records = trainer.result(), generator.result()
     return [r.result() for r in sync_runs] + [
@@ -469,7 +500,7 @@ def main(argv=None) -> list[dict]:
     # The full run measures one row at a time (rows would compete for the cores); the smoke run
     # only checks the plumbing, so its two settings run side by side.
     flags = smoke_xla_flags() if args.smoke else ""
-    fake8 = Spawned(fake8_rows, steps, args.smoke, devices=8, flags=flags)
+    fake8 = Spawned(fake8_rows, steps, args.smoke, devices=8, flags=flags, smoke=args.smoke)
     if not args.smoke:
         fake8.result()
     proxy = proxy_rows(steps, args.smoke, cores) if len(cores) >= 2 else []
