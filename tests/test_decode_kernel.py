@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from disk_cache import jax_cache_dir, jax_disk_cache  # noqa: F401  (fixtures)
 from flax import nnx
 
 from jaxrl.generation.engine import Engine, Request
@@ -22,6 +23,11 @@ from jaxrl.infra.mesh import MeshConfig, make_mesh
 from jaxrl.models import decode_kernel
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer, decode_attention_form, init_cache
+
+# The engines of these tests repeat programs (the per-layer-copy test's prefill and decode are the
+# scanned-cache test's): with the disk cache on they are loaded, not compiled again. The same
+# machine code: no result changes.
+pytestmark = pytest.mark.usefixtures("jax_disk_cache")
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30, 31, 32, 33, 34]]
 BUDGETS = [20, 9, 14]  # rows finish at different steps, at different lengths
