@@ -6,6 +6,7 @@ model."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 
@@ -38,15 +39,26 @@ def base(tmp_path_factory):
     return str(path), config, nnx.to_pure_dict(hf.load_params(str(path), config))
 
 
+@functools.cache
+def _forward(config, lora=None):
+    """The jitted forward of the plain model (`lora` None) or the LoRA model, one per (config,
+    LoRA config) for the module: the same programs serve every call of `_logits` instead of
+    being compiled again by each."""
+    if lora is None:
+        graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+    else:
+        graphdef, _ = lora_lib.abstract_lora(config, lora)
+    return jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+
+
 def _logits(config, params, adapters=None, lora=ALL):
     """float32 logits of the plain model (`adapters` None) or the LoRA model, and the tokens."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 97, (2, 9)), jnp.int32)
     if adapters is None:
-        graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[0]
+        forward = _forward(config)
     else:
-        graphdef, _ = lora_lib.abstract_lora(config, lora)
+        forward = _forward(config, lora)
         params = lora_lib.combine(params, adapters)
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     return np.asarray(forward(params, tokens)), np.array(tokens)  # writable: torch takes it
 
 
