@@ -209,7 +209,9 @@ def test_trainer_forward_replays_the_rollouts_record(packed):
     errors, fractions = {}, {}
     for replay in (True, False):
         loss = LossConfig(routing_replay=replay)
-        logprobs, _, _, metrics = _completion_forward(model, batch, loss, False, 1)
+        # Jitted, as the trainer's step runs it: op by op, it compiled ~50 eager programs.
+        forward = nnx.jit(lambda m, b, loss=loss: _completion_forward(m, b, loss, False, 1))
+        logprobs, _, _, metrics = forward(model, batch)
         errors[replay] = float(np.abs(np.where(mask, np.asarray(logprobs) - behaviour, 0)).max())
         fractions[replay] = float(metrics["routing/mismatch_fraction"])
     assert errors[True] < 2e-5 and errors[False] > 100 * max(errors[True], 1e-6), errors
