@@ -265,26 +265,29 @@ def test_trainer_sees_the_engines_and_the_environments_ids_and_masking_is_exact(
     advantages = group_advantages(batch.reward_b, batch.group_id_b, valid_b=batch.valid_b)
     noise = jnp.asarray(rng.normal(size=observed_bt.shape) * 30, jnp.float32)
 
-    def loss_and_grad(name, behaviour, ref):
+    def jitted_loss_and_grad(name):
+        """One jitted program per loss (op by op, each loss compiled its ops anew): the run with
+        the placeholders changed is the same program on other inputs."""
         loss_fn = make_loss(name, kl_coef=0.1, entropy_coef=0.01)
 
-        def f(logits):
+        def f(logits, behaviour, ref):
             lp, entropy = logprobs_from_logits(logits, jnp.asarray(batch.completion_ids_bt))
             inputs = PolicyLossInputs(
                 lp, behaviour, advantages, batch.completion_mask_bt, ref, entropy
             )
             return loss_fn(inputs)[0]
 
-        return jax.value_and_grad(f)(logits)
+        return jax.jit(jax.value_and_grad(f))
 
     behaviour = jnp.asarray(batch.behaviour_logprobs_bt)
     for name in ("aipo", "ppo_clip", "grpo", "dr_grpo", "dapo"):
-        loss, grad = loss_and_grad(name, behaviour, ref_lp)
+        loss_and_grad = jitted_loss_and_grad(name)
+        loss, grad = loss_and_grad(logits, behaviour, ref_lp)
         grad = np.asarray(grad)
         assert np.all(grad[observed_bt] == 0.0) and np.all(grad[~batch.completion_mask_bt] == 0.0)
         assert np.abs(grad[batch.completion_mask_bt]).max() > 0
         loss2, grad2 = loss_and_grad(
-            name, jnp.where(observed_bt, noise, behaviour), jnp.where(observed_bt, noise, ref_lp)
+            logits, jnp.where(observed_bt, noise, behaviour), jnp.where(observed_bt, noise, ref_lp)
         )
         assert np.asarray(loss2).tobytes() == np.asarray(loss).tobytes()
         assert np.asarray(grad2).tobytes() == grad.tobytes()
