@@ -88,8 +88,10 @@ def run_suite(tree: str, workers: int, tests: list[str]) -> dict:
         row = parse_summary(output)
         row |= {"wall_s": round(wall, 1), "load_before": round(load, 2)}
         row["test_s"] = round(junit_seconds(junit), 1) if os.path.exists(junit) else float("nan")
-    slowest = [x for x in output.splitlines() if re.match(r"^\d+\.\d+s (call|setup|teardown)", x)]
-    print(f"[suite] {tree}: {row}\n  " + "\n  ".join(slowest[:5]), flush=True)
+    lines = output.splitlines()
+    slowest = [x for x in lines if re.match(r"^\d+\.\d+s (call|setup|teardown)", x)]
+    failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]
+    print(f"[suite] {tree}: {row}\n  " + "\n  ".join(slowest[:5] + failed), flush=True)
     return row
 
 
