@@ -39,6 +39,9 @@ MAKE_ENV = {
     "--xla_backend_extra_options=-pre-RA-sched=fast",
     "JAX_PLATFORMS": "cpu",
 }
+# Not passed on to the suite: this process's own bench command and results folder (the smoke
+# tests of the benchmarks check the command their rows record), a fault, pytest options.
+INHERITED_NOT = ("JAXRL_BENCH_COMMAND", "JAXRL_BENCH_RESULTS_DIR", "JAXRL_FAULT", "PYTEST_ADDOPTS")
 PYTEST = ["-m", "pytest", "-q", "--durations=15", "--dist", "loadfile", "--no-loadscope-reorder"]
 SMOKE_TESTS = ["tests/test_structure.py"]
 # pytest's last line: "2 failed, 928 passed, 3 warnings in 1112.99s (0:18:32)".
@@ -73,13 +76,19 @@ def junit_seconds(path: str) -> float:
     return sum(float(case.get("time", 0)) for case in ET.parse(path).iter("testcase"))
 
 
+def suite_env(tree: str) -> dict[str, str]:
+    """This process's environment for a run in `tree`: the Makefile's flags, `tree` the only
+    PYTHONPATH entry, without `INHERITED_NOT`."""
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED_NOT}
+    return env | MAKE_ENV | {"PYTHONPATH": tree}
+
+
 def run_suite(tree: str, workers: int, tests: list[str]) -> dict:
     """One run of the suite in `tree`; its figures (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="bench_suite_") as scratch:
         junit = os.path.join(scratch, "junit.xml")
         command = [sys.executable, *PYTEST, "-n", str(workers), f"--junitxml={junit}", *tests]
-        env = {k: v for k, v in os.environ.items() if k not in ("JAXRL_FAULT", "PYTEST_ADDOPTS")}
-        env |= MAKE_ENV | {"PYTHONPATH": tree}
+        env = suite_env(tree)
         load = os.getloadavg()[0]
         start = time.monotonic()
         out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)

@@ -34,3 +34,14 @@ def test_bench_suite_smoke():
     # The process's wall time holds pytest's own time, which holds the tests' (one worker).
     assert run["wall_s"] >= run["pytest_s"] > 0 and 0 < run["test_s"] <= run["pytest_s"] + 1
     assert math.isclose(mean["wall_s"], run["wall_s"])
+
+
+def test_a_run_gets_the_makefiles_flags_and_not_the_bench_command(monkeypatch):
+    """The benchmarks' smoke tests check the command their rows record: the suite's own
+    `python -m bench suite` command must not reach them."""
+    monkeypatch.setenv("JAXRL_BENCH_COMMAND", "python -m bench suite")
+    monkeypatch.setenv("JAXRL_BENCH_RESULTS_DIR", "/elsewhere")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    env = suite.suite_env("/tree")
+    assert "JAXRL_BENCH_COMMAND" not in env and "JAXRL_BENCH_RESULTS_DIR" not in env
+    assert env["XLA_FLAGS"] == suite.MAKE_ENV["XLA_FLAGS"] and env["PYTHONPATH"] == "/tree"
