@@ -15,8 +15,9 @@ the load average before its run.
 A row per run: the tree and commit, the wall seconds around the pytest process, the seconds
 pytest reports, the passed and failed counts, the sum of the tests' own seconds (its junit XML:
 setup, call and teardown; with 2 workers about twice the wall), the load before it; then a row
-per tree with the means and the ratio of the mean wall seconds (this / baseline). Results:
-bench/results/suite.json (`--name`), suite_smoke.json with `--smoke`.
+per tree with the means and the ratio of the mean wall seconds (this / baseline). Each run also
+prints its 15 slowest tests and any failed one. Results: bench/results/suite.json (`--name`),
+suite_smoke.json with `--smoke`.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def run_suite(tree: str, workers: int, tests: list[str]) -> dict:
     lines = output.splitlines()
     slowest = [x for x in lines if re.match(r"^\d+\.\d+s (call|setup|teardown)", x)]
     failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]
-    print(f"[suite] {tree}: {row}\n  " + "\n  ".join(slowest[:5] + failed), flush=True)
+    print(f"[suite] {tree}: {row}\n  " + "\n  ".join(slowest[:15] + failed), flush=True)
     return row
 
 
