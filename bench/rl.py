@@ -406,8 +406,11 @@ def processes(smoke: bool):
 
 
 class Spawned:
-    def __init__(self, fn, *args, devices: int = 1, cores=None, flags: str = "", smoke=False):
+    def __init__(self, fn, *args, devices: int = 1, cores=None, smoke=False):
+        """`fn(*args)` in a process of `processes(smoke)`, with `devices` simulated devices on
+        `cores`; a smoke run's keeps this process's LLVM optimisation level (`smoke_xla_flags`)."""
         ctx = processes(smoke)
+        flags = smoke_xla_flags() if smoke else ""
         self._result, send = ctx.Pipe(duplex=False)
         self.name = fn.__name__
         self.process = ctx.Process(target=_child, args=(fn, args, devices, cores, send, flags))
@@ -427,10 +430,7 @@ def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
     async processes as soon as the 1-core row is done, beside the 8-device rows (it checks the
     plumbing, not the timing): they load the programs the sync row compiled (the train step, its
     initialisation) from the persistent XLA cache when one is set, as the tests set it."""
-    flags = smoke_xla_flags() if smoke else ""
-    sync_runs = [
-        Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]}, flags=flags, smoke=smoke)
-    ]
+    sync_runs = [Spawned(run_mode, PROXY_SYNC_1, steps, smoke, cores={cores[0]}, smoke=smoke)]
     sync_runs[0].result()  # smoke: the async processes load its programs from the XLA cache
     if not smoke:
         sync_runs.append(Spawned(run_mode, PROXY_SYNC_2, steps, smoke, cores=set(cores[:2])))
@@ -441,11 +441,11 @@ def proxy_rows(steps: int, smoke: bool, cores: list[int]) -> list[dict]:
     weights_in, weights_out = ctx.Pipe(duplex=False)
     trainer = Spawned(
         proxy_trainer, steps, smoke, control_out, rollouts_in, weights_out, cores={cores[0]},
-        flags=flags, smoke=smoke,
+        smoke=smoke,
     )  # fmt: skip
     generator = Spawned(
         proxy_generator, steps, smoke, control_in, rollouts_out, weights_in, cores={cores[1]},
-        flags=flags, smoke=smoke,
+        smoke=smoke,
     )  # fmt: skip
     records = trainer.result(), generator.result()
     return [r.result() for r in sync_runs] + [
@@ -499,8 +499,7 @@ def main(argv=None) -> list[dict]:
     load_before = os.getloadavg()[0]
     # The full run measures one row at a time (rows would compete for the cores); the smoke run
     # only checks the plumbing, so its two settings run side by side.
-    flags = smoke_xla_flags() if args.smoke else ""
-    fake8 = Spawned(fake8_rows, steps, args.smoke, devices=8, flags=flags, smoke=args.smoke)
+    fake8 = Spawned(fake8_rows, steps, args.smoke, devices=8, smoke=args.smoke)
     if not args.smoke:
         fake8.result()
     proxy = proxy_rows(steps, args.smoke, cores) if len(cores) >= 2 else []

@@ -34,7 +34,7 @@ import statistics
 import threading
 import time
 
-from bench.rl import MemoryIO, Spawned, processes, smoke_xla_flags
+from bench.rl import MemoryIO, Spawned, processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE_PARAMS = [  # random weights, a small batch: checks the plumbing, not the timing
@@ -521,18 +521,16 @@ def summarise(mode: str, trainer: dict, generator: dict | None, warmup: int) -> 
 def start_row(mode: str, spec: dict, cores: list[int]):
     """Starts one row in fresh processes: "sync" on cores[0]; "fixed_lag" / "streaming_keep":
     the trainer on cores[0], the generator on cores[1]. Returns (trainer, generator or None)."""
-    flags, smoke = spec.get("flags", ""), spec.get("smoke", False)
+    smoke = spec.get("smoke", False)
     if mode == "sync":
-        return Spawned(proxy_sync, spec, cores={cores[0]}, flags=flags, smoke=smoke), None
+        return Spawned(proxy_sync, spec, cores={cores[0]}, smoke=smoke), None
     spec = spec | {"schedule": "streaming" if mode.startswith("streaming") else "fixed_lag"}
     ctx = processes(smoke)
     weights_in, weights_out = ctx.Pipe(duplex=False)
     rollouts_in, rollouts_out = ctx.Pipe(duplex=False)
-    trainer = Spawned(
-        proxy_trainer, spec, weights_out, rollouts_in, cores={cores[0]}, flags=flags, smoke=smoke
-    )
+    trainer = Spawned(proxy_trainer, spec, weights_out, rollouts_in, cores={cores[0]}, smoke=smoke)
     generator = Spawned(
-        proxy_generator, spec, weights_in, rollouts_out, cores={cores[1]}, flags=flags, smoke=smoke
+        proxy_generator, spec, weights_in, rollouts_out, cores={cores[1]}, smoke=smoke
     )
     return trainer, generator
 
@@ -569,7 +567,7 @@ def pinned_rows(config, sft, steps, warmup, smoke, modes, cores, extra=()) -> li
     rows = []
     with tempfile.TemporaryDirectory(prefix="rl_streaming_cache_") as cache:
         if smoke:  # this process's LLVM optimisation level, processes forked with the imports
-            spec |= {"cache": cache, "flags": smoke_xla_flags(), "smoke": True}  # (bench.rl)
+            spec |= {"cache": cache, "smoke": True}  # (bench.rl.Spawned)
         for mode in modes:
             load = os.getloadavg()[0]
             rows.append(finish_row(mode, start_row(mode, spec, cores), warmup, load))
