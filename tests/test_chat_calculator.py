@@ -185,3 +185,57 @@ def test_the_task_is_registered_and_checks_its_template():
         build_source(
             TaskSpec(name="calculator_chat", operators="*"), chatml_tokenizer(template=rewriting)
         )
+
+
+def test_each_factor_has_its_digit_range_and_the_default_keeps_the_problems():
+    task = CalculatorTask(min_digits=3, max_digits=3, min_digits_b=2, max_digits_b=2, seed=5)
+    pairs = [task.operands(i, split) for split in ("train", "heldout") for i in range(200)]
+    assert all(100 <= a <= 999 and 10 <= b <= 99 for a, b in pairs)
+    chained = CalculatorTask(min_digits=3, max_digits=3, max_digits_b=1, min_digits_b=1,
+                             chained=True)  # fmt: skip
+    assert all(
+        a >= 100 and c >= 100 and b < 10 and d < 10
+        for a, b, c, d in (chained.operands(i, "train") for i in range(100))
+    )
+    # None is the first factor's range: the same problems as before the field existed.
+    same = CalculatorTask(min_digits=2, max_digits=3, min_digits_b=2, max_digits_b=3, seed=5)
+    default = CalculatorTask(min_digits=2, max_digits=3, seed=5)
+    assert [same.operands(i, "train") for i in range(50)] == [
+        default.operands(i, "train") for i in range(50)
+    ]
+    # Pinned from the code before the field: configs keep their problems.
+    assert default.operands(0, "train") == (694, 741)
+    assert CalculatorTask(seed=5, chained=True).operands(3, "train") == (94, 96, 96, 74)
+    with pytest.raises(ValueError, match="min_digits_b <= max_digits_b"):
+        CalculatorTask(min_digits_b=3, max_digits_b=2)
+
+
+def test_few_shot_digits_and_a_disabled_tool_reach_the_chat_task_from_its_spec():
+    spec = TaskSpec(
+        name="calculator_chat",
+        operators="*",
+        min_digits=3,
+        max_digits=3,
+        min_digits_b=2,
+        max_digits_b=2,
+        few_shot=[[123, 45]],  # as gin writes a list
+        tool_disabled=True,
+    )
+    spec.validate()
+    src = build_source(spec, TOK)
+    a, b = src.task.operands(0, "train")
+    assert a >= 100 and b < 100 and spec.few_shot == ((123, 45),)
+    text = src.item(0).text
+    assert text.index("What is 123*45?") < text.index(call("123*45")) < text.index("5535")
+    assert text.rstrip().endswith(f"What is {a}*{b}?<|im_end|>\n<|im_start|>assistant")
+    env = src.make_env()
+    env.reset(src.item(0))
+    assert '{"result": "?"}' in TOK.decode(env.step(encode(call("2*3")) + [END]).observation)
+    for bad, message in (
+        ({"few_shot": [(1, 2, 3)]}, "write \\(a, b\\) pairs"),
+        ({"few_shot": [(1.5, 2)]}, "write \\(a, b\\) pairs"),
+        ({"name": "calculator", "few_shot": [(1, 2)]}, "calculator_chat task only"),
+        ({"min_digits_b": 5}, "min_digits_b <= max_digits_b <= 4"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            TaskSpec(**{"name": "calculator_chat", "operators": "*", **bad}).validate()

@@ -118,12 +118,21 @@ class CalculatorEnv:
         return Step(self._encode(f"={value}"))
 
 
+def _digit_range(min_digits: int, max_digits: int) -> tuple[int, int]:
+    """The smallest and largest operand of `min_digits` to `max_digits` digits (0 included
+    from one digit)."""
+    return (0 if min_digits == 1 else 10 ** (min_digits - 1)), 10**max_digits - 1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CalculatorTask:
     """Multiplication problems `a*b=` (or, `chained`, `a*b+c*d=`) with operands of
     `min_digits` to `max_digits` digits, drawn from hashes of (seed, split, index): item i is a
     pure function of the fields and i, and the held-out split (`heldout_fraction` of the hash
     range) is disjoint from the train one.
+
+    min_digits_b, max_digits_b: the second factor's own digit range (b in a*b, and d in
+      a*b+c*d), e.g. 3-digit x 2-digit products; None: the first factor's range.
 
     tool_share: the fraction of SFT demonstrations that use the tool (the rest answer
       directly), so that a warm start calls the tool rarely and RL has tool use to learn.
@@ -135,25 +144,39 @@ class CalculatorTask:
     heldout_fraction: float = 0.1
     tool_share: float = 0.1
     seed: int = 0
+    min_digits_b: int | None = None
+    max_digits_b: int | None = None
 
     def __post_init__(self):
         if not 1 <= self.min_digits <= self.max_digits <= 4:
             raise ValueError(
                 f"need 1 <= min_digits <= max_digits <= 4; got {self.min_digits}, {self.max_digits}"
             )
+        low_b, high_b = self.digits_b
+        if not 1 <= low_b <= high_b <= 4:
+            raise ValueError(
+                f"need 1 <= min_digits_b <= max_digits_b <= 4; got {low_b}, {high_b} (None: the "
+                "first factor's min_digits / max_digits)"
+            )
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if not 0.0 <= self.tool_share <= 1.0:
             raise ValueError(f"tool_share must be in [0, 1], got {self.tool_share}")
 
+    @property
+    def digits_b(self) -> tuple[int, int]:
+        """The second factor's (min, max) digits."""
+        low = self.min_digits if self.min_digits_b is None else self.min_digits_b
+        return low, self.max_digits if self.max_digits_b is None else self.max_digits_b
+
     def operands(self, index: int, split: str) -> tuple[int, ...]:
-        low = 0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)
-        high = 10**self.max_digits - 1
+        ranges = [_digit_range(self.min_digits, self.max_digits), _digit_range(*self.digits_b)]
         count = 4 if self.chained else 2
         for attempt in range(10_000):
             h = hash_u64("calculator", self.seed, split, index, attempt)
             values = []
-            for _ in range(count):
+            for position in range(count):
+                low, high = ranges[position % 2]
                 values.append(low + h % (high - low + 1))
                 h //= high - low + 1
             heldout = hash_u64("heldout", self.seed, *values) < self.heldout_fraction * 2.0**64
@@ -242,8 +265,9 @@ class CalculatorSource:
 
 
 def calculator_task(spec, name: str = "calculator") -> CalculatorTask:
-    """The problems of a `TaskSpec` for task `name`: its digits, seed and `operators` ("*": a*b,
-    "*+": the chained a*b+c*d)."""
+    """The problems of a `TaskSpec` for task `name`: its digits (the second factor's
+    `min_digits_b` / `max_digits_b`), seed and `operators` ("*": a*b, "*+": the chained
+    a*b+c*d)."""
     if spec.operators not in ("*", "*+"):
         raise ValueError(
             f"task {name}: TaskSpec.operators={spec.operators!r}; use '*' (a*b) or '*+' "
@@ -252,6 +276,8 @@ def calculator_task(spec, name: str = "calculator") -> CalculatorTask:
     return CalculatorTask(
         min_digits=spec.min_digits,
         max_digits=spec.max_digits,
+        min_digits_b=spec.min_digits_b,
+        max_digits_b=spec.max_digits_b,
         chained=spec.operators == "*+",
         seed=spec.seed,
     )

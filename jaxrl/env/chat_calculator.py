@@ -29,7 +29,8 @@ rewrites earlier turns).
 A call is read by string search and `json.loads` of at most `MAX_CALL_CHARS` characters; its
 expression (spaces removed) goes to the calculator's bounded parser
 (`jaxrl.env.calculator.calculate`), never `eval`. A call that cannot be read (no closing tag,
-not JSON, another tool's name, an expression the parser refuses) gets an error reply,
+a special token such as `<|im_start|>` inside it, not JSON, another tool's name, arguments of
+another JSON type, an expression the parser refuses) gets an error reply,
 `{"error": ...}` in a tool message, and the step status "malformed"; the episode goes on.
 """
 
@@ -64,10 +65,11 @@ class ToolCallError(ValueError):
     """The turn opens a tool call that cannot be read; the message is the error reply."""
 
 
-def parse_tool_call(text: str) -> str | None:
+def parse_tool_call(text: str, special_tokens: Sequence[str] = ()) -> str | None:
     """The expression of the first `<tool_call>` in `text`, spaces removed; None when `text`
     holds no `<tool_call>` (a final answer). Raises `ToolCallError` for a call that cannot be
-    read (module docstring)."""
+    read (module docstring), one holding any of `special_tokens` (the tokenizer's control
+    tokens, as the turn decodes with them kept) included."""
     start = text.find(CALL_OPEN, 0, MAX_TURN_CHARS)
     if start < 0:
         return None
@@ -75,16 +77,37 @@ def parse_tool_call(text: str) -> str | None:
     end = text.find(CALL_CLOSE, start, start + MAX_CALL_CHARS + len(CALL_CLOSE))
     if end < 0:
         raise ToolCallError(f"no {CALL_CLOSE} within {MAX_CALL_CHARS} characters of {CALL_OPEN}")
+    body = text[start:end]
+    for token in special_tokens:
+        if token in body:
+            raise ToolCallError(
+                f"the tool call holds the special token {token}; write it as plain text "
+                f"between {CALL_OPEN} and {CALL_CLOSE}"
+            )
     try:
-        call = json.loads(text[start:end])
+        call = json.loads(body)
     except ValueError:
         raise ToolCallError("the tool call is not JSON") from None
-    call = call if isinstance(call, dict) else {}
+    if not isinstance(call, dict) or call.get("name") != TOOL_NAME:
+        name = call.get("name") if isinstance(call, dict) else None
+        raise ToolCallError(f"unknown tool {name!r}: the tool's name is {TOOL_NAME}")
     arguments = call.get("arguments")
     expression = arguments.get("expression") if isinstance(arguments, dict) else None
-    if call.get("name") != TOOL_NAME or not isinstance(expression, str):
-        raise ToolCallError("need the name calculator and a string arguments.expression")
+    if not isinstance(expression, str):
+        raise ToolCallError(
+            'the arguments must be {"expression": "<integers joined by * + ->"} with a string '
+            f"expression; got {json.dumps(arguments)[:64]}"
+        )
     return "".join(expression.split())
+
+
+def special_token_texts(tokenizer) -> tuple[str, ...]:
+    """The text of each special (control) token of `tokenizer`: its added tokens marked special
+    (SmolLM2: `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, `<file_sep>`, ...), else its
+    `all_special_tokens`."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = [t.content for t in added.values() if getattr(t, "special", False)]
+    return tuple(dict.fromkeys(texts or getattr(tokenizer, "all_special_tokens", ())))
 
 
 def observation_text(
@@ -158,6 +181,7 @@ class ChatCalculatorEnv:
         self.tokenizer, self.system_prompt, self.tool_role = tokenizer, system_prompt, tool_role
         self.tool, self.disabled = tool, disabled
         self.end_of_turn = end_of_turn_id(tokenizer)
+        self.special_tokens = special_token_texts(tokenizer)
         self.reference: str | None = None
 
     def reset(self, item: PromptItem) -> list[int]:
@@ -169,10 +193,12 @@ class ChatCalculatorEnv:
 
     def step(self, turn_ids: Sequence[int]) -> Step:
         ids = [int(t) for t in turn_ids]
-        with _TOKENIZER_LOCK:
+        body = ids[:-1] if ids and ids[-1] == self.end_of_turn else ids
+        with _TOKENIZER_LOCK:  # the call is read with special tokens kept, the answer without
+            raw = self.tokenizer.decode(body, skip_special_tokens=False)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         try:
-            expression = parse_tool_call(text)
+            expression = parse_tool_call(raw, self.special_tokens)
         except ToolCallError as error:
             return Step(self.reply(ids, {"error": str(error)}), status="malformed")
         if expression is None:
@@ -210,7 +236,8 @@ class ChatCalculatorSource:
     "calculator_chat" (`TaskSpec.operators` "*" or "*+", `TaskSpec.system_prompt` None: the
     default `SYSTEM_PROMPT`). `examples`: (a, b) pairs whose worked exchanges (question, tool
     call, result, answer) come before the question, as turns of the conversation (few-shot).
-    No SFT demonstrations: it starts from an instruct model."""
+    `tool_disabled`: its environments answer every call `{"result": "?"}` (a control). No SFT
+    demonstrations: it starts from an instruct model."""
 
     chat_formatted = True  # the chat template writes the special tokens itself
     reward_name = "math_answer"  # single-turn scoring of a final answer
@@ -223,12 +250,13 @@ class ChatCalculatorSource:
         system_prompt: str = SYSTEM_PROMPT,
         tool_role: str = "tool",
         examples: Sequence[tuple[int, int]] = (),
+        tool_disabled: bool = False,
     ):
         require_chat_template(tokenizer, "calculator_chat")
         check_delta_form(tokenizer, system_prompt, tool_role)
         self.task, self.tokenizer = task, tokenizer
         self.system_prompt, self.tool_role = system_prompt, tool_role
-        self.examples = tuple(examples)
+        self.examples, self.tool_disabled = tuple(examples), tool_disabled
 
     def question(self, values: Sequence[int]) -> str:
         return f"What is {self.task.text(values)[:-1]}?"
@@ -259,7 +287,11 @@ class ChatCalculatorSource:
         return [self._item(i, "heldout") for i in range(limit)]
 
     def make_env(self, **kwargs) -> ChatCalculatorEnv:
-        kwargs = {"system_prompt": self.system_prompt, "tool_role": self.tool_role} | kwargs
+        kwargs = {
+            "system_prompt": self.system_prompt,
+            "tool_role": self.tool_role,
+            "disabled": self.tool_disabled,
+        } | kwargs
         return ChatCalculatorEnv(self.tokenizer, **kwargs)
 
     @property
@@ -270,11 +302,18 @@ class ChatCalculatorSource:
 
 
 def _calculator_chat(spec, tokenizer) -> ChatCalculatorSource:
-    """The "calculator_chat" task of a `TaskSpec`: digits, seed, `operators` ("*" or "*+") and
-    `system_prompt` (None: `SYSTEM_PROMPT`)."""
+    """The "calculator_chat" task of a `TaskSpec`: digits, seed, `operators` ("*" or "*+"),
+    `system_prompt` (None: `SYSTEM_PROMPT`), `few_shot` (the worked exchanges) and
+    `tool_disabled`."""
     task = calculator_task(spec, "calculator_chat")
     system_prompt = SYSTEM_PROMPT if spec.system_prompt is None else spec.system_prompt
-    return ChatCalculatorSource(task, tokenizer, system_prompt=system_prompt)
+    return ChatCalculatorSource(
+        task,
+        tokenizer,
+        system_prompt=system_prompt,
+        examples=spec.few_shot,
+        tool_disabled=spec.tool_disabled,
+    )
 
 
 register_task("calculator_chat", _calculator_chat)

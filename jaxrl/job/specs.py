@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import jaxrl.env.calculator  # noqa: F401  (registers the "calculator" task)
 import jaxrl.env.chat_calculator  # noqa: F401  (registers the "calculator_chat" task)
+from jaxrl.env.calculator import calculator_task
 from jaxrl.infra.paths import user_path
 from jaxrl.models import hf
 from jaxrl.models import presets as model_presets
@@ -176,8 +177,15 @@ class TaskSpec:
     answer_format (reasoning_gym): where the reply's final answer is read
       (`jaxrl.tasks.chat.ANSWER_FORMATS`: "boxed", "answer_tag", "last_number", "text").
     heldout_size (reasoning_gym): distinct held-out questions set aside (>= the eval size).
-    tool_disabled (calculator): the environment answers every tool call with `=?` instead of
-      its value (a control: tool use then gains nothing); SFT demonstrations are unchanged.
+    tool_disabled (calculator, calculator_chat): the environment answers every tool call
+      without its value (`=?`; in chat form `{"result": "?"}`), a control: tool use then gains
+      nothing; SFT demonstrations are unchanged.
+    min_digits_b, max_digits_b (calculator, calculator_chat): the second factor's digit range
+      (b in a*b), e.g. min_digits = max_digits = 3 with 2 here for 3-digit x 2-digit products;
+      None: the first factor's.
+    few_shot (calculator_chat): (a, b) pairs, each a worked exchange (question, tool call, the
+      tool's result, the answer) rendered as turns of the conversation before the question, so
+      that an instruct model starts out calling the tool; () = none.
     """
 
     PATH_FIELDS: ClassVar[tuple[str, ...]] = ("train_path", "eval_path")  # as PolicySpec's
@@ -199,9 +207,13 @@ class TaskSpec:
     answer_format: str = "boxed"
     heldout_size: int = 1024
     tool_disabled: bool = False
+    min_digits_b: int | None = None
+    max_digits_b: int | None = None
+    few_shot: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         _expand_paths(self)
+        object.__setattr__(self, "few_shot", _pairs(self.few_shot))
 
     def validate(self) -> None:
         try:
@@ -234,11 +246,37 @@ class TaskSpec:
             check_format_is_asked(self.answer_format, self.instruction, self.system_prompt)
             if self.heldout_size < 1:
                 raise ValueError(f"TaskSpec.heldout_size={self.heldout_size} must be >= 1")
+        if self.name in ("calculator", "calculator_chat"):
+            calculator_task(self, self.name)  # operators and digit ranges
+        if self.few_shot and self.name != "calculator_chat":
+            raise ValueError(
+                f"TaskSpec.few_shot is read by the calculator_chat task only, not {self.name!r}; "
+                "remove it"
+            )
         if self.reward:  # a reward that cannot be imported fails now, not after the SFT stage
             try:
                 get_reward(self.reward)
             except (KeyError, TypeError) as e:
                 raise ValueError(str(e).strip("\"'")) from None
+
+
+def _pairs(few_shot) -> tuple[tuple[int, int], ...]:
+    """`TaskSpec.few_shot` as a tuple of (a, b) int pairs (gin writes lists); anything else is
+    refused with the form to write."""
+
+    def is_pair(pair) -> bool:
+        return (
+            isinstance(pair, (tuple, list))
+            and len(pair) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
+        )
+
+    if not isinstance(few_shot, (tuple, list)) or not all(is_pair(p) for p in few_shot):
+        raise ValueError(
+            f"TaskSpec.few_shot={few_shot!r}: write (a, b) pairs of non-negative integers, e.g. "
+            "TaskSpec.few_shot = [(123, 45)]"
+        )
+    return tuple((int(a), int(b)) for a, b in few_shot)
 
 
 def _expand_paths(spec) -> None:
