@@ -1,7 +1,11 @@
-"""An offline ChatML character tokenizer with SmolLM2-135M-Instruct's chat template, for tests
-of chat tasks (nothing is downloaded)."""
+"""Tokenizers for tests of chat tasks (nothing is downloaded): an offline ChatML character
+tokenizer with SmolLM2-135M-Instruct's chat template, and SmolLM2's own tokenizer."""
 
 from __future__ import annotations
+
+import lzma
+import os
+import shutil
 
 import tokenizers
 import transformers
@@ -35,3 +39,19 @@ def chatml_tokenizer(template: str | None = SMOLLM2_TEMPLATE):
         unk_token="<|endoftext|>",
         chat_template=template,
     )
+
+
+SMOLLM2_TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "smollm2_tokenizer")
+
+
+def smollm2_tokenizer(directory: str):
+    """SmolLM2-135M-Instruct's own tokenizer (tests/data/smollm2_tokenizer), unpacked into
+    `directory` and loaded as the library loads a checkpoint's (`jaxrl.models.hf`)."""
+    from jaxrl.models import hf
+
+    os.makedirs(directory, exist_ok=True)
+    shutil.copy(os.path.join(SMOLLM2_TOKENIZER, "tokenizer_config.json"), directory)
+    with lzma.open(os.path.join(SMOLLM2_TOKENIZER, "tokenizer.json.xz")) as packed:
+        with open(os.path.join(directory, "tokenizer.json"), "wb") as out:
+            shutil.copyfileobj(packed, out)
+    return hf.load_tokenizer(directory)

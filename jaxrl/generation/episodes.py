@@ -193,8 +193,8 @@ def request_id(episode: int, turn: int, sample: int, max_turns: int) -> int:
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Means over episodes: reward, turns, tokens, the share of each status and of steps with a
-    status other than "ok"."""
+    """Means over episodes: reward, turns, tokens, the share of each status, of steps with a
+    status other than "ok" and of "malformed" steps (a tool call that could not be read)."""
     n = max(len(trajectories), 1)
     steps = [s for t in trajectories for s in t.step_statuses]
     metrics = {
@@ -203,6 +203,7 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "episode/sampled_tokens_mean": sum(sum(t.loss_mask) for t in trajectories) / n,
         "episode/observation_tokens_mean": sum(t.observation_tokens for t in trajectories) / n,
         "episode/bad_step_fraction": sum(s != "ok" for s in steps) / max(len(steps), 1),
+        "episode/malformed_step_fraction": steps.count("malformed") / max(len(steps), 1),
     }
     for status in EPISODE_STATUSES:
         metrics[f"episode/{status}_fraction"] = sum(t.status == status for t in trajectories) / n
