@@ -86,6 +86,29 @@ def summarise(name: str, label: str, workdir: str) -> dict:
     return row
 
 
+def paired_kl(workdir_a: str, workdir_b: str, key: str = "gen/mismatch_kl") -> dict:
+    """`key` of run b minus run a, paired by step (the same seeds give both runs the same
+    prompts at each step, so the pairing removes the prompts' share of the variance): the mean
+    difference, its standard error and t over the steps both logged, over all of them and over
+    their second half (a mismatch the uncorrected run lets grow shows there), and each run's
+    mean over the first and the second half."""
+    a, b = ({r["step"]: r[key] for r in runner.read(os.path.join(w, "metrics.jsonl")) if key in r}
+            for w in (workdir_a, workdir_b))  # fmt: skip
+    steps = sorted(set(a) & set(b))
+    if len(steps) < 4:
+        return {}
+    out = {"paired_steps": len(steps)}
+    first, half = steps[: len(steps) // 2], steps[len(steps) // 2 :]
+    for part, chosen in (("all", steps), ("second_half", half)):
+        diffs = [b[s] - a[s] for s in chosen]
+        mean, se = statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+        out[part] = {"mean_diff": round(mean, 6), "se": round(se, 6), "t": round(mean / se, 2)}
+    for name, run in (("a", a), ("b", b)):
+        out[f"{name}_first_half"] = round(statistics.mean(run[s] for s in first), 6)
+        out[f"{name}_second_half"] = round(statistics.mean(run[s] for s in half), 6)
+    return out
+
+
 def run(args) -> None:
     if args.smoke:
         args.steps, args.eval_every, args.eval_size = 2, 1, 8
@@ -116,6 +139,8 @@ def run(args) -> None:
         gap = by_name["int8"]["gain_pts"] - by_name["fp32"]["gain_pts"]
         verdict["int8_gain_minus_fp32_pts"] = round(gap, 1)
         verdict["int8_within_3_pts"] = abs(gap) <= WITHIN_PTS
+    if "int8" in dirs and "uncorrected" in dirs:  # b = the control, a = the corrected run
+        verdict["uncorrected_minus_int8_mismatch_kl"] = paired_kl(dirs["int8"], dirs["uncorrected"])
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
     from bench.common import RESULTS_DIR, command, write_results
