@@ -1,7 +1,8 @@
 """Multi-turn tool-use episodes against single-turn generation: sampled tokens/s on the same
 model, engine and sampling (issue 40, acceptance 4: multi-turn >= 0.8x single-turn).
 
-Workload, per model: the calculator task (`jaxrl.env.calculator`, character tokenizer) with a
+Workload, per model (`--hf_dir`: SmolLM2-135M-Instruct's own ChatML tool calls instead,
+`chat_workload`): the calculator task (`jaxrl.env.calculator`, character tokenizer) with a
 policy SFT'd here for a few hundred steps on demonstrations that all use the tool, so its
 episodes really call it: `<bos>37*48=` -> `(37*48)` | `=1776` | `1776<eos>` (two turns), or, with
 `--chained`, `a*b+c*d=` -> three calls and the answer (four turns). P prompts x G = 8 samples.
@@ -28,6 +29,7 @@ nothing to decode for tools.
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
     python -m bench.multiturn --smoke    # seconds: bench/results/multiturn_smoke.*
+    python -m bench.multiturn --hf_dir ~/.cache/jaxrl/smollm2-135m-instruct --name multiturn_smollm2
     python -m bench.multiturn --extension_cost   # a decode call with 0-32 continued rows
 
 From the instrumented run also: host seconds (its wall time less the device calls and the
@@ -168,6 +170,7 @@ class Workload:
     prompts: list[tuple[int, ...]]
     make_env: Callable[[int], object]
     temperature: float = 1.0
+    prompt_buckets: tuple[int, ...] = (16, 32)
 
 
 def calculator_workload(preset, args) -> Workload:
@@ -192,6 +195,27 @@ def calculator_workload(preset, args) -> Workload:
     return Workload(
         task_name, model, loss, sft_s, budget, stop_ids, items, prompts, lambda e: source.make_env()
     )
+
+
+def chat_workload(preset, args) -> Workload:
+    """`--hf_dir DIR`: the chat calculator on a pretrained instruct model (SmolLM2-135M-Instruct)
+    as configs/rl/calc_smollm2_learn.gin sets it (3-digit x 2-digit products, one worked
+    exchange before the question, its episode budgets, temperature 0.7): the model's own
+    ChatML tool calls, ~32 tokens each, answered by the calculator. No SFT."""
+    from jaxrl.env.chat_calculator import ChatCalculatorSource
+    from jaxrl.generation.engine import DEFAULT_PROMPT_BUCKETS
+    from jaxrl.models import hf
+
+    model, tokenizer = hf.load_model(args.hf_dir), hf.load_tokenizer(args.hf_dir)
+    task = CalculatorTask(min_digits=3, max_digits=3, min_digits_b=2, max_digits_b=2)
+    source = ChatCalculatorSource(task, tokenizer, examples=[(123, 45)])
+    budget = EpisodeBudget(max_turns=3, max_turn_tokens=48, max_total_tokens=416,
+                           max_observation_tokens=64, tool_timeout_s=10.0)  # fmt: skip
+    items = [source.item(i) for i in range(args.prompts)]
+    prompts = [tuple(tokenizer.encode(i.text, add_special_tokens=False)) for i in items]
+    return Workload("chat a*b (3x2 digits)", model, float("nan"), 0.0, budget,
+                    tuple(source.stop_ids), items, prompts, lambda e: source.make_env(),
+                    temperature=0.7, prompt_buckets=DEFAULT_PROMPT_BUCKETS)  # fmt: skip
 
 
 def scripted_workload(preset, args) -> Workload:
@@ -227,7 +251,10 @@ def scripted_workload(preset, args) -> Workload:
 
 
 def measure(name, preset, args, continue_modes) -> list[dict]:
-    work = (scripted_workload if args.turn_tokens else calculator_workload)(preset, args)
+    if args.hf_dir:
+        work = chat_workload(preset, args)
+    else:
+        work = (scripted_workload if args.turn_tokens else calculator_workload)(preset, args)
     model, budget, items, prompts = work.model, work.budget, work.items, work.prompts
     max_len = model.config.max_position_embeddings
     engine, params = Engine.for_model(
@@ -235,7 +262,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         num_slots=args.slots,
         steps_per_call=args.steps_per_call,
         max_total_len=min(max_len, budget.max_total_tokens),
-        prompt_buckets=(16, 32),
+        prompt_buckets=work.prompt_buckets,
         keep_calls=args.keep_calls,
     )
     sampling = SamplingConfig(
@@ -482,7 +509,12 @@ def main(argv=None) -> None:
     )  # fmt: skip
     parser.add_argument("--turns", type=int, default=3, help="--turn_tokens: turns per episode")
     parser.add_argument("--observation_tokens", type=int, default=8, help="--turn_tokens: reply")
-    parser.add_argument("--models", default="arith_tiny,rlbench_tiny")
+    parser.add_argument("--models", default="", help="presets (default arith_tiny,rlbench_tiny)")
+    parser.add_argument(
+        "--hf_dir", default="",
+        help="a pretrained chat model (SmolLM2-135M-Instruct): its ChatML calculator episodes "
+        "instead of the presets' (--models names its rows)",
+    )  # fmt: skip
     parser.add_argument("--name", default=None, help="results file name (default multiturn)")
     parser.add_argument("--paths", default="slot,request", help="multi-turn paths to run")
     parser.add_argument(
@@ -490,6 +522,7 @@ def main(argv=None) -> None:
         help="time a decode call with 0, 8, 16, 32 continued rows instead (module docstring)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    args.models = args.models or ("smollm2" if args.hf_dir else "arith_tiny,rlbench_tiny")
     if args.extension_cost:
         rows = [row for preset in args.models.split(",") for row in extension_cost(preset, args)]
         columns = [("model", "model"), ("params_m", "params (M)"), ("active", "active slots"),

@@ -107,3 +107,73 @@ def test_quantized_rows_read_the_mismatch(tmp_path):
         r.pop("gen/mismatch_kl", None)
     (tmp_path / "f" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert quantized.summarise("fp32", "fp32", str(tmp_path / "f"))["mismatch_kl"] is None
+
+
+def _episode_run(path, accuracies, tool_rates, every=2, step_s=60.0):
+    """An episodes run's records: evaluations with the tool-call rate, steps with status
+    fractions (a quarter of episodes truncated, a tenth of steps malformed)."""
+    path.mkdir()
+    records = []
+    for step in range((len(accuracies) - 1) * every + 1):
+        record = {"step": step, "wall_time_s": step_s * step}
+        if step:
+            record |= {"reward/mean": 0.2, "time/step_s": step_s}
+            record |= {"episode/done_fraction": 0.75, "episode/truncated_fraction": 0.25}
+            record |= {"episode/tool_error_fraction": 0.0, "episode/timeout_fraction": 0.0}
+            record["episode/malformed_step_fraction"] = 0.1
+        if step % every == 0:
+            record["eval/accuracy"] = accuracies[step // every]
+            if tool_rates:
+                record["eval/tool_call_rate"] = tool_rates[step // every]
+        records.append(record)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_tool_use_rows_read_tool_rate_statuses_and_the_verdicts(tmp_path):
+    """`python -m bench learning calc-smollm2`: tool-call rate and accuracy at the start and
+    the end (last 2 evaluations), how episodes ended, and issue 55's verdicts."""
+    from bench.learning import calc_smollm2 as calc
+
+    _episode_run(tmp_path / "rl", [0.10, 0.30, 0.40, 0.44], [0.5, 0.8, 0.9, 0.9])
+    _episode_run(tmp_path / "single_turn", [0.02, 0.02, 0.03, 0.03], None)
+    _episode_run(tmp_path / "fixed_lag", [0.10, 0.25, 0.30, 0.34], [0.5, 0.7, 0.8, 0.85],
+                 step_s=45.0)  # fmt: skip
+    _episode_run(tmp_path / "streaming", [0.10, 0.30, 0.38, 0.42], [0.5, 0.8, 0.9, 0.9])
+    names = ("rl", "single_turn", "fixed_lag", "streaming")
+    rows = {n: calc.summarise(n, n, str(tmp_path / n)) for n in names}
+    rl = rows["rl"]
+    assert (rl["steps"], rl["acc_start"], rl["acc_end"], rl["gain_pts"]) == (6, 0.1, 0.42, 32.0)
+    assert (rl["tool_start"], rl["tool_end"], rl["tool_2h"]) == (0.5, 0.9, 0.9)
+    assert (rl["done"], rl["truncated"], rl["malformed_step"]) == (0.75, 0.25, 0.1)
+    assert "tool_start" not in rows["single_turn"] and rows["single_turn"]["gain_pts"] == 1.0
+    verdict = calc.verdicts(rows)
+    assert verdict["rl_tool_rate_ge_80_within_2h"] and verdict["rl_gain_ge_25_within_2h"]
+    assert verdict["single_turn_gains_less"]
+    assert verdict["fixed_lag_within_5_pts_of_sync"] is False  # 32% against 42%
+    assert verdict["streaming_within_5_pts_of_sync"] is True  # 40% against 42%
+    assert verdict["fixed_lag_s_per_step_over_sync"] == 0.75
+    assert "tool_disabled_gains_less" not in verdict  # no such run: no verdict
+
+
+def test_the_mismatch_kl_is_compared_paired_by_step(tmp_path):
+    """`bench learning quantized`: the control's mismatch KL minus the corrected run's, step by
+    step (the prompts' variance cancels): a control whose KL grows shows in the second half."""
+    from bench.learning import quantized
+
+    for name, extra in (("int8", lambda s: 0.0), ("uncorrected", lambda s: 0.001 * s)):
+        (tmp_path / name).mkdir()
+        records = [{"step": s, "gen/mismatch_kl": 0.04 + 0.01 * (s % 3) + extra(s)}
+                   for s in range(1, 9)]  # fmt: skip
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        (tmp_path / name / "metrics.jsonl").write_text(text)
+    out = quantized.paired_kl(str(tmp_path / "int8"), str(tmp_path / "uncorrected"))
+    assert out["paired_steps"] == 8
+    assert out["all"]["mean_diff"] == pytest.approx(0.0045)  # mean of 0.001 * (1..8)
+    assert out["second_half"]["mean_diff"] == pytest.approx(0.0065)  # steps 5..8
+    assert out["b_second_half"] - out["a_second_half"] == pytest.approx(0.0065, abs=1e-6)
+    assert out["a_first_half"] == pytest.approx((0.05 + 0.06 + 0.04 + 0.05) / 4)
+    (tmp_path / "short").mkdir()  # fewer than 4 steps in common: no comparison
+    (tmp_path / "short" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "gen/mismatch_kl": 0.1}) + "\n" for s in (1, 2, 3))
+    )
+    assert quantized.paired_kl(str(tmp_path / "int8"), str(tmp_path / "short")) == {}

@@ -50,6 +50,10 @@ EXPERIMENTS = {
         "bench.learning.calc",
         "tool use learned by RL on the calculator vs tool disabled, no mask, shuffled rewards",
     ),
+    "calc-smollm2": Experiment(
+        "bench.learning.calc_smollm2",
+        "SmolLM2 learns ChatML tool calls by RL vs tool disabled, shuffled, single-turn; async",
+    ),
     "smollm2": Experiment(
         "bench.learning.smollm2",
         "RL on SmolLM2-135M-Instruct (basic_arithmetic) vs shuffled rewards, on a wall budget",
