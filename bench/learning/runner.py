@@ -215,7 +215,10 @@ def plot_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4), sharey=x == "step")
+    # A common y axis only where every panel is a rate in [0, 1] (accuracies, rewards).
+    share = x == "step" and all(key.startswith(("eval/", "reward/")) for key, _ in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(11, 3.6 * len(panels)), 4.4),
+                             sharey=share)  # fmt: skip
     axes = list(axes) if len(panels) > 1 else [axes]
     start = None
     for label, workdir in runs.items():
@@ -238,11 +241,11 @@ def plot_curves(
         ax.grid(alpha=0.3)
     if bar is not None and start is not None:
         axes[0].axhline(start + bar, color="gray", linestyle=":", label=f"start + {bar:g}")
-    for ax in axes:
-        ax.legend(loc="lower right", fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend, below the panels
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // 3), 1, 1))
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
