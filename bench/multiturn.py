@@ -327,8 +327,10 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     start = time.perf_counter()
     longest = max(map(len, prompts))
     compiled = 0
-    if not args.turn_tokens:  # scripted: every span bucket up to hundreds of positions would
-        # take minutes; its warm-up runs compile what the episodes need instead.
+    warm_each = bool(args.turn_tokens or args.hf_dir)
+    if not warm_each:  # scripted and chat: every span bucket up to hundreds of positions would
+        # take minutes (a 135M model's, more memory than the machine has); their warm-up runs
+        # compile what the episodes need instead.
         widest = budget.max_total_tokens  # a history re-prefilled reaches the total budget
         compiled = engine.precompile(params, sampling, max_prompt_len=widest,
                                      max_extend_len=budget.max_observation_tokens + 1)  # fmt: skip
@@ -346,7 +348,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     singles = ("lengths", "lockstep")
     for kind in singles:
         single(kind, 0)
-    if args.turn_tokens:  # not precompiled: each timed run once first, so none compiles
+    if warm_each:  # not precompiled: each timed run once first, so none compiles
         for seed in (*range(1, args.repeats + 1), 99):  # 99: the instrumented run
             for kind in singles:
                 single(kind, seed)
