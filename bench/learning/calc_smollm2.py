@@ -15,15 +15,19 @@ Runs (each a `launch.rl` child of the config on 2 simulated CPU devices):
    corrects it), the engine on the second device.
 6. streaming: async, streaming schedule (episodes join the running batch and span versions).
 
-Each run stops at `--steps` trainer steps or after `--minutes` of wall time, whichever comes
-first, and is evaluated greedily on `--eval_size` held-out problems every `--eval_every` steps
-(step 0 included): eval/accuracy and eval/tool_call_rate (the share of episodes with a call).
-Reports per run: steps, s / step, tool-call rate and accuracy at the start and at the end
-(mean of the last 2 evaluations), the gain, the mean train reward of the first and last 10
-steps, and how episodes ended (the mean over steps of the share done / truncated / tool_error
-/ timeout, and of malformed calls among steps). The verdicts of issue 55: rl's greedy tool-call
-rate >= 80% and gain >= 25 points within 2 hours; each control's gain below rl's; the async
-runs within 5 points of rl's accuracy at equal steps. Writes bench/results/NAME.{json,md,png}.
+The engine compiles its decode programs as episodes first need them, and on SmolLM2 one such
+program took 5.7 minutes to compile on this 2-core CPU; the runs therefore share JAX's
+persistent compilation cache (`--compile_cache`, default WORKDIR/xla_cache), so a program one
+run compiled is loaded by the next. Each run stops at `--steps` trainer steps or after
+`--minutes` of wall time, whichever comes first, and is evaluated greedily on `--eval_size`
+held-out problems every `--eval_every` steps (step 0 included): eval/accuracy and
+eval/tool_call_rate (the share of episodes with a call). Reports per run: steps, s / step,
+tool-call rate and accuracy at the start and at the end (mean of the last 2 evaluations), the
+gain, the mean train reward of the first and last 10 steps, and how episodes ended (the mean
+over steps of the share done / truncated / tool_error / timeout, and of malformed calls among
+steps). The verdicts of issue 55: rl's greedy tool-call rate >= 80% and gain >= 25 points within
+2 hours; each control's gain below rl's; the async runs within 5 points of rl's accuracy at
+equal steps. Writes bench/results/NAME.{json,md,png}.
 
     python -m bench learning calc-smollm2 --init_from ~/.cache/jaxrl/smollm2-135m-instruct
     python -m bench learning calc-smollm2 --init_from DIR --runs rl,single_turn --minutes 30
@@ -83,6 +87,11 @@ def add_options(parser) -> None:
     parser.add_argument("--eval_size", type=int, default=256)
     parser.add_argument("--save_every", type=int, default=20)
     parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
+    parser.add_argument(
+        "--compile_cache", default="",
+        help="JAX's persistent compilation cache for every run (default WORKDIR/xla_cache; "
+        "'off': none)",
+    )  # fmt: skip
     parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
     parser.add_argument("--name", default="", help=f"results name (default {RESULTS})")
 
@@ -155,10 +164,12 @@ def run(args) -> None:
             f"RLConfig.save_every_steps = {args.save_every}",
             "rl_main.plot = False",
         ] + list(args.gin_param)
+        cache = args.compile_cache or os.path.join(workdir, "xla_cache")
+        env = {} if cache == "off" else {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(cache)}
         for n in names:
             runner.launch_child(
                 CONFIG, dirs[n], params + RUNS[n][1], devices=DEVICES,
-                seconds=args.minutes * 60, must_succeed=False,
+                seconds=args.minutes * 60, must_succeed=False, env=env,
             )  # fmt: skip
 
     rows = [summarise(n, RUNS[n][0], dirs[n]) for n in names]

@@ -132,6 +132,7 @@ def launch_child(
     module: str = "launch.rl",
     module_args: tuple[str, ...] = (),
     must_succeed: bool = True,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, float]:
     """`python -m MODULE [MODULE_ARGS] --gin_file CONFIG --workdir WORKDIR --gin_param ...` in a
     child process on the CPU (`devices` simulated devices, if > 0), its output appended to
@@ -139,8 +140,9 @@ def launch_child(
     step) `seconds` after its start, or after its first metrics record with
     `budget_from_first_record` (the step-0 evaluation: an SFT stage before it is not counted).
     A child that fails (exit other than 0 or SIGINT's) raises SystemExit with its log's tail,
-    unless `must_succeed` is off and it wrote metrics. Returns (exit code, wall seconds)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    unless `must_succeed` is off and it wrote metrics. `env`: more environment variables for
+    the child. Returns (exit code, wall seconds)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **(env or {}))
     if devices:
         from jaxrl.infra.xla_cpu import cpu_xla_flags
 
