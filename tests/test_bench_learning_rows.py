@@ -172,6 +172,8 @@ def test_the_mismatch_kl_is_compared_paired_by_step(tmp_path):
     assert out["second_half"]["mean_diff"] == pytest.approx(0.0065)  # steps 5..8
     assert out["b_second_half"] - out["a_second_half"] == pytest.approx(0.0065, abs=1e-6)
     assert out["a_first_half"] == pytest.approx((0.05 + 0.06 + 0.04 + 0.05) / 4)
+    same = quantized.paired_kl(str(tmp_path / "int8"), str(tmp_path / "int8"))
+    assert same["all"] == {"mean_diff": 0.0, "se": 0.0, "t": None}  # no spread: no t, no crash
     (tmp_path / "short").mkdir()  # fewer than 4 steps in common: no comparison
     (tmp_path / "short" / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s, "gen/mismatch_kl": 0.1}) + "\n" for s in (1, 2, 3))

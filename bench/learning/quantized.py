@@ -102,7 +102,8 @@ def paired_kl(workdir_a: str, workdir_b: str, key: str = "gen/mismatch_kl") -> d
     for part, chosen in (("all", steps), ("second_half", half)):
         diffs = [b[s] - a[s] for s in chosen]
         mean, se = statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
-        out[part] = {"mean_diff": round(mean, 6), "se": round(se, 6), "t": round(mean / se, 2)}
+        t = round(mean / se, 2) if se else None  # None: the same difference at every step
+        out[part] = {"mean_diff": round(mean, 6), "se": round(se, 6), "t": t}
     for name, run in (("a", a), ("b", b)):
         out[f"{name}_first_half"] = round(statistics.mean(run[s] for s in first), 6)
         out[f"{name}_second_half"] = round(statistics.mean(run[s] for s in half), 6)
