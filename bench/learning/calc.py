@@ -222,7 +222,7 @@ def run(args) -> None:
     dirs = {n: os.path.join(workdir, n) for n in names}
     sft_dir = os.path.join(dirs["rl"], "sft")
 
-    from bench.common import RESULTS_DIR, command, write_results
+    from bench.common import command
 
     load_before = runner.load()
     if not args.no_launch:
@@ -274,10 +274,7 @@ def run(args) -> None:
         f"shared; load average 1/5/15 min {load_before} before this summary, {load_after} after); "
         f"held-out problems: {args.eval_size}; verdict {verdict}"
     )
-    note += runner.launches(workdir)
-    print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
     title = "calc_tiny.gin: held-out greedy episodes (warm start: 10% tool demonstrations)"
-    png = os.path.join(RESULTS_DIR, name + ".png")
-    print(f"plot: {runner.plot_curves(labels, png, PANELS, x='minutes', title=title, dpi=110)}")
-    print(f"runs: {workdir}")
+    runner.write_report(name, rows, columns, note, workdir, labels, PANELS, x="minutes",
+                        title=title, dpi=110)  # fmt: skip

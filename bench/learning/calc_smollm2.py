@@ -156,14 +156,8 @@ def run(args) -> None:
         from bench.common import command
 
         runner.note_launch(workdir, f"{command()}\n")
-        params = [
-            f"PolicySpec.init_from = '{os.path.abspath(os.path.expanduser(args.init_from))}'",
-            f"RLConfig.total_steps = {args.steps}",
-            f"RLConfig.eval_every_steps = {args.eval_every}",
-            f"RLConfig.eval_size = {args.eval_size}",
-            f"RLConfig.save_every_steps = {args.save_every}",
-            "rl_main.plot = False",
-        ] + list(args.gin_param)
+        params = smollm2.base_params(args, save_every=args.save_every)
+        params += ["rl_main.plot = False", *args.gin_param]
         cache = args.compile_cache or os.path.join(workdir, "xla_cache")
         env = {} if cache == "off" else {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(cache)}
         for n in names:
@@ -178,7 +172,7 @@ def run(args) -> None:
     verdict = verdicts({r["name"]: r for r in rows})
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
-    from bench.common import RESULTS_DIR, command, write_results
+    from bench.common import command
 
     name = args.name or (RESULTS + ("_smoke" if args.smoke else ""))
     columns = [
@@ -191,9 +185,6 @@ def run(args) -> None:
         ("malformed_step", "malformed calls"),
     ]  # fmt: skip
     note = f"`{command()}` on {DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
-    note += runner.launches(workdir)
-    print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
-    png = os.path.join(RESULTS_DIR, name + ".png")
-    print(f"plot: {runner.plot_curves(labels, png, PANELS, x='minutes', title=TITLE, dpi=110)}")
-    print(f"runs: {workdir}")
+    runner.write_report(name, rows, columns, note, workdir, labels, PANELS, x="minutes",
+                        title=TITLE, dpi=110)  # fmt: skip

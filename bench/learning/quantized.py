@@ -120,14 +120,8 @@ def run(args) -> None:
         from bench.common import command
 
         runner.note_launch(workdir, f"{command()}\n")
-        params = [
-            f"PolicySpec.init_from = '{os.path.abspath(os.path.expanduser(args.init_from))}'",
-            f"RLConfig.total_steps = {args.steps}",
-            f"RLConfig.eval_every_steps = {args.eval_every}",
-            f"RLConfig.eval_size = {args.eval_size}",
-            f"RLConfig.save_every_steps = {args.steps}",
-            "rl_main.plot = False",
-        ] + list(args.gin_param)
+        params = smollm2.base_params(args, save_every=args.steps)
+        params += ["rl_main.plot = False", *args.gin_param]
         for n in names:
             runner.launch_child(CONFIG, dirs[n], params + RUNS[n][1], devices=smollm2.DEVICES)
 
@@ -144,7 +138,7 @@ def run(args) -> None:
         verdict["uncorrected_minus_int8_mismatch_kl"] = paired_kl(dirs["int8"], dirs["uncorrected"])
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
-    from bench.common import RESULTS_DIR, command, write_results
+    from bench.common import command
 
     name = args.name or (RESULTS + ("_smoke" if args.smoke else ""))
     columns = [
@@ -155,9 +149,5 @@ def run(args) -> None:
         ("abs_log_ratio_max", "abs log-ratio max (mean)"),
     ]  # fmt: skip
     note = f"`{command()}` on {smollm2.DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
-    note += runner.launches(workdir)
-    print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
-    png = os.path.join(RESULTS_DIR, name + ".png")
-    print(f"plot: {runner.plot_curves(labels, png, PANELS, title=TITLE, dpi=110)}")
-    print(f"runs: {workdir}")
+    runner.write_report(name, rows, columns, note, workdir, labels, PANELS, title=TITLE, dpi=110)

@@ -198,6 +198,27 @@ def launches(workdir: str) -> str:
         return "; runs launched by " + " then ".join(f"`{line.strip()}`" for line in f)
 
 
+def write_report(
+    name: str,
+    rows: list[dict],
+    columns: list,
+    note: str,
+    workdir: str,
+    labels: dict[str, str],
+    panels: list[tuple[str, str]],
+    **plot,
+) -> None:
+    """Writes bench/results/NAME.{json,md} (`note` followed by the commands that launched
+    WORKDIR's runs) and NAME.png (`plot_curves` of `labels`' runs, `plot` its options), printing
+    each path and the runs' directory."""
+    from bench.common import RESULTS_DIR, write_results
+
+    print(write_results(name, rows, columns, note + launches(workdir)))
+    png = os.path.join(RESULTS_DIR, name + ".png")
+    print(f"plot: {plot_curves(labels, png, panels, **plot)}")
+    print(f"runs: {workdir}")
+
+
 def plot_curves(
     runs: dict[str, str],
     path: str,

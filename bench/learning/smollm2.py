@@ -67,15 +67,21 @@ def add_options(parser) -> None:
     parser.add_argument("--name", default="", help="results name (default smollm2_learning)")
 
 
-def run_params(args) -> list[str]:
-    """The gin overrides every run shares."""
-    params = [
+def base_params(args, save_every: int) -> list[str]:
+    """The gin overrides of a SmolLM2 experiment's runs: the weights (`--init_from`), steps and
+    evaluations (`--steps`, `--eval_every`, `--eval_size`), a checkpoint every `save_every`."""
+    return [
         f"PolicySpec.init_from = '{os.path.abspath(os.path.expanduser(args.init_from))}'",
         f"RLConfig.total_steps = {args.steps}",
         f"RLConfig.eval_every_steps = {args.eval_every}",
         f"RLConfig.eval_size = {args.eval_size}",
-        f"RLConfig.save_every_steps = {args.save_every}",
+        f"RLConfig.save_every_steps = {save_every}",
     ]
+
+
+def run_params(args) -> list[str]:
+    """The gin overrides every run shares."""
+    params = base_params(args, args.save_every)
     if args.lora:  # rank 8 on every attention and MLP projection (LoraConfig's defaults)
         params += ["rl_main.lora = @LoraConfig()", f"OptimizerConfig.learning_rate = {LORA_LR}"]
     if args.lr:
@@ -164,7 +170,7 @@ def run(args) -> None:
         verdict["control_does_not_rise"] = by_name["shuffled"]["gain_pts"] < CONTROL_MAX_PTS
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
-    from bench.common import RESULTS_DIR, command, write_results
+    from bench.common import command
 
     name = args.name or (RESULTS + ("_smoke" if args.smoke else ""))
     columns = [
@@ -174,9 +180,6 @@ def run(args) -> None:
         ("reward_first10", "reward, first 10 steps"), ("reward_last10", "reward, last 10 steps"),
     ]  # fmt: skip
     note = f"`{command()}` on {DEVICES}x cpu ({os.cpu_count()} cpus); verdict {verdict}"
-    note += runner.launches(workdir)
-    print(write_results(name, rows, columns, note))
     labels = {RUNS[n][0]: dirs[n] for n in names}
-    png = os.path.join(RESULTS_DIR, name + ".png")
-    print(f"plot: {runner.plot_curves(labels, png, PANELS, x='minutes', title=TITLE, dpi=110)}")
-    print(f"runs: {workdir}")
+    runner.write_report(name, rows, columns, note, workdir, labels, PANELS, x="minutes",
+                        title=TITLE, dpi=110)  # fmt: skip
