@@ -117,7 +117,8 @@ def _episode_run(path, accuracies, tool_rates, every=2, step_s=60.0):
     for step in range((len(accuracies) - 1) * every + 1):
         record = {"step": step, "wall_time_s": step_s * step}
         if step:
-            record |= {"reward/mean": 0.2, "time/step_s": step_s}
+            # a step that also evaluated takes longer; the median RL step leaves it out
+            record |= {"reward/mean": 0.2, "time/step_s": step_s + 100.0 * (step % every == 0)}
             record |= {"episode/done_fraction": 0.75, "episode/truncated_fraction": 0.25}
             record |= {"episode/tool_error_fraction": 0.0, "episode/timeout_fraction": 0.0}
             record["episode/malformed_step_fraction"] = 0.1
@@ -151,7 +152,8 @@ def test_tool_use_rows_read_tool_rate_statuses_and_the_verdicts(tmp_path):
     assert verdict["single_turn_gains_less"]
     assert verdict["fixed_lag_within_5_pts_of_sync"] is False  # 32% against 42%
     assert verdict["streaming_within_5_pts_of_sync"] is True  # 40% against 42%
-    assert verdict["fixed_lag_s_per_step_over_sync"] == 0.75
+    assert (rl["step_s_median"], rows["fixed_lag"]["step_s_median"]) == (60.0, 45.0)
+    assert verdict["fixed_lag_step_s_over_sync"] == 0.75
     assert "tool_disabled_gains_less" not in verdict  # no such run: no verdict
 
 
