@@ -112,3 +112,34 @@ def test_a_row_moved_into_its_stopped_siblings_slot_keeps_its_own_tokens(model):
     assert short.lengths_g.tolist() == [1] * 15 + [9]
     np.testing.assert_array_equal(short.tokens_gn[:, 0], full.tokens_gn[:, 0])
     np.testing.assert_array_equal(short.tokens_gn[15], full.tokens_gn[15])
+
+
+def test_fewer_extension_rows_and_finer_widths_pad_less_and_sample_the_same(model):
+    """`extend_min_rows` / `extend_buckets`: two continuations of 3 new tokens among 4 active
+    slots compute 4 rows x 8 by default (rows from min(8, active), widths 8, 16, ...), 2 x 8
+    with a floor of 1 row, 2 x 4 with widths (4, 12) too; the tokens are the same, the
+    log-probs within fp32 rounding of differently shaped calls."""
+    plain, key = SamplingConfig(6, ignore_eos=True), jax.random.key(5)
+    cases = {
+        32: {},
+        16: {"extend_min_rows": 1},
+        8: {"extend_min_rows": 1, "extend_buckets": (4, 12)},
+    }
+    results = []
+    for padded, options in cases.items():
+        engine, params = Engine.for_model(model, num_slots=4, steps_per_call=4, max_total_len=64,
+                                          prompt_buckets=(16, 32), **options)  # fmt: skip
+        first = engine.generate(params, [Request(7, [1, 5, 9], 2, plain, keep_cache=True)], key)
+        histories = [[1, 5, 9, *first[0].tokens_gn[g].tolist(), 40, 41, 42] for g in range(2)]
+        requests = [Request(20 + g, h, 1, plain, continues=(7, g)) for g, h in enumerate(histories)]
+        results.append(engine.generate(params, requests, key))
+        assert engine.stats.extend_tokens == 2 * 3  # its last sampled token, 40 and 41 per row
+        assert engine.stats.extend_padded_tokens == padded, options
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a.tokens_gn, b.tokens_gn)
+            np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-4)
+    with pytest.raises(ValueError, match="extend_min_rows=0"):
+        Engine.for_model(model, num_slots=4, extend_min_rows=0)
+    with pytest.raises(ValueError, match=r"extend_buckets=\(0, 8\)"):
+        Engine.for_model(model, num_slots=4, extend_buckets=(0, 8))

@@ -156,6 +156,12 @@ class Engine(EngineDevice):
         over stacked weights copies each layer's out of the stack every step; the copy is made
         once per weights object passed to `run` and held beside it;
         `jaxrl.generation.engine_programs`).
+      extend_min_rows: the fewest rows a decode call's extension of continued rows computes
+        (`engine_programs.extend_row_buckets`: lo, 2 lo, ...): the padding a few continuations
+        pay against the number of decode programs.
+      extend_buckets: the padded widths (new tokens per row) of those extensions (default:
+        powers of two from 8, and C); finer widths (e.g. 8, 16, 24, 32, 48, 64) pay less for
+        tool replies of a few dozen tokens, for more decode programs.
 
     Use: `submit` requests, then iterate `run(params, key)` for `GroupResult`s as groups finish;
     `cancel(request_id)` frees a request's slots at the next refill. `generate` does all three.
@@ -179,6 +185,8 @@ class Engine(EngineDevice):
         compile_only: bool = False,
         layer_layout: str = "auto",
         weights: str = "native",
+        extend_min_rows: int = 8,
+        extend_buckets: Sequence[int] | None = None,
     ):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules, or neither")
@@ -188,8 +196,11 @@ class Engine(EngineDevice):
                 "the engine runs on a single-process mesh; use the static Sampler for a generator "
                 "mesh that spans processes"
             )
-        if num_slots < 1 or steps_per_call < 1:
-            raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}; need >= 1")
+        if num_slots < 1 or steps_per_call < 1 or extend_min_rows < 1:
+            raise ValueError(
+                f"num_slots={num_slots}, steps_per_call={steps_per_call}, "
+                f"extend_min_rows={extend_min_rows}; need >= 1"
+            )
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
         self.keep_calls = int(keep_calls)
@@ -199,6 +210,9 @@ class Engine(EngineDevice):
         self.max_capacity = int(max_total_len or model_config.max_position_embeddings)
         self.grows = max_total_len is None
         self._asked_buckets = (tuple(prompt_buckets), span_buckets)
+        if extend_buckets is not None and (not extend_buckets or min(extend_buckets) < 1):
+            raise ValueError(f"extend_buckets={extend_buckets}; need widths >= 1 (None: 8, 16..)")
+        self._extend_buckets = None if extend_buckets is None else tuple(sorted(extend_buckets))
         start = min(MIN_CAPACITY, self.max_capacity) if self.grows else self.max_capacity
         self._set_capacity(start)
         self.mesh, self.rules = mesh, rules
@@ -237,6 +251,7 @@ class Engine(EngineDevice):
             stats=self.stats,
             layer_layout=layer_layout,
             weights=weights,  # `GeneratorConfig.weights`: "int8" etc. (`generation.quantize`)
+            extend_min_rows=extend_min_rows,
         )
         if not compile_only and not self.grows:
             self._check_fits(self.capacity)

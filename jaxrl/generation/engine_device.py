@@ -57,7 +57,8 @@ class EngineDevice:
         width = bucket(longest, self.extend_widths(), self.capacity)
         reach = max(start for _, start, _ in rows) + width
         # Rows bucketed (8, 16, 32, ...): a few continuations do not pay for every active slot.
-        count = bucket(len(rows), extend_row_buckets(active), active)
+        buckets = extend_row_buckets(active, self.programs.extend_min_rows)
+        count = bucket(len(rows), buckets, active)
         tokens = np.full((count, width), self.pad_id, np.int32)
         start_r = np.zeros(count, np.int32)
         slot_r = np.full(count, active, np.int32)  # out of range: not written back
@@ -66,7 +67,9 @@ class EngineDevice:
         self.stats.extend_calls += 1
         self.stats.extend_tokens += sum(len(ids) for _, _, ids in rows)
         if reach <= self.capacity:
+            self.stats.extend_padded_tokens += count * width
             return (tokens, start_r, slot_r), reach
+        self.stats.extend_padded_tokens += sum(len(ids) for _, _, ids in rows)
         for r, (slot, start, ids) in enumerate(rows):  # one row per call, its exact width
             one = (tokens[r : r + 1, : len(ids)], start_r[r : r + 1], np.array([slot], np.int32))
             span = bucket(start + len(ids), self.span_buckets, self.capacity)
@@ -165,9 +168,12 @@ class EngineDevice:
         )
 
     def extend_widths(self, longest: int | None = None) -> tuple[int, ...]:
-        """The padded widths of extend calls (powers of two from 8, and the capacity), up to
-        the one that holds `longest` new tokens."""
-        widths = pow2_buckets(min(8, self.capacity), self.capacity)
+        """The padded widths of extend calls (`extend_buckets`, default powers of two from 8;
+        and the capacity), up to the one that holds `longest` new tokens."""
+        if self._extend_buckets is None:
+            widths = pow2_buckets(min(8, self.capacity), self.capacity)
+        else:
+            widths = (*(w for w in self._extend_buckets if w < self.capacity), self.capacity)
         if longest is None:
             return widths
         return tuple(w for w in widths if w < longest) + (bucket(longest, widths, self.capacity),)

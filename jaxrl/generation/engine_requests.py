@@ -119,7 +119,9 @@ class EngineStats:
     swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
     moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
     extend_calls, extend_tokens: decode calls that also ran continued rows' new tokens
-      (`Request.continues`; the new part of each prompt) through the model, and those tokens.
+      (`Request.continues`; the new part of each prompt) through the model, and those tokens;
+      extend_padded_tokens: the positions those extensions computed (rows x width, padding
+      included).
     continued_rows: kept rows continued in their own slots. kept_wait_calls: decode calls that
       ran while such a row waited for its continuation, summed over those rows (0: each
       continuation joined the call right after the one its row stopped in).
@@ -137,6 +139,7 @@ class EngineStats:
     moved_rows: int = 0
     extend_calls: int = 0
     extend_tokens: int = 0
+    extend_padded_tokens: int = 0
     continued_rows: int = 0
     kept_wait_calls: int = 0
 
