@@ -24,7 +24,12 @@ Reported: sampled tokens (loss-masked; observations excluded) per second of `run
 median of `--repeats` timed runs after a warm-up run (compiles), the ratio multi / single; and
 from one more, instrumented, run of each: device seconds in prefill / extend / decode calls
 (each call timed to completion), the number of calls, and the seconds the driver waited with
-nothing to decode for tools.
+nothing to decode for tools. A multi-turn run's shapes depend on when tool replies land, so a
+timed run can meet a program its warm-up did not compile: such a run is run again (up to
+`WARM_TRIES` times; counted in "timed runs that compiled"), so what is timed is the steady
+state of an RL run whose programs exist. `--extend_min_rows` / `--extend_widths` set the
+engine's extension buckets (rows and widths of continued rows' tool replies; the "extended
+positions, padded" column against the "tool-reply tokens extended").
 
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
@@ -70,6 +75,7 @@ from jaxrl.tasks.tokenizer import build_arithmetic_tokenizer
 from jaxrl.train.steps import sft_loss
 
 G = 8
+WARM_TRIES = 3  # warm-up runs of a multi-turn seed at most, until one compiles nothing
 
 
 def sft_policy(preset, source, tokenizer, steps: int, seq_len: int, cache_dir: str | None):
@@ -264,6 +270,8 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         max_total_len=min(max_len, budget.max_total_tokens),
         prompt_buckets=work.prompt_buckets,
         keep_calls=args.keep_calls,
+        extend_min_rows=args.extend_min_rows,
+        extend_buckets=args.extend_widths,
     )
     sampling = SamplingConfig(
         budget.max_turn_tokens, temperature=work.temperature, stop_ids=work.stop_ids
@@ -348,34 +356,55 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     singles = ("lengths", "lockstep")
     for kind in singles:
         single(kind, 0)
-    if warm_each:  # not precompiled: each timed run once first, so none compiles
+    if warm_each:  # not precompiled: each timed run first, again while it compiles (a
+        # multi-turn run's shapes depend on when tool replies land, so one warm-up may miss some)
         for seed in (*range(1, args.repeats + 1), 99):  # 99: the instrumented run
             for kind in singles:
                 single(kind, seed)
             for mode in continue_modes:
-                multi(mode, seed)
+                for _ in range(WARM_TRIES):
+                    before = engine.stats.num_traces
+                    multi(mode, seed)
+                    if engine.stats.num_traces == before:
+                        break
 
     times = {k: [] for k in (*singles, *continue_modes)}
+    # Timed runs that compiled a program are run again (up to WARM_TRIES times): what is timed
+    # is the steady state an RL run reaches once its programs exist. Counted per path.
+    compiles = dict.fromkeys(times, 0)
     sampled = {}
+
+    def steady(fn, path, seed):
+        for _ in range(WARM_TRIES):
+            before = engine.stats.num_traces
+            seconds, out = fn(path, seed)
+            if engine.stats.num_traces == before:
+                break
+            compiles[path] += 1
+        return seconds, out
+
     for r in range(args.repeats):
         for kind in singles:
-            seconds, n = single(kind, r + 1)
+            seconds, n = steady(single, kind, r + 1)
             times[kind].append(seconds)
             sampled[kind] = n
         for mode in continue_modes:
-            seconds, trajectories = multi(mode, r + 1)
+            seconds, trajectories = steady(multi, mode, r + 1)
             times[mode].append(seconds)
             sampled[mode] = sum(sum(t.loss_mask) for t in trajectories)
             sampled[mode, "traj"] = trajectories
 
     def split(fn):
-        before = dataclasses.asdict(engine.stats)
-        waited["s"] = 0.0
-        with Timed(engine) as timed:
-            start = time.perf_counter()
-            fn()
-            wall = time.perf_counter() - start
-        stats = _stats_delta(engine, before)
+        for _ in range(WARM_TRIES):  # as `steady`: a run that compiled is run again
+            before = dataclasses.asdict(engine.stats)
+            waited["s"] = 0.0
+            with Timed(engine) as timed:
+                start = time.perf_counter()
+                fn()
+                wall = time.perf_counter() - start
+            stats = _stats_delta(engine, before)
+            if not stats["num_traces"]:
+                break
         device = sum(timed.seconds.values())
         return {
             "prefill_s": round(timed.seconds.get("prefill", 0.0), 3),
@@ -387,6 +416,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "decode_calls": timed.calls.get("decode", 0),
             "prefill_tokens": stats["prefill_tokens"],
             "extend_tokens": stats.get("extend_tokens", 0),
+            "extend_padded_tokens": stats.get("extend_padded_tokens", 0),
             "utilisation": round(stats["kept_tokens"] / max(stats["slot_steps"], 1), 3),
             "tool_wait_s": round(waited["s"], 3),
             "host_s": round(wall - device - waited["s"], 3),
@@ -402,6 +432,8 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "episodes": len(items) * G,
         "slots": args.slots,
         "steps_per_call": args.steps_per_call,
+        "extend_min_rows": args.extend_min_rows,
+        "extend_widths": list(args.extend_widths or ()),
         "sft_steps": args.sft_steps,
         "sft_loss": round(work.sft_loss, 3),
         "sft_s": round(work.sft_s, 1),
@@ -416,6 +448,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "ratio": round(single_tps[kind] / single_tps["lengths"], 3),
             "ratio_lockstep": round(single_tps[kind] / single_tps["lockstep"], 3),
             "wall_s": round(statistics.median(times[kind]), 3),
+            "timed_compiles": compiles[kind],
         }
         row |= split(lambda kind=kind: single(kind, 99))
         rows.append(row)
@@ -432,6 +465,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "ratio": round(tps / single_tps["lengths"], 3),
             "ratio_lockstep": round(tps / single_tps["lockstep"], 3),
             "wall_s": round(statistics.median(times[mode]), 3),
+            "timed_compiles": compiles[mode],
         }
         row |= split(lambda mode=mode: multi(mode, 99))
         rows.append(row)
@@ -502,6 +536,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tool_workers", type=int, default=8)
     parser.add_argument("--tool_grace_s", type=float, default=0.005)
     parser.add_argument("--keep_calls", type=int, default=0)
+    parser.add_argument(
+        "--extend_min_rows", type=int, default=8,
+        help="fewest rows a decode call's extension computes (Engine.extend_min_rows)",
+    )  # fmt: skip
     parser.add_argument("--sft_steps", type=int, default=300)
     parser.add_argument("--sft_cache", default=None, help="directory for the SFT'd params")
     parser.add_argument("--chained", action="store_true", help="a*b+c*d: four turns")
@@ -516,6 +554,10 @@ def main(argv=None) -> None:
         "--hf_dir", default="",
         help="a pretrained chat model (SmolLM2-135M-Instruct): its ChatML calculator episodes "
         "instead of the presets' (--models names its rows)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--extend_widths", type=lambda v: tuple(int(w) for w in v.split(",")), default=None,
+        help="comma list of extension widths (Engine.extend_buckets; default 8, 16, 32, ...)",
     )  # fmt: skip
     parser.add_argument("--name", default=None, help="results file name (default multiturn)")
     parser.add_argument("--paths", default="slot,request", help="multi-turn paths to run")
@@ -559,10 +601,13 @@ def main(argv=None) -> None:
         ("decode_calls", "decode calls"),
         ("prefill_s", "prefill s"),
         ("decode_s", "decode s"),
+        ("extend_tokens", "tool-reply tokens extended"),
+        ("extend_padded_tokens", "extended positions, padded"),
         ("tool_wait_s", "tool wait s"),
         ("host_s", "host s"),
         ("kept_wait_calls", "calls continuations waited"),
         ("utilisation", "slot utilisation"),
+        ("timed_compiles", "timed runs that compiled (run again)"),
     ]
     name = args.name or ("multiturn_smoke" if args.smoke else "multiturn")
     print(write_results(name, rows, columns, _note()))
