@@ -24,11 +24,12 @@ held-out problems every `--eval_every` steps (step 0 included): eval/accuracy an
 eval/tool_call_rate (the share of episodes with a call). Reports per run: steps, s / step
 (evaluations included) and the median seconds of an RL step alone (steps that evaluated left
 out: the async modes' wall-clock against sync), tool-call rate and accuracy at the start and
-at the end (mean of the last 2 evaluations), the gain, the mean train reward of the first and last 10 steps, and how episodes ended (the mean
-over steps of the share done / truncated / tool_error / timeout, and of malformed calls among
-steps). The verdicts of issue 55: rl's greedy tool-call rate >= 80% and gain >= 25 points within
-2 hours; each control's gain below rl's; the async runs within 5 points of rl's accuracy at
-equal steps. Writes bench/results/NAME.{json,md,png}.
+at the end (mean of the last 2 evaluations), the gain, the mean train reward of the first and
+last 10 steps, and how episodes ended (the mean over steps of the share done / truncated /
+tool_error / timeout, and of malformed calls among steps). The verdicts of issue 55: rl's
+greedy tool-call rate >= 80% and gain >= 25 points within 2 hours; each control's gain below
+rl's; the async runs within 5 points of rl's accuracy at equal steps, and their median RL step
+over sync's. Writes bench/results/NAME.{json,md,png}.
 
     python -m bench learning calc-smollm2 --init_from ~/.cache/jaxrl/smollm2-135m-instruct
     python -m bench learning calc-smollm2 --init_from DIR --runs rl,single_turn --minutes 30
