@@ -362,6 +362,8 @@ def build_feed(
         "generator": gen.kind,
         "num_slots": gen.slots or feed_class(rl).engine_slots(rl),
         "steps_per_call": min(gen.steps_per_call, rl.max_new_tokens),
+        "extend_min_rows": gen.extend_min_rows,
+        "extend_widths": gen.extend_widths,
         "max_total_len": gen.max_len or None,
     }
     role, gen_mesh = place.role, place.gen_mesh

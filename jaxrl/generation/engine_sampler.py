@@ -73,6 +73,8 @@ class EngineSampler:
         rules: ax.LogicalRules | None = None,
         precompile: bool = False,
         weights: str = "native",
+        extend_min_rows: int = 8,
+        extend_buckets: Sequence[int] | None = None,
     ):
         self.graphdef, self.model_config = graphdef, model_config
         self.precompile = precompile
@@ -101,6 +103,8 @@ class EngineSampler:
             mesh=mesh,
             rules=rules,
             weights=weights,
+            extend_min_rows=extend_min_rows,
+            extend_buckets=extend_buckets,
         )
 
     @classmethod
@@ -207,6 +211,7 @@ def make_sampler(
             )
         kind = "static"
     precompile = kwargs.pop("precompile", False)
+    extension = {k: kwargs.pop(k) for k in ("extend_min_rows", "extend_buckets") if k in kwargs}
     if kind == "static" and kwargs.get("weights", "native") != "native":
         raise ValueError(
             f"generator weights {kwargs['weights']!r} need the engine (single-process generator "
@@ -216,5 +221,5 @@ def make_sampler(
         return cls_static(graphdef, model_config, **kwargs)
     return cls_engine(
         graphdef, model_config, num_slots=num_slots, steps_per_call=steps_per_call,
-        precompile=precompile, **kwargs,
+        precompile=precompile, **extension, **kwargs,
     )  # fmt: skip

@@ -45,6 +45,12 @@ class GeneratorConfig:
       of one generate call, num_prompts x oversample x samples_per_prompt; streaming:
       num_prompts x samples_per_prompt, one step's groups in flight).
     steps_per_call: decode steps per device call (capped at max_new_tokens).
+    extend_min_rows, extend_widths (multi-turn episodes continued in their slots): the fewest
+      rows, and the padded widths (() : 8, 16, 32, ...), of the tool replies a decode call runs
+      through the model (`Engine.extend_min_rows` / `extend_buckets`); on a model whose forward
+      costs what its tokens cost (135M on CPU), e.g. 1 and (8, 16, 24, 32, 40, 48, 64) pay for
+      the replies' tokens, not 8 rows of a power-of-two width, at the price of more decode
+      programs to compile (docs/multiturn_chat.md).
     max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
       from the prompts it gets, the next power of two above the longest prompt +
       max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
@@ -79,6 +85,8 @@ class GeneratorConfig:
     dtype: str = "auto"
     slots: int = 0
     steps_per_call: int = 8
+    extend_min_rows: int = 8
+    extend_widths: tuple[int, ...] = ()
     max_len: int = 0
     precompile: bool = False
     weights: str = "native"
@@ -110,6 +118,11 @@ class GeneratorConfig:
                 f"GeneratorConfig.mismatch={self.mismatch!r} compares an 8-bit generator with "
                 "the weights it was quantized from; weights='native' has no mismatch: set "
                 "GeneratorConfig.weights (e.g. 'int8') or mismatch='auto'"
+            )
+        if self.extend_min_rows < 1 or any(int(w) < 1 for w in self.extend_widths):
+            raise ValueError(
+                f"GeneratorConfig.extend_min_rows={self.extend_min_rows}, extend_widths="
+                f"{self.extend_widths}: need a row floor >= 1 and widths >= 1 (() : the default)"
             )
         if self.slots < 0 or self.steps_per_call < 1 or self.max_len < 0:
             raise ValueError(
@@ -208,13 +221,16 @@ def mesh_sampler(
     steps_per_call: int = 8,
     precompile: bool = False,
     weights: str = "native",
+    extend_min_rows: int = 8,
+    extend_widths: Sequence[int] = (),
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
     `prompt_buckets`: the padded prompt lengths (one compile each; train batches are padded to
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
-    first use, `weights` its weight format: `GeneratorConfig.weights`) or "static"
+    first use, `weights` its weight format: `GeneratorConfig.weights`, `extend_min_rows` /
+    `extend_widths` its extension buckets: `GeneratorConfig`'s) or "static"
     (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
@@ -231,6 +247,8 @@ def mesh_sampler(
         num_slots=num_slots,
         steps_per_call=steps_per_call,
         precompile=precompile,
+        extend_min_rows=extend_min_rows,
+        extend_buckets=tuple(extend_widths) or None,
         **quantized,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
