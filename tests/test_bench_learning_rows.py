@@ -181,3 +181,25 @@ def test_the_mismatch_kl_is_compared_paired_by_step(tmp_path):
         "".join(json.dumps({"step": s, "gen/mismatch_kl": 0.1}) + "\n" for s in (1, 2, 3))
     )
     assert quantized.paired_kl(str(tmp_path / "int8"), str(tmp_path / "short")) == {}
+
+
+def test_a_run_keeps_its_colour_in_panels_where_an_earlier_run_is_missing(tmp_path, monkeypatch):
+    """`runner.plot_curves`: a single-turn run has no tool-call rate; the runs after it keep
+    the colour they have in the other panels (one colour per run, not per panel's cycle)."""
+    import matplotlib.figure
+
+    from bench.learning import runner
+
+    _episode_run(tmp_path / "single_turn", [0.02, 0.03], None)
+    _episode_run(tmp_path / "rl", [0.1, 0.4], [0.5, 0.9])
+    figures = []
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig)
+    )
+    runs = {"single": str(tmp_path / "single_turn"), "rl": str(tmp_path / "rl")}
+    panels = [("eval/accuracy", "accuracy"), ("eval/tool_call_rate", "tool-call rate")]
+    runner.plot_curves(runs, str(tmp_path / "p.png"), panels)
+    accuracy, tool_rate = figures[0].axes[:2]
+    colours = {line.get_label(): line.get_color() for line in accuracy.lines}
+    assert [line.get_label() for line in tool_rate.lines] == ["rl"]
+    assert tool_rate.lines[0].get_color() == colours["rl"] != colours["single"]

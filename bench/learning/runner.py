@@ -244,7 +244,10 @@ def plot_curves(
                              sharey=share)  # fmt: skip
     axes = list(axes) if len(panels) > 1 else [axes]
     start = None
-    for label, workdir in runs.items():
+    # One colour per run, not per panel's own cycle: a run missing from a panel (a single-turn
+    # run has no tool-call rate) must not shift the colours of the runs after it.
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, workdir) in enumerate(runs.items()):
         records = read(os.path.join(workdir, "metrics.jsonl"), until_step)
         for ax, (key, _) in zip(axes, panels, strict=True):
             points = [r for r in records if key in r]
@@ -254,8 +257,9 @@ def plot_curves(
                 xs = [r["step"] for r in points]
             else:
                 xs = [(r["wall_time_s"] - records[0]["wall_time_s"]) / 60 for r in points]
-            marker = {"marker": "o"} if key.startswith("eval/") else {"alpha": 0.7}
-            ax.plot(xs, [r[key] for r in points], label=label, **marker)
+            style = {"marker": "o"} if key.startswith("eval/") else {"alpha": 0.7}
+            style["color"] = cycle[i % len(cycle)]
+            ax.plot(xs, [r[key] for r in points], label=label, **style)
             if start is None and ax is axes[0]:
                 start = points[0][key]
     for ax, (_, panel_title) in zip(axes, panels, strict=True):
