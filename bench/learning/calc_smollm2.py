@@ -111,12 +111,12 @@ def summarise(name: str, label: str, workdir: str) -> dict:
         last = evals[-2:]
         row["acc_start"] = evals[0]["eval/accuracy"]
         row["acc_end"] = round(statistics.mean(r["eval/accuracy"] for r in last), 4)
-        row["gain_pts"] = round(100 * (row["acc_end"] - row["acc_start"]), 1)
+        row["gain_pts"] = round(100 * (row["acc_end"] - row["acc_start"]), 1) + 0.0  # not -0
         if "eval/tool_call_rate" in evals[0]:
             row["tool_start"] = evals[0]["eval/tool_call_rate"]
             row["tool_end"] = round(statistics.mean(r["eval/tool_call_rate"] for r in last), 4)
         within = [r for r in evals if r["wall_time_s"] - evals[0]["wall_time_s"] <= BUDGET_S]
-        row["gain_pts_2h"] = round(100 * (within[-1]["eval/accuracy"] - row["acc_start"]), 1)
+        row["gain_pts_2h"] = round(100 * (within[-1]["eval/accuracy"] - row["acc_start"]), 1) + 0.0
         if "eval/tool_call_rate" in within[-1]:
             row["tool_2h"] = within[-1]["eval/tool_call_rate"]
         row["evals"] = len(evals)
