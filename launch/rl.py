@@ -364,6 +364,7 @@ def build_feed(
         "steps_per_call": min(gen.steps_per_call, rl.max_new_tokens),
         "extend_min_rows": gen.extend_min_rows,
         "extend_widths": gen.extend_widths,
+        "keep_calls": gen.keep_calls,
         "max_total_len": gen.max_len or None,
     }
     role, gen_mesh = place.role, place.gen_mesh

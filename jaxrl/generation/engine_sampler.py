@@ -75,6 +75,7 @@ class EngineSampler:
         weights: str = "native",
         extend_min_rows: int = 8,
         extend_buckets: Sequence[int] | None = None,
+        keep_calls: int = 0,
     ):
         self.graphdef, self.model_config = graphdef, model_config
         self.precompile = precompile
@@ -105,6 +106,7 @@ class EngineSampler:
             weights=weights,
             extend_min_rows=extend_min_rows,
             extend_buckets=extend_buckets,
+            keep_calls=keep_calls,
         )
 
     @classmethod
@@ -211,7 +213,8 @@ def make_sampler(
             )
         kind = "static"
     precompile = kwargs.pop("precompile", False)
-    extension = {k: kwargs.pop(k) for k in ("extend_min_rows", "extend_buckets") if k in kwargs}
+    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls")
+    extension = {k: kwargs.pop(k) for k in engine_only if k in kwargs}
     if kind == "static" and kwargs.get("weights", "native") != "native":
         raise ValueError(
             f"generator weights {kwargs['weights']!r} need the engine (single-process generator "

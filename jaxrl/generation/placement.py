@@ -51,6 +51,9 @@ class GeneratorConfig:
       costs what its tokens cost (135M on CPU), e.g. 1 and (8, 16, 24, 32, 40, 48, 64) pay for
       the replies' tokens, not 8 rows of a power-of-two width, at the price of more decode
       programs to compile (docs/multiturn_chat.md).
+    keep_calls (multi-turn): decode calls a row waiting for its tool reply keeps its slot (and
+      KV cache) against queued episodes short of slots (`Engine.keep_calls`; 0: it gives way at
+      once, and its next turn is prefilled again in full when the reply comes).
     max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
       from the prompts it gets, the next power of two above the longest prompt +
       max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
@@ -87,6 +90,7 @@ class GeneratorConfig:
     steps_per_call: int = 8
     extend_min_rows: int = 8
     extend_widths: tuple[int, ...] = ()
+    keep_calls: int = 0
     max_len: int = 0
     precompile: bool = False
     weights: str = "native"
@@ -118,6 +122,11 @@ class GeneratorConfig:
                 f"GeneratorConfig.mismatch={self.mismatch!r} compares an 8-bit generator with "
                 "the weights it was quantized from; weights='native' has no mismatch: set "
                 "GeneratorConfig.weights (e.g. 'int8') or mismatch='auto'"
+            )
+        if self.keep_calls < 0:
+            raise ValueError(
+                f"GeneratorConfig.keep_calls={self.keep_calls}; need >= 0 (0: a kept row gives "
+                "way at once)"
             )
         if self.extend_min_rows < 1 or any(int(w) < 1 for w in self.extend_widths):
             raise ValueError(
@@ -223,6 +232,7 @@ def mesh_sampler(
     weights: str = "native",
     extend_min_rows: int = 8,
     extend_widths: Sequence[int] = (),
+    keep_calls: int = 0,
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
@@ -230,7 +240,7 @@ def mesh_sampler(
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
     first use, `weights` its weight format: `GeneratorConfig.weights`, `extend_min_rows` /
-    `extend_widths` its extension buckets: `GeneratorConfig`'s) or "static"
+    `extend_widths` its extension buckets and `keep_calls`: `GeneratorConfig`'s) or "static"
     (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
@@ -249,6 +259,7 @@ def mesh_sampler(
         precompile=precompile,
         extend_min_rows=extend_min_rows,
         extend_buckets=tuple(extend_widths) or None,
+        keep_calls=keep_calls,
         **quantized,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
