@@ -34,7 +34,8 @@ positions, padded" column against the "tool-reply tokens extended").
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
     python -m bench.multiturn --smoke    # seconds: bench/results/multiturn_smoke.*
-    python -m bench.multiturn --hf_dir ~/.cache/jaxrl/smollm2-135m-instruct --name multiturn_smollm2
+    python -m bench.multiturn --hf_dir ~/.cache/jaxrl/smollm2-135m-instruct --prompts 8 \
+        --paths slot --name multiturn_smollm2_p8   # docs/multiturn_chat.md
     python -m bench.multiturn --extension_cost   # a decode call with 0-32 continued rows
 
 From the instrumented run also: host seconds (its wall time less the device calls and the
@@ -433,6 +434,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "slots": args.slots,
         "steps_per_call": args.steps_per_call,
         "extend_min_rows": args.extend_min_rows,
+        "keep_calls": args.keep_calls,
         "extend_widths": list(args.extend_widths or ()),
         "sft_steps": args.sft_steps,
         "sft_loss": round(work.sft_loss, 3),
