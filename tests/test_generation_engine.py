@@ -394,11 +394,11 @@ def test_generator_extension_buckets_reach_the_engine(tiny_model):
     sampler = make_sampler("engine", graphdef, config, num_slots=32, extend_min_rows=2,
                            extend_buckets=(8, 24, 40), keep_calls=1, **common)  # fmt: skip
     engine = sampler.engine
-    assert engine.programs.extend_min_rows == 2 and engine.extend_widths() == (8, 24, 40, 64)
+    assert engine.extend_min_rows == 2 and engine.extend_widths() == (8, 24, 40, 64)
     assert engine.keep_calls == 1
     assert engine.extend_widths(20) == (8, 24)  # up to the one that holds 20 new tokens
     default = make_sampler("engine", graphdef, config, num_slots=32, **common).engine
-    assert default.programs.extend_min_rows == 8 and default.extend_widths() == (8, 16, 32, 64)
+    assert default.extend_min_rows == 8 and default.extend_widths() == (8, 16, 32, 64)
     assert default.keep_calls == 0
     static = make_sampler("static", graphdef, config, extend_min_rows=2, **common)
     assert not hasattr(static, "engine")

@@ -156,12 +156,9 @@ class Engine(EngineDevice):
         over stacked weights copies each layer's out of the stack every step; the copy is made
         once per weights object passed to `run` and held beside it;
         `jaxrl.generation.engine_programs`).
-      extend_min_rows: the fewest rows a decode call's extension of continued rows computes
-        (`engine_programs.extend_row_buckets`: lo, 2 lo, ...): the padding a few continuations
-        pay against the number of decode programs.
-      extend_buckets: the padded widths (new tokens per row) of those extensions (default:
-        powers of two from 8, and C); finer widths (e.g. 8, 16, 24, 32, 48, 64) pay less for
-        tool replies of a few dozen tokens, for more decode programs.
+      extend_min_rows, extend_buckets: the fewest rows (`extend_row_buckets`) and the padded
+        widths (default 8, 16, 32, ..., C) of a decode call's extension of continued rows: the
+        padding a few tool replies pay against the number of decode programs to compile.
 
     Use: `submit` requests, then iterate `run(params, key)` for `GroupResult`s as groups finish;
     `cancel(request_id)` frees a request's slots at the next refill. `generate` does all three.
@@ -196,14 +193,12 @@ class Engine(EngineDevice):
                 "the engine runs on a single-process mesh; use the static Sampler for a generator "
                 "mesh that spans processes"
             )
-        if num_slots < 1 or steps_per_call < 1 or extend_min_rows < 1:
-            raise ValueError(
-                f"num_slots={num_slots}, steps_per_call={steps_per_call}, "
-                f"extend_min_rows={extend_min_rows}; need >= 1"
-            )
+        if min(num_slots, steps_per_call, extend_min_rows) < 1:
+            raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}, "
+                             f"extend_min_rows={extend_min_rows}; need >= 1")  # fmt: skip
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
-        self.keep_calls = int(keep_calls)
+        self.keep_calls, self.extend_min_rows = int(keep_calls), int(extend_min_rows)
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
         # The longest prompt + completion accepted; the cache spans `capacity <= max_capacity`
         # positions, grown with the requests when no max_total_len is given.
@@ -251,7 +246,6 @@ class Engine(EngineDevice):
             stats=self.stats,
             layer_layout=layer_layout,
             weights=weights,  # `GeneratorConfig.weights`: "int8" etc. (`generation.quantize`)
-            extend_min_rows=extend_min_rows,
         )
         if not compile_only and not self.grows:
             self._check_fits(self.capacity)

@@ -57,7 +57,7 @@ class EngineDevice:
         width = bucket(longest, self.extend_widths(), self.capacity)
         reach = max(start for _, start, _ in rows) + width
         # Rows bucketed (8, 16, 32, ...): a few continuations do not pay for every active slot.
-        buckets = extend_row_buckets(active, self.programs.extend_min_rows)
+        buckets = extend_row_buckets(active, self.extend_min_rows)
         count = bucket(len(rows), buckets, active)
         tokens = np.full((count, width), self.pad_id, np.int32)
         start_r = np.zeros(count, np.int32)
@@ -164,6 +164,7 @@ class EngineDevice:
             max_prompt_len=max_prompt_len,
             recompute=recompute,
             extend_widths=None if max_extend_len is None else self.extend_widths(max_extend_len),
+            extend_min_rows=self.extend_min_rows,
             progress=progress,
         )
 

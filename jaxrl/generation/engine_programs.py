@@ -104,12 +104,9 @@ def _copy_rows(full, new, dest_s, src_s, axis: int):
 
 
 def extend_row_buckets(active: int, lo: int = 8) -> tuple[int, ...]:
-    """Row counts of a decode call's extension of continued rows among `active` slots: `lo`,
-    2 `lo`, ... up to all of them. The extension's forward runs every bucketed row, so a call
-    that continues 9 rows of 32 pays for 16, not 32 (measured on rlbench-tiny at span 128: 8
-    rows add 7 ms to a 51 ms call, 32 rows 33 ms). A smaller `lo` pays less for a few rows
-    where the forward's cost is in its tokens (a 135M model on CPU), at the price of more
-    decode programs to compile."""
+    """Row counts of an extension of continued rows among `active` slots: lo, 2 lo, ... up to
+    all. Every bucketed row runs (rlbench-tiny, span 128: 8 rows add 7 ms to a 51 ms call, 32
+    rows 33 ms); a smaller `lo` pays less where a forward costs its tokens, for more programs."""
     return pow2_buckets(min(lo, active), active)
 
 
@@ -143,10 +140,8 @@ class EnginePrograms:
         stats: EngineStats,
         layer_layout: str = "auto",
         weights: str = "native",
-        extend_min_rows: int = 8,
     ):
         self.mesh, self.rules, self.stats = mesh, rules, stats
-        self.extend_min_rows = int(extend_min_rows)
         self.unstack = unrolls(graphdef, model_config, mesh, rules, layer_layout)
         self._converted: tuple[Any, Any] | None = None  # (weights passed in, the engine's copy)
         self._unstack_q = None  # `unstack` of a tree pushed already quantized
@@ -244,6 +239,7 @@ class EnginePrograms:
         max_prompt_len: int | None,
         recompute: bool,
         extend_widths: Sequence[int] | None,
+        extend_min_rows: int,
         progress: Callable[[str], None] | None,
     ) -> int:
         """Compiles each program `Engine.precompile` names (its docstring) for `params`, `cache`
@@ -279,7 +275,7 @@ class EnginePrograms:
                 static = {"sampling": config, "span": span, "active": active}
                 jobs.append(("decode", (params, cache, state, key_data), static))
                 for width in (w for w in extend_widths or () if w < span):
-                    for count in extend_row_buckets(active, self.extend_min_rows):
+                    for count in extend_row_buckets(active, extend_min_rows):
                         rows = np.zeros(count, np.int32)
                         extend = (np.zeros((count, width), np.int32), rows, rows)
                         jobs.append(("decode", (params, cache, state, key_data, extend), static))
