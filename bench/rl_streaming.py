@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -255,6 +256,8 @@ def main(argv=None) -> list[dict]:
     ]  # fmt: skip
     name = args.name or ("rl_streaming_smoke" if args.smoke else "rl_streaming")
     print(write_results(name, rows, columns, note))
+    if not args.workdir:  # the runs' scratch directory made above
+        shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
