@@ -357,32 +357,28 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
     singles = ("lengths", "lockstep")
     for kind in singles:
         single(kind, 0)
+    times = {k: [] for k in (*singles, *continue_modes)}
+    # A run that compiled a program is run again (up to WARM_TRIES times): what is timed is the
+    # steady state an RL run reaches once its programs exist. Timed runs count them per path.
+    compiles = dict.fromkeys(times, 0)
+    sampled = {}
+
+    def steady(fn, path, seed, counts=True):
+        for _ in range(WARM_TRIES):
+            before = engine.stats.num_traces
+            seconds, out = fn(path, seed)
+            if engine.stats.num_traces == before:
+                break
+            compiles[path] += counts
+        return seconds, out
+
     if warm_each:  # not precompiled: each timed run first, again while it compiles (a
         # multi-turn run's shapes depend on when tool replies land, so one warm-up may miss some)
         for seed in (*range(1, args.repeats + 1), 99):  # 99: the instrumented run
             for kind in singles:
                 single(kind, seed)
             for mode in continue_modes:
-                for _ in range(WARM_TRIES):
-                    before = engine.stats.num_traces
-                    multi(mode, seed)
-                    if engine.stats.num_traces == before:
-                        break
-
-    times = {k: [] for k in (*singles, *continue_modes)}
-    # Timed runs that compiled a program are run again (up to WARM_TRIES times): what is timed
-    # is the steady state an RL run reaches once its programs exist. Counted per path.
-    compiles = dict.fromkeys(times, 0)
-    sampled = {}
-
-    def steady(fn, path, seed):
-        for _ in range(WARM_TRIES):
-            before = engine.stats.num_traces
-            seconds, out = fn(path, seed)
-            if engine.stats.num_traces == before:
-                break
-            compiles[path] += 1
-        return seconds, out
+                steady(multi, mode, seed, counts=False)
 
     for r in range(args.repeats):
         for kind in singles:

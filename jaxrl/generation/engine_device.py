@@ -56,7 +56,8 @@ class EngineDevice:
         longest = max(len(ids) for _, _, ids in rows)
         width = bucket(longest, self.extend_widths(), self.capacity)
         reach = max(start for _, start, _ in rows) + width
-        # Rows bucketed (8, 16, 32, ...): a few continuations do not pay for every active slot.
+        # Rows bucketed (extend_min_rows, twice that, ...): a few continuations do not pay for
+        # every active slot.
         buckets = extend_row_buckets(active, self.extend_min_rows)
         count = bucket(len(rows), buckets, active)
         tokens = np.full((count, width), self.pad_id, np.int32)

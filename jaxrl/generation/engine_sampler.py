@@ -214,7 +214,7 @@ def make_sampler(
         kind = "static"
     precompile = kwargs.pop("precompile", False)
     engine_only = ("extend_min_rows", "extend_buckets", "keep_calls")
-    extension = {k: kwargs.pop(k) for k in engine_only if k in kwargs}
+    engine_args = {k: kwargs.pop(k) for k in engine_only if k in kwargs}
     if kind == "static" and kwargs.get("weights", "native") != "native":
         raise ValueError(
             f"generator weights {kwargs['weights']!r} need the engine (single-process generator "
@@ -224,5 +224,5 @@ def make_sampler(
         return cls_static(graphdef, model_config, **kwargs)
     return cls_engine(
         graphdef, model_config, num_slots=num_slots, steps_per_call=steps_per_call,
-        precompile=precompile, **extension, **kwargs,
+        precompile=precompile, **engine_args, **kwargs,
     )  # fmt: skip
