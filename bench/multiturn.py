@@ -271,6 +271,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         max_total_len=min(max_len, budget.max_total_tokens),
         prompt_buckets=work.prompt_buckets,
         keep_calls=args.keep_calls,
+        exit_stops=args.exit_stops,
         extend_min_rows=args.extend_min_rows,
         extend_buckets=args.extend_widths,
     )
@@ -411,6 +412,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "prefill_calls": timed.calls.get("prefill", 0),
             "extend_calls": stats["extend_calls"],
             "decode_calls": timed.calls.get("decode", 0),
+            "early_exits": stats.get("early_exits", 0),
             "prefill_tokens": stats["prefill_tokens"],
             "extend_tokens": stats.get("extend_tokens", 0),
             "extend_padded_tokens": stats.get("extend_padded_tokens", 0),
@@ -431,6 +433,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "steps_per_call": args.steps_per_call,
         "extend_min_rows": args.extend_min_rows,
         "keep_calls": args.keep_calls,
+        "exit_stops": args.exit_stops,
         "extend_widths": list(args.extend_widths or ()),
         "sft_steps": args.sft_steps,
         "sft_loss": round(work.sft_loss, 3),
@@ -497,7 +500,7 @@ def extension_cost(preset: str, args) -> list[dict]:
             start = time.perf_counter()
             cache, *_ = jax.block_until_ready(programs.run(
                 "decode", params, cache, tuple(programs.place_rows(x) for x in state),
-                key_data, *extend, sampling=sampling, span=span, active=active,
+                key_data, np.int32(0), *extend, sampling=sampling, span=span, active=active,
             ))  # fmt: skip
             if repeat >= 2:  # the first two compile and warm up
                 times[rows].append(time.perf_counter() - start)
@@ -534,6 +537,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tool_workers", type=int, default=8)
     parser.add_argument("--tool_grace_s", type=float, default=0.005)
     parser.add_argument("--keep_calls", type=int, default=0)
+    parser.add_argument(
+        "--exit_stops", type=int, default=0,
+        help="a decode call ends once this many rows stopped while work waits (Engine.exit_stops)",
+    )  # fmt: skip
     parser.add_argument(
         "--extend_min_rows", type=int, default=8,
         help="fewest rows a decode call's extension computes (Engine.extend_min_rows)",
@@ -604,6 +611,7 @@ def main(argv=None) -> None:
         ("tool_wait_s", "tool wait s"),
         ("host_s", "host s"),
         ("kept_wait_calls", "calls continuations waited"),
+        ("early_exits", "decode calls ended early"),
         ("utilisation", "slot utilisation"),
         ("timed_compiles", "timed runs that compiled (run again)"),
     ]

@@ -365,6 +365,7 @@ def build_feed(
         "extend_min_rows": gen.extend_min_rows,
         "extend_widths": gen.extend_widths,
         "keep_calls": gen.keep_calls,
+        "exit_stops": gen.exit_stops,
         "max_total_len": gen.max_len or None,
     }
     role, gen_mesh = place.role, place.gen_mesh

@@ -143,3 +143,33 @@ def test_fewer_extension_rows_and_finer_widths_pad_less_and_sample_the_same(mode
         Engine.for_model(model, num_slots=4, extend_min_rows=0)
     with pytest.raises(ValueError, match=r"extend_buckets=\(0, 8\)"):
         Engine.for_model(model, num_slots=4, extend_buckets=(0, 8))
+
+
+def test_calls_that_end_at_their_first_stops_sample_the_same_in_fewer_slot_steps(model):
+    """`exit_stops`: six requests of budgets 3..13 on 4 slots, then a multi-turn row's next turn,
+    at 8 steps per call. Calls that end once one row has stopped (while requests wait, or while
+    a row that keeps its cache runs) give the same tokens in fewer slot-steps."""
+    cfg, key = SamplingConfig(16, ignore_eos=True), jax.random.key(3)
+    runs = []
+    for stops in (0, 1):
+        engine, params = Engine.for_model(model, num_slots=4, steps_per_call=8, max_total_len=64,
+                                          prompt_buckets=(16, 32), exit_stops=stops)  # fmt: skip
+        batch = [Request(i, [1, 5 + i, 9], 1, cfg, sample_budgets=(3 + 2 * i,)) for i in range(6)]
+        first = engine.generate(params, batch, key)
+        calls = engine.stats.decode_calls
+        turn = Request(30, [1, 5, 9], 1, cfg, sample_budgets=(3,), keep_cache=True)
+        other = Request(31, [1, 6, 9], 1, cfg, sample_budgets=(12,))
+        second = engine.generate(params, [turn, other], key)
+        history = [1, 5, 9, *second[0].tokens_gn[0].tolist(), 40, 41]
+        third = engine.generate(params, [Request(32, history, 1, cfg, continues=(30, 0))], key)
+        runs.append((first + second + third, engine.stats, calls))
+    (plain, stats0, calls0), (early, stats1, calls1) = runs
+    for a, b in zip(plain, early, strict=True):
+        np.testing.assert_array_equal(a.tokens_gn, b.tokens_gn)
+        np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-4)
+    assert stats0.kept_tokens == stats1.kept_tokens == sum(3 + 2 * i for i in range(6)) + 15 + 16
+    assert stats0.early_exits == 0 and stats1.early_exits > 0
+    assert stats1.slot_steps < stats0.slot_steps, (stats1.slot_steps, stats0.slot_steps)
+    assert stats1.continued_rows == stats0.continued_rows == 1
+    with pytest.raises(ValueError, match="exit_stops=-1"):
+        Engine.for_model(model, num_slots=4, exit_stops=-1)

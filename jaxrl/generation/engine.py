@@ -103,7 +103,8 @@ from flax import nnx
 
 from jaxrl.generation import engine_routing
 from jaxrl.generation.engine_device import MIN_CAPACITY, EngineDevice
-from jaxrl.generation.engine_programs import EnginePrograms, bucket, pow2_buckets
+from jaxrl.generation.engine_layout import bucket, pow2_buckets
+from jaxrl.generation.engine_programs import EnginePrograms
 from jaxrl.generation.engine_requests import EngineStats, GroupResult, KeptRow, Request
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
 from jaxrl.generation.sampling import SamplingConfig
@@ -144,6 +145,10 @@ class Engine(EngineDevice):
       steps_per_call: decode steps per device call between refills.
       keep_calls: decode calls a kept row (`Request.keep_cache`) holds its slot against queued
         requests short of free slots (0: it gives way at once; see the module docstring).
+      exit_stops: a decode call ends as soon as this many of its rows have stopped, while work
+        waits for slots (queued requests, or the next turns of rows that keep their cache), or
+        when none is live (0: every call runs `steps_per_call` steps). A stopped row then idles
+        fewer steps before its slot or its next turn runs; the sampled tokens are the same.
       prompt_buckets: allowed padded prompt lengths for prefill (capped at C).
       span_buckets: allowed attended prefixes for decode (default: powers of two from 32, and C).
       mesh, rules: the generation mesh and its rules table (slots split over the data-parallel
@@ -175,6 +180,7 @@ class Engine(EngineDevice):
         max_total_len: int | None = None,
         steps_per_call: int = 8,
         keep_calls: int = 0,
+        exit_stops: int = 0,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         span_buckets: Sequence[int] | None = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -193,12 +199,14 @@ class Engine(EngineDevice):
                 "the engine runs on a single-process mesh; use the static Sampler for a generator "
                 "mesh that spans processes"
             )
-        if min(num_slots, steps_per_call, extend_min_rows) < 1:
+        if min(num_slots, steps_per_call, extend_min_rows) < 1 or exit_stops < 0:
             raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}, "
-                             f"extend_min_rows={extend_min_rows}; need >= 1")  # fmt: skip
+                             f"extend_min_rows={extend_min_rows}, exit_stops={exit_stops}; "
+                             "need >= 1 (exit_stops >= 0)")  # fmt: skip
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
         self.keep_calls, self.extend_min_rows = int(keep_calls), int(extend_min_rows)
+        self.exit_stops = int(exit_stops)
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
         # The longest prompt + completion accepted; the cache spans `capacity <= max_capacity`
         # positions, grown with the requests when no max_total_len is given.
@@ -246,6 +254,7 @@ class Engine(EngineDevice):
             stats=self.stats,
             layer_layout=layer_layout,
             weights=weights,  # `GeneratorConfig.weights`: "int8" etc. (`generation.quantize`)
+            early_exit=self.exit_stops > 0,
         )
         if not compile_only and not self.grows:
             self._check_fits(self.capacity)
@@ -484,12 +493,15 @@ class Engine(EngineDevice):
             rows = [(running[rid].slots[0], start, ids) for rid, start, ids in extending]
             extend, reach = self._extension(params, rows, active)
             span = bucket(max([int(last.max()), *kept, reach]), self.span_buckets, self.capacity)
+            waits = self._queue or any(g.request.keep_cache for g in running.values())
+            exit_at = self.exit_stops if self.exit_stops and waits else active + 1
             self._cache, new_state, out = self.programs.run(
                 "decode",
                 params,
                 self._cache,
                 tuple(self.programs.place_rows(x[:active]) for x in state),
                 key_data,
+                np.int32(exit_at),
                 *([] if extend is None else [extend]),
                 sampling=config,
                 span=span,
@@ -500,7 +512,9 @@ class Engine(EngineDevice):
             token, pos, index, budget, live, req_of, sample_of = state
             out_tokens, out_logprobs, out_valid = (np.asarray(x) for x in out)  # [N, active]
             self.stats.decode_calls += 1
-            self.stats.slot_steps += n_steps * active
+            steps = int(out_valid.any(axis=1).sum()) if self.exit_stops else n_steps
+            self.stats.slot_steps += steps * active
+            self.stats.early_exits += steps < n_steps
             self.stats.kept_tokens += int(out_valid.sum())
             records = self._stopped_records(owner, live, pos, running, active)
 
@@ -551,27 +565,6 @@ class Engine(EngineDevice):
                     ids = list(group.request.prompt) + group.tokens[g]
                     out[s] = (rid, g, ids[: int(pos[s])])
         return out
-
-    def _recompute(self, params) -> None:
-        """Prefills every running row's cached prefix again with `params` (kv_on_update =
-        "recompute"): one row per slot (a group's samples have diverged), through the prefill
-        program, written into the slot's first positions."""
-        rows = [(s, ids) for s, (_, _, ids) in sorted(self.cached_sequences().items()) if ids]
-        if not rows:
-            return
-        width = bucket(max(len(ids) for _, ids in rows), self.prompt_buckets, self.capacity)
-        batch = bucket(len(rows), pow2_buckets(1, self.num_slots), self.num_slots)
-        tokens = np.full((batch, width), self.pad_id, np.int32)
-        valid = np.zeros((batch, width), bool)
-        dest = np.full(self.num_slots, self.num_slots, np.int32)
-        src = np.zeros(self.num_slots, np.int32)
-        for row, (s, ids) in enumerate(rows):
-            tokens[row, : len(ids)], valid[row, : len(ids)] = ids, True
-            dest[row], src[row] = s, row
-        valid[len(rows) :, 0] = True
-        self.stats.recompute_tokens += sum(len(ids) for _, ids in rows)
-        self.stats.prefill_padded_tokens += batch * width
-        self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
 
     def _take_continuations(self, config, owner) -> tuple[list[tuple[Request, int, int]], object]:
         """Takes from the queue the continuations of kept rows (`Request.continues`) of the

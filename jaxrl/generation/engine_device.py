@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.generation import engine_routing, kv_memory
-from jaxrl.generation.engine_programs import bucket, extend_row_buckets, pow2_buckets
+from jaxrl.generation.engine_layout import bucket, extend_row_buckets, pow2_buckets
 from jaxrl.generation.engine_requests import Request
 from jaxrl.generation.sampling import SamplingConfig
 
@@ -76,6 +76,27 @@ class EngineDevice:
             span = bucket(start + len(ids), self.span_buckets, self.capacity)
             self._cache = self.programs.run("extend", params, self._cache, *one, span=span)
         return None, 0
+
+    def _recompute(self, params) -> None:
+        """Prefills every running row's cached prefix again with `params` (kv_on_update =
+        "recompute"): one row per slot (a group's samples have diverged), through the prefill
+        program, written into the slot's first positions."""
+        rows = [(s, ids) for s, (_, _, ids) in sorted(self.cached_sequences().items()) if ids]
+        if not rows:
+            return
+        width = bucket(max(len(ids) for _, ids in rows), self.prompt_buckets, self.capacity)
+        batch = bucket(len(rows), pow2_buckets(1, self.num_slots), self.num_slots)
+        tokens = np.full((batch, width), self.pad_id, np.int32)
+        valid = np.zeros((batch, width), bool)
+        dest = np.full(self.num_slots, self.num_slots, np.int32)
+        src = np.zeros(self.num_slots, np.int32)
+        for row, (s, ids) in enumerate(rows):
+            tokens[row, : len(ids)], valid[row, : len(ids)] = ids, True
+            dest[row], src[row] = s, row
+        valid[len(rows) :, 0] = True
+        self.stats.recompute_tokens += sum(len(ids) for _, ids in rows)
+        self.stats.prefill_padded_tokens += batch * width
+        self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
 
     def _stopped_records(self, owner, live, pos, running, active) -> dict[int, np.ndarray] | None:
         """A mixture-of-experts model's routing records of the rows that stopped in the last

@@ -1,10 +1,13 @@
 """The engine's weights layout and decode form (`jaxrl.generation.engine_programs`): whether its
 programs run on a per-layer copy of scanned weights (`unrolls`, the module docstring there), and
-the note a GPU or TPU engine prints when its decode steps cannot use the in-place kernel."""
+the note a GPU or TPU engine prints when its decode steps cannot use the in-place kernel, and the
+buckets its programs' shapes are rounded up to."""
 
 from __future__ import annotations
 
+import bisect
 import sys
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -107,3 +110,25 @@ def unrolls(graphdef, config: ModelConfig, mesh, rules, layer_layout: str) -> bo
     )
     memory = device_memory(devices)
     return memory is None or weights <= UNROLL_SHARE * memory
+
+
+def bucket(n: int, buckets: Sequence[int], cap: int) -> int:
+    """The smallest of `buckets` that holds `n`, capped at `cap` (`cap` past the last)."""
+    i = bisect.bisect_left(buckets, n)
+    return min(buckets[i] if i < len(buckets) else cap, cap)
+
+
+def extend_row_buckets(active: int, lo: int = 8) -> tuple[int, ...]:
+    """Row counts of an extension of continued rows among `active` slots: lo, 2 lo, ... up to
+    all. Every bucketed row runs (rlbench-tiny, span 128: 8 rows add 7 ms to a 51 ms call, 32
+    rows 33 ms); a smaller `lo` pays less where a forward costs its tokens, for more programs."""
+    return pow2_buckets(min(lo, active), active)
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return (*out, hi)

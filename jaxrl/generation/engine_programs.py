@@ -42,7 +42,6 @@ V vocabulary, N steps per call.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,7 +56,10 @@ from jaxrl.generation import engine_routing, quantize
 from jaxrl.generation.engine_layout import (  # noqa: F401  (LAYER_LAYOUTS, UNROLL_SHARE: here too)
     LAYER_LAYOUTS,
     UNROLL_SHARE,
+    bucket,
+    extend_row_buckets,
     note_xla_decode,
+    pow2_buckets,
     pure_params,
     unrolls,
     unstacker,
@@ -74,12 +76,6 @@ from jaxrl.models.transformer import (
     init_cache,
     positions_from_mask,
 )
-
-
-def bucket(n: int, buckets: Sequence[int], cap: int) -> int:
-    """The smallest of `buckets` that holds `n`, capped at `cap` (`cap` past the last)."""
-    i = bisect.bisect_left(buckets, n)
-    return min(buckets[i] if i < len(buckets) else cap, cap)
 
 
 def _copy_rows(full, new, dest_s, src_s, axis: int):
@@ -103,22 +99,6 @@ def _copy_rows(full, new, dest_s, src_s, axis: int):
     return jax.lax.fori_loop(0, count, body, full)
 
 
-def extend_row_buckets(active: int, lo: int = 8) -> tuple[int, ...]:
-    """Row counts of an extension of continued rows among `active` slots: lo, 2 lo, ... up to
-    all. Every bucketed row runs (rlbench-tiny, span 128: 8 rows add 7 ms to a 51 ms call, 32
-    rows 33 ms); a smaller `lo` pays less where a forward costs its tokens, for more programs."""
-    return pow2_buckets(min(lo, active), active)
-
-
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2 lo, 4 lo, ... below hi, then hi."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return (*out, hi)
-
-
 class EnginePrograms:
     """The jitted prefill, decode and move programs of an engine with `num_slots` slots (module
     docstring); `stats` is the engine's, whose `num_traces` each trace increments.
@@ -140,8 +120,10 @@ class EnginePrograms:
         stats: EngineStats,
         layer_layout: str = "auto",
         weights: str = "native",
+        early_exit: bool = False,
     ):
         self.mesh, self.rules, self.stats = mesh, rules, stats
+        self.early_exit = early_exit  # decode ends once `exit_at` of its rows have stopped
         self.unstack = unrolls(graphdef, model_config, mesh, rules, layer_layout)
         self._converted: tuple[Any, Any] | None = None  # (weights passed in, the engine's copy)
         self._unstack_q = None  # `unstack` of a tree pushed already quantized
@@ -179,7 +161,7 @@ class EnginePrograms:
         if name in ("prefill", "extend"):
             shapes = tuple(np.shape(a) for a in args[2:4])
         else:  # a decode with continuations: their shape
-            shapes = tuple(np.shape(a) for a in jax.tree.leaves(args[4:5]))
+            shapes = tuple(np.shape(a) for a in jax.tree.leaves(args[5:6]))
         return (name, shapes, tuple(sorted(static.items())))
 
     def engine_params(self, params, abstract: bool = False):
@@ -265,6 +247,7 @@ class EnginePrograms:
             jobs.append(("prefill", (params, cache, tokens, tokens.astype(bool), index,
                                      index), {}))  # fmt: skip
         key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
+        exit_at = np.int32(0)
         spans = sorted(set(span_buckets) | {capacity})  # past the last: the capacity
         for span in spans:
             for active in active_buckets:
@@ -273,12 +256,13 @@ class EnginePrograms:
                     for dtype in (np.int32,) * 4 + (bool,) + (np.int32,) * 2
                 )
                 static = {"sampling": config, "span": span, "active": active}
-                jobs.append(("decode", (params, cache, state, key_data), static))
+                jobs.append(("decode", (params, cache, state, key_data, exit_at), static))
                 for width in (w for w in extend_widths or () if w < span):
                     for count in extend_row_buckets(active, extend_min_rows):
                         rows = np.zeros(count, np.int32)
                         extend = (np.zeros((count, width), np.int32), rows, rows)
-                        jobs.append(("decode", (params, cache, state, key_data, extend), static))
+                        args = (params, cache, state, key_data, exit_at, extend)
+                        jobs.append(("decode", args, static))
             jobs.append(("move", (cache, index, index), {"span": span}))
         start, done = time.perf_counter(), 0
         for name, args, static in jobs:
@@ -364,6 +348,7 @@ class EnginePrograms:
             cache,
             state,
             key,
+            s((), jnp.int32, sharding=self.replicated()),
             sampling=sampling,
             span=span,
             active=n,
@@ -496,6 +481,7 @@ class EnginePrograms:
         cache,
         state,
         key_data,
+        exit_at,
         extend=None,
         *,
         sampling: SamplingConfig,
@@ -504,7 +490,9 @@ class EnginePrograms:
     ):
         """`steps_per_call` decode steps of slots `[:active]` over the cache prefix `[:span]`,
         after `extend` (tokens_rw, start_r, slot_r: as for the extend program, slots below
-        `active`, `start_r + W <= span`) when given: continuations join in the same call.
+        `active`, `start_r + W <= span`) when given: continuations join in the same call. With
+        `early_exit` the steps stop sooner, once `exit_at` (an int32 scalar) of the rows live at
+        the start have stopped or none is live; otherwise `exit_at` is unused.
 
         state: (token_s next input, pos_s its position = cache write index, index_s completion
         index of the next draw, budget_s max_new_tokens, live_s, req_s, sample_s).
@@ -591,7 +579,19 @@ class EnginePrograms:
             jnp.zeros((n, s_count), jnp.float32),
             jnp.zeros((n, s_count), bool),
         )
-        prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
+        if not self.early_exit:
+            prefix, state, outs = jax.lax.fori_loop(0, n, body, (prefix, state, outs))
+        else:
+            live0_s = state[4]
+
+            def more(c):  # another step: below n steps, a row live, fewer than exit_at stopped
+                live_s = c[1][1][4]
+                return (c[0] < n) & jnp.any(live_s) & (jnp.sum(live0_s & ~live_s) < exit_at)
+
+            start = (jnp.zeros((), jnp.int32), (prefix, state, outs))
+            _, (prefix, state, outs) = jax.lax.while_loop(
+                more, lambda c: (c[0] + 1, body(c[0], c[1])), start
+            )
         if in_place:
             return self._constrain(prefix), state, outs
         cache = jax.tree.map(

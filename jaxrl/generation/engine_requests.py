@@ -115,7 +115,8 @@ class EngineStats:
     prefill_padded_tokens: prefill positions computed, padding included.
     slot_steps: decode slot-steps executed (S per decode step, idle slots included).
     kept_tokens: slot-steps that produced a completion token (utilisation = kept / slot_steps).
-    decode_calls, prefill_calls: device calls; num_traces: programs compiled.
+    decode_calls, prefill_calls: device calls; num_traces: programs compiled. early_exits:
+      decode calls that ended before `steps_per_call` steps (`Engine.exit_stops`).
     swaps: in-flight weight updates; recompute_tokens: prefix tokens prefilled again on them.
     moved_rows: live rows moved down to a smaller active-slot bucket (their cache rows copied).
     extend_calls, extend_tokens: decode calls that also ran continued rows' new tokens
@@ -132,6 +133,7 @@ class EngineStats:
     slot_steps: int = 0
     kept_tokens: int = 0
     decode_calls: int = 0
+    early_exits: int = 0
     prefill_calls: int = 0
     num_traces: int = 0
     swaps: int = 0

@@ -76,6 +76,7 @@ class EngineSampler:
         extend_min_rows: int = 8,
         extend_buckets: Sequence[int] | None = None,
         keep_calls: int = 0,
+        exit_stops: int = 0,
     ):
         self.graphdef, self.model_config = graphdef, model_config
         self.precompile = precompile
@@ -107,6 +108,7 @@ class EngineSampler:
             extend_min_rows=extend_min_rows,
             extend_buckets=extend_buckets,
             keep_calls=keep_calls,
+            exit_stops=exit_stops,
         )
 
     @classmethod
@@ -213,7 +215,7 @@ def make_sampler(
             )
         kind = "static"
     precompile = kwargs.pop("precompile", False)
-    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls")
+    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls", "exit_stops")
     engine_args = {k: kwargs.pop(k) for k in engine_only if k in kwargs}
     if kind == "static" and kwargs.get("weights", "native") != "native":
         raise ValueError(

@@ -54,6 +54,9 @@ class GeneratorConfig:
     keep_calls (multi-turn): decode calls a row waiting for its tool reply keeps its slot (and
       KV cache) against queued episodes short of slots (`Engine.keep_calls`; 0: it gives way at
       once, and its next turn is prefilled again in full when the reply comes).
+    exit_stops (multi-turn): a decode call ends once this many of its rows have stopped, so a
+      row whose turn ended mid-call starts its next turn (or frees its slot) sooner, for more,
+      shorter calls (`Engine.exit_stops`; 0: every call runs `steps_per_call` steps).
     max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
       from the prompts it gets, the next power of two above the longest prompt +
       max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
@@ -91,6 +94,7 @@ class GeneratorConfig:
     extend_min_rows: int = 8
     extend_widths: tuple[int, ...] = ()
     keep_calls: int = 0
+    exit_stops: int = 0
     max_len: int = 0
     precompile: bool = False
     weights: str = "native"
@@ -127,6 +131,11 @@ class GeneratorConfig:
             raise ValueError(
                 f"GeneratorConfig.keep_calls={self.keep_calls}; need >= 0 (0: a kept row gives "
                 "way at once)"
+            )
+        if self.exit_stops < 0:
+            raise ValueError(
+                f"GeneratorConfig.exit_stops={self.exit_stops}; need >= 0 (0: every decode call "
+                "runs steps_per_call steps)"
             )
         if self.extend_min_rows < 1 or any(int(w) < 1 for w in self.extend_widths):
             raise ValueError(
@@ -233,6 +242,7 @@ def mesh_sampler(
     extend_min_rows: int = 8,
     extend_widths: Sequence[int] = (),
     keep_calls: int = 0,
+    exit_stops: int = 0,
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
@@ -240,7 +250,7 @@ def mesh_sampler(
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
     first use, `weights` its weight format: `GeneratorConfig.weights`, `extend_min_rows` /
-    `extend_widths` its extension buckets and `keep_calls`: `GeneratorConfig`'s) or "static"
+    `extend_widths` its extension buckets, `keep_calls` and `exit_stops`: `GeneratorConfig`'s) or "static"
     (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
@@ -260,6 +270,7 @@ def mesh_sampler(
         extend_min_rows=extend_min_rows,
         extend_buckets=tuple(extend_widths) or None,
         keep_calls=keep_calls,
+        exit_stops=exit_stops,
         **quantized,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
