@@ -29,7 +29,10 @@ timed run can meet a program its warm-up did not compile: such a run is run agai
 `WARM_TRIES` times; counted in "timed runs that compiled"), so what is timed is the steady
 state of an RL run whose programs exist. `--extend_min_rows` / `--extend_widths` set the
 engine's extension buckets (rows and widths of continued rows' tool replies; the "extended
-positions, padded" column against the "tool-reply tokens extended").
+positions, padded" column against the "tool-reply tokens extended"); `--keep_calls` how long a
+row waiting for its tool reply keeps its slot, `--exit_stops` when a decode call ends early
+(`Engine.exit_stops`; the "decode calls ended early" column). Both sides run on the same engine,
+so each setting applies to single-turn too.
 
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens

@@ -250,8 +250,8 @@ def mesh_sampler(
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
     first use, `weights` its weight format: `GeneratorConfig.weights`, `extend_min_rows` /
-    `extend_widths` its extension buckets, `keep_calls` and `exit_stops`: `GeneratorConfig`'s) or "static"
-    (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
+    `extend_widths` its extension buckets, `keep_calls` and `exit_stops`: `GeneratorConfig`'s)
+    or "static" (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
     (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
