@@ -31,8 +31,9 @@ state of an RL run whose programs exist. `--extend_min_rows` / `--extend_widths`
 engine's extension buckets (rows and widths of continued rows' tool replies; the "extended
 positions, padded" column against the "tool-reply tokens extended"); `--keep_calls` how long a
 row waiting for its tool reply keeps its slot, `--exit_stops` when a decode call ends early
-(`Engine.exit_stops`; the "decode calls ended early" column). Both sides run on the same engine,
-so each setting applies to single-turn too.
+(`Engine.exit_stops`; the "decode calls ended early" column), `--extend_defer` whether a long
+reply waits a call rather than widen every row's extension (`Engine.extend_defer`). Both sides
+run on the same engine, so each setting applies to single-turn too.
 
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
@@ -275,6 +276,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         prompt_buckets=work.prompt_buckets,
         keep_calls=args.keep_calls,
         exit_stops=args.exit_stops,
+        extend_defer=args.extend_defer,
         extend_min_rows=args.extend_min_rows,
         extend_buckets=args.extend_widths,
     )
@@ -416,6 +418,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "extend_calls": stats["extend_calls"],
             "decode_calls": timed.calls.get("decode", 0),
             "early_exits": stats.get("early_exits", 0),
+            "deferred_rows": stats.get("deferred_rows", 0),
             "prefill_tokens": stats["prefill_tokens"],
             "extend_tokens": stats.get("extend_tokens", 0),
             "extend_padded_tokens": stats.get("extend_padded_tokens", 0),
@@ -437,6 +440,7 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "extend_min_rows": args.extend_min_rows,
         "keep_calls": args.keep_calls,
         "exit_stops": args.exit_stops,
+        "extend_defer": args.extend_defer,
         "extend_widths": list(args.extend_widths or ()),
         "sft_steps": args.sft_steps,
         "sft_loss": round(work.sft_loss, 3),
@@ -545,6 +549,10 @@ def main(argv=None) -> None:
         help="a decode call ends once this many rows stopped while work waits (Engine.exit_stops)",
     )  # fmt: skip
     parser.add_argument(
+        "--extend_defer", type=int, default=0,
+        help="positions a deferred long continuation is worth (Engine.extend_defer; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--extend_min_rows", type=int, default=8,
         help="fewest rows a decode call's extension computes (Engine.extend_min_rows)",
     )  # fmt: skip
@@ -615,6 +623,7 @@ def main(argv=None) -> None:
         ("host_s", "host s"),
         ("kept_wait_calls", "calls continuations waited"),
         ("early_exits", "decode calls ended early"),
+        ("deferred_rows", "continuations deferred"),
         ("utilisation", "slot utilisation"),
         ("timed_compiles", "timed runs that compiled (run again)"),
     ]
