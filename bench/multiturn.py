@@ -31,9 +31,8 @@ state of an RL run whose programs exist. `--extend_min_rows` / `--extend_widths`
 engine's extension buckets (rows and widths of continued rows' tool replies; the "extended
 positions, padded" column against the "tool-reply tokens extended"); `--keep_calls` how long a
 row waiting for its tool reply keeps its slot, `--exit_stops` when a decode call ends early
-(`Engine.exit_stops`; the "decode calls ended early" column), `--extend_defer` whether a long
-reply waits a call rather than widen every row's extension (`Engine.extend_defer`). Both sides
-run on the same engine, so each setting applies to single-turn too.
+(`Engine.exit_stops`; the "decode calls ended early" column). Both sides run on the same engine,
+so each setting applies to single-turn too.
 
     python -m bench.multiturn            # arith_tiny and rlbench_tiny, both paths
     python -m bench.multiturn --turn_tokens 64 --models rlbench_tiny   # turns of ~64 tokens
@@ -276,9 +275,9 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         prompt_buckets=work.prompt_buckets,
         keep_calls=args.keep_calls,
         exit_stops=args.exit_stops,
-        extend_defer=args.extend_defer,
         extend_min_rows=args.extend_min_rows,
         extend_buckets=args.extend_widths,
+        span_buckets=args.span_buckets,
     )
     sampling = SamplingConfig(
         budget.max_turn_tokens, temperature=work.temperature, stop_ids=work.stop_ids
@@ -418,7 +417,6 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "extend_calls": stats["extend_calls"],
             "decode_calls": timed.calls.get("decode", 0),
             "early_exits": stats.get("early_exits", 0),
-            "deferred_rows": stats.get("deferred_rows", 0),
             "prefill_tokens": stats["prefill_tokens"],
             "extend_tokens": stats.get("extend_tokens", 0),
             "extend_padded_tokens": stats.get("extend_padded_tokens", 0),
@@ -440,8 +438,8 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "extend_min_rows": args.extend_min_rows,
         "keep_calls": args.keep_calls,
         "exit_stops": args.exit_stops,
-        "extend_defer": args.extend_defer,
         "extend_widths": list(args.extend_widths or ()),
+        "span_buckets": list(args.span_buckets or ()),
         "sft_steps": args.sft_steps,
         "sft_loss": round(work.sft_loss, 3),
         "sft_s": round(work.sft_s, 1),
@@ -549,10 +547,6 @@ def main(argv=None) -> None:
         help="a decode call ends once this many rows stopped while work waits (Engine.exit_stops)",
     )  # fmt: skip
     parser.add_argument(
-        "--extend_defer", type=int, default=0,
-        help="positions a deferred long continuation is worth (Engine.extend_defer; 0: none)",
-    )  # fmt: skip
-    parser.add_argument(
         "--extend_min_rows", type=int, default=8,
         help="fewest rows a decode call's extension computes (Engine.extend_min_rows)",
     )  # fmt: skip
@@ -570,6 +564,11 @@ def main(argv=None) -> None:
         "--hf_dir", default="",
         help="a pretrained chat model (SmolLM2-135M-Instruct): its ChatML calculator episodes "
         "instead of the presets' (--models names its rows)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--span_buckets", type=lambda v: tuple(int(w) for w in v.split(",")), default=None,
+        help="attended prefixes a decode call is bucketed to (Engine.span_buckets; default "
+        "powers of two from 32, and the cache's length)",
     )  # fmt: skip
     parser.add_argument(
         "--extend_widths", type=lambda v: tuple(int(w) for w in v.split(",")), default=None,
@@ -623,7 +622,6 @@ def main(argv=None) -> None:
         ("host_s", "host s"),
         ("kept_wait_calls", "calls continuations waited"),
         ("early_exits", "decode calls ended early"),
-        ("deferred_rows", "continuations deferred"),
         ("utilisation", "slot utilisation"),
         ("timed_compiles", "timed runs that compiled (run again)"),
     ]

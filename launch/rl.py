@@ -366,7 +366,6 @@ def build_feed(
         "extend_widths": gen.extend_widths,
         "keep_calls": gen.keep_calls,
         "exit_stops": gen.exit_stops,
-        "extend_defer": gen.extend_defer,
         "max_total_len": gen.max_len or None,
     }
     role, gen_mesh = place.role, place.gen_mesh

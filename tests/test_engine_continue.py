@@ -173,37 +173,3 @@ def test_calls_that_end_at_their_first_stops_sample_the_same_in_fewer_slot_steps
     assert stats1.continued_rows == stats0.continued_rows == 1
     with pytest.raises(ValueError, match="exit_stops=-1"):
         Engine.for_model(model, num_slots=4, exit_stops=-1)
-
-
-def test_a_long_reply_deferred_past_the_extension_width_samples_the_same(model):
-    """`extend_defer`: of three continuations, two with 3 new tokens and one with 20, the
-    shortest rows decode at once with a width of 8 while the long row writes its first 8 new
-    tokens and goes on in the next call, instead of every row padded to 32. The long row sits in
-    slot 11 while only slots 0 and 1 decode, so its extension needs the 16-slot program. Same
-    tokens, fewer padded positions, every new token written once."""
-    cfg, key = SamplingConfig(6, ignore_eos=True), jax.random.key(4)
-    runs = []
-    for defer in (0, 8):
-        engine, params = Engine.for_model(model, num_slots=16, steps_per_call=4, max_total_len=64,
-                                          prompt_buckets=(16, 32), extend_min_rows=1,
-                                          extend_defer=defer)  # fmt: skip
-        first = engine.generate(params, [Request(7, [1, 5, 9], 12, cfg, keep_cache=True)], key)
-        tails = {0: [40, 41, 42], 1: [43, 44, 45], 11: list(range(10, 30))}
-        requests = [
-            Request(20 + g, [1, 5, 9, *first[0].tokens_gn[g].tolist(), *tail], 1, cfg,
-                    continues=(7, g))
-            for g, tail in tails.items()
-        ]  # fmt: skip
-        runs.append((engine.generate(params, requests, key), engine.stats))
-    (plain, stats0), (split, stats1) = runs
-    assert all(np.isfinite(r.logprobs_gn).all() for r in plain)
-    for a, b in zip(plain, split, strict=True):
-        np.testing.assert_array_equal(a.tokens_gn, b.tokens_gn)
-        np.testing.assert_allclose(a.logprobs_gn, b.logprobs_gn, atol=1e-4)
-    assert stats0.extend_tokens == stats1.extend_tokens == 3 + 3 + 20
-    assert stats0.extend_padded_tokens == 4 * 32  # 3 rows -> 4, 20 new tokens -> 32 wide
-    assert stats1.extend_padded_tokens == 4 * 8 + 16, stats1  # then the last 12 of the long row
-    assert stats0.deferred_rows == 0 and stats1.deferred_rows == 1
-    assert stats1.continued_rows == stats0.continued_rows == 3
-    with pytest.raises(ValueError, match="extend_defer=-1"):
-        Engine.for_model(model, num_slots=4, extend_defer=-1)

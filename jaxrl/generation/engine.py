@@ -105,7 +105,6 @@ from jaxrl.generation import engine_routing
 from jaxrl.generation.engine_device import MIN_CAPACITY, EngineDevice
 from jaxrl.generation.engine_layout import bucket, pow2_buckets
 from jaxrl.generation.engine_programs import EnginePrograms
-from jaxrl.generation.engine_requests import KEPT as _KEPT
 from jaxrl.generation.engine_requests import EngineStats, GroupResult, KeptRow, Request
 from jaxrl.generation.sampler import DEFAULT_PROMPT_BUCKETS
 from jaxrl.generation.sampling import SamplingConfig
@@ -114,6 +113,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.transformer import Transformer
 
 KV_ON_UPDATE = ("keep", "recompute")
+_KEPT = object()  # the owner of a kept row's slot (`Request.keep_cache`)
 
 
 @dataclasses.dataclass
@@ -164,9 +164,6 @@ class Engine(EngineDevice):
       extend_min_rows, extend_buckets: the fewest rows (`extend_row_buckets`) and the padded
         widths (default 8, 16, 32, ..., C) of a decode call's extension of continued rows: the
         padding a few tool replies pay against the number of decode programs to compile.
-      extend_defer: with it, the width of a call's extension minimises its padded positions
-        plus this many per continuation that does not fit: such a row writes the first part of
-        its new tokens and decodes from the next call on (`_defer_long`; 0: the width holds all).
 
     Use: `submit` requests, then iterate `run(params, key)` for `GroupResult`s as groups finish;
     `cancel(request_id)` frees a request's slots at the next refill. `generate` does all three.
@@ -193,7 +190,6 @@ class Engine(EngineDevice):
         weights: str = "native",
         extend_min_rows: int = 8,
         extend_buckets: Sequence[int] | None = None,
-        extend_defer: int = 0,
     ):
         if (mesh is None) != (rules is None):
             raise ValueError("pass both mesh and rules, or neither")
@@ -203,15 +199,14 @@ class Engine(EngineDevice):
                 "the engine runs on a single-process mesh; use the static Sampler for a generator "
                 "mesh that spans processes"
             )
-        if min(num_slots, steps_per_call, extend_min_rows) < 1 or min(exit_stops, extend_defer) < 0:
+        if min(num_slots, steps_per_call, extend_min_rows) < 1 or exit_stops < 0:
             raise ValueError(f"num_slots={num_slots}, steps_per_call={steps_per_call}, "
-                             f"extend_min_rows={extend_min_rows}, exit_stops={exit_stops}, "
-                             f"extend_defer={extend_defer}; need >= 1 (the last two >= 0)"
-                             )  # fmt: skip
+                             f"extend_min_rows={extend_min_rows}, exit_stops={exit_stops}; "
+                             "need >= 1 (exit_stops >= 0)")  # fmt: skip
         self.graphdef, self.model_config = graphdef, model_config
         self.num_slots, self.steps_per_call = int(num_slots), int(steps_per_call)
         self.keep_calls, self.extend_min_rows = int(keep_calls), int(extend_min_rows)
-        self.exit_stops, self.extend_defer = int(exit_stops), int(extend_defer)
+        self.exit_stops = int(exit_stops)
         self.pad_id, self.eos_ids = int(pad_id), tuple(int(i) for i in eos_ids)
         # The longest prompt + completion accepted; the cache spans `capacity <= max_capacity`
         # positions, grown with the requests when no max_total_len is given.
@@ -451,7 +446,6 @@ class Engine(EngineDevice):
                 admitted.append((head, slots))
             # The new part of each continued prompt, from its row's last token to the prompt's
             # second-to-last (the last is the first decode input): run in this call's decode.
-            continued, deferred = self._defer_long(continued, owner, token, pos)
             extending = [(r.request_id, start, r.prompt[start:-1]) for r, _, start in continued]
             if admitted:
                 self._admit(params, admitted)
@@ -490,15 +484,14 @@ class Engine(EngineDevice):
                     live[a], owner[b], owner[a] = False, owner[a], None
                     group = running[owner[b]]
                     group.slots[group.slots.index(a)] = b
-            top = max([int(np.flatnonzero(live).max()), *(s for s, _, _ in deferred)])
-            active = bucket(top + 1, self.active_buckets, s_count)
+            active = bucket(int(np.flatnonzero(live).max()) + 1, self.active_buckets, s_count)
             # Past each live row's last write this call (its budget may end sooner than
             # n_steps): the span follows the rows, never the cache's length.
             last = pos[live] + np.minimum(n_steps, budget[live] - index[live])
             # Kept rows among the decoded ones rewrite their last position: keep it in the span.
             kept = [int(pos[s]) + 1 for s in range(active) if owner[s] is _KEPT]
             rows = [(running[rid].slots[0], start, ids) for rid, start, ids in extending]
-            extend, reach = self._extension(params, rows + deferred, active)
+            extend, reach = self._extension(params, rows, active)
             span = bucket(max([int(last.max()), *kept, reach]), self.span_buckets, self.capacity)
             waits = self._queue or any(g.request.keep_cache for g in running.values())
             exit_at = self.exit_stops if self.exit_stops and waits else active + 1

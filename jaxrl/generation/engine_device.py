@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxrl.generation import engine_routing, kv_memory
 from jaxrl.generation.engine_layout import bucket, extend_row_buckets, pow2_buckets
-from jaxrl.generation.engine_requests import KEPT, KeptRow, Request
+from jaxrl.generation.engine_requests import Request
 from jaxrl.generation.sampling import SamplingConfig
 
 # The shortest cache an engine that grows with its requests starts from.
@@ -45,41 +45,6 @@ class EngineDevice:
         self.stats.prefill_tokens += sum(lengths)
         self.stats.prefill_padded_tokens += batch * width
         self._cache = self.programs.run("prefill", params, self._cache, tokens, valid, dest, src)
-
-    def _defer_long(self, continued, owner, token, pos):
-        """Splits this call's continuations (`continued`: (request, slot, cached length) each)
-        at the extension width that minimises the padded positions (rows x width) plus
-        `extend_defer` per row whose new tokens do not fit: one long tool reply does not widen
-        every row's extension. Such a row writes its first `width` new tokens in this call while
-        its slot stays kept (its state: the next position and token, rewritten as a kept row's
-        are), and its request goes back to the head of the queue, to continue from there in the
-        next call. Returns the continuations that decode in this call, and the deferred rows'
-        extensions (slot, first position, ids). The width holds the shortest row, so at least one
-        continuation decodes."""
-        if not self.extend_defer or len(continued) < 2:
-            return continued, []
-        news = [len(request.prompt) - 1 - start for request, _, start in continued]
-        buckets = extend_row_buckets(self.num_slots, self.extend_min_rows)
-        rows = bucket(len(news), buckets, self.num_slots)
-
-        def cost(width: int) -> int:
-            return rows * width + self.extend_defer * sum(n > width for n in news)
-
-        width = min((w for w in self.extend_widths(max(news)) if w >= min(news)), key=cost)
-        now, deferred = [], []
-        for (request, slot, start), n in zip(continued, news, strict=True):
-            if n <= width:
-                now.append((request, slot, start))
-                continue
-            cut = start + width
-            ids = tuple(request.prompt[: cut + 1])
-            self._kept[request.continues] = KeptRow(slot, ids, self.stats.decode_calls)
-            owner[slot], token[slot], pos[slot] = KEPT, ids[-1], cut
-            self._queue.appendleft(request)
-            deferred.append((slot, start, request.prompt[start:cut]))
-        self.stats.deferred_rows += len(deferred)
-        self.stats.continued_rows -= len(deferred)  # counted when they continue
-        return now, deferred
 
     def _extension(self, params, rows: list[tuple[int, int, Sequence[int]]], active: int):
         """The decode call's `extend` arrays for continued rows (slot, first position, new ids)

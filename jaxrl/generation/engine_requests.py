@@ -96,9 +96,6 @@ class GroupResult:
                    None if routing is None else tuple(routing))  # fmt: skip
 
 
-KEPT = object()  # the owner of a kept row's slot (`Request.keep_cache`)
-
-
 @dataclasses.dataclass
 class KeptRow:
     """A stopped row kept in its slot (`Request.keep_cache`): `ids` is its whole sequence,
@@ -128,9 +125,7 @@ class EngineStats:
       included).
     continued_rows: kept rows continued in their own slots. kept_wait_calls: decode calls that
       ran while such a row waited for its continuation, summed over those rows (0: each
-      continuation joined the call right after the one its row stopped in; a deferred part
-      counts one). deferred_rows: continuations that wrote only the first part of their new
-      tokens in a call and went on in the next (`Engine.extend_defer`).
+      continuation joined the call right after the one its row stopped in).
     """
 
     prefill_tokens: int = 0
@@ -149,7 +144,6 @@ class EngineStats:
     extend_padded_tokens: int = 0
     continued_rows: int = 0
     kept_wait_calls: int = 0
-    deferred_rows: int = 0
 
     @property
     def utilisation(self) -> float:

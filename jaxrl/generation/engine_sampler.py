@@ -77,7 +77,6 @@ class EngineSampler:
         extend_buckets: Sequence[int] | None = None,
         keep_calls: int = 0,
         exit_stops: int = 0,
-        extend_defer: int = 0,
     ):
         self.graphdef, self.model_config = graphdef, model_config
         self.precompile = precompile
@@ -110,7 +109,6 @@ class EngineSampler:
             extend_buckets=extend_buckets,
             keep_calls=keep_calls,
             exit_stops=exit_stops,
-            extend_defer=extend_defer,
         )
 
     @classmethod
@@ -217,7 +215,7 @@ def make_sampler(
             )
         kind = "static"
     precompile = kwargs.pop("precompile", False)
-    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls", "exit_stops", "extend_defer")
+    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls", "exit_stops")
     engine_args = {k: kwargs.pop(k) for k in engine_only if k in kwargs}
     if kind == "static" and kwargs.get("weights", "native") != "native":
         raise ValueError(

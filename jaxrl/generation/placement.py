@@ -57,10 +57,6 @@ class GeneratorConfig:
     exit_stops (multi-turn): a decode call ends once this many of its rows have stopped, so a
       row whose turn ended mid-call starts its next turn (or frees its slot) sooner, for more,
       shorter calls (`Engine.exit_stops`; 0: every call runs `steps_per_call` steps).
-    extend_defer (multi-turn): a continuation whose new tokens (a long tool reply) would widen
-      its call's extension writes their first part and decodes from the next call on, where
-      that saves more padded positions than this many per deferred row (`Engine.extend_defer`;
-      0: the extension holds every row whole).
     max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
       from the prompts it gets, the next power of two above the longest prompt +
       max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
@@ -99,7 +95,6 @@ class GeneratorConfig:
     extend_widths: tuple[int, ...] = ()
     keep_calls: int = 0
     exit_stops: int = 0
-    extend_defer: int = 0
     max_len: int = 0
     precompile: bool = False
     weights: str = "native"
@@ -136,11 +131,6 @@ class GeneratorConfig:
             raise ValueError(
                 f"GeneratorConfig.keep_calls={self.keep_calls}; need >= 0 (0: a kept row gives "
                 "way at once)"
-            )
-        if self.extend_defer < 0:
-            raise ValueError(
-                f"GeneratorConfig.extend_defer={self.extend_defer}; need >= 0 (0: no continuation "
-                "is deferred)"
             )
         if self.exit_stops < 0:
             raise ValueError(
@@ -253,7 +243,6 @@ def mesh_sampler(
     extend_widths: Sequence[int] = (),
     keep_calls: int = 0,
     exit_stops: int = 0,
-    extend_defer: int = 0,
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
@@ -261,8 +250,8 @@ def mesh_sampler(
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
     first use, `weights` its weight format: `GeneratorConfig.weights`, `extend_min_rows` /
-    `extend_widths` its extension buckets, `keep_calls`, `exit_stops` and `extend_defer`:
-    `GeneratorConfig`'s) or "static" (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
+    `extend_widths` its extension buckets, `keep_calls` and `exit_stops`: `GeneratorConfig`'s)
+    or "static" (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
     (set before this call) placed on `mesh` (and cast to `base_dtype`): one copy, shared by every
@@ -282,7 +271,6 @@ def mesh_sampler(
         extend_buckets=tuple(extend_widths) or None,
         keep_calls=keep_calls,
         exit_stops=exit_stops,
-        extend_defer=extend_defer,
         **quantized,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
