@@ -43,18 +43,20 @@ def _run(model, weights, sampling, key=0):
                                   key=lambda g: g.request_id)  # fmt: skip
 
 
-def test_per_channel_error_is_at_most_half_a_step():
+@pytest.mark.parametrize(("mode", "top"), [("int8_weights", 127), ("int4_weights", 7)])
+def test_per_channel_error_is_at_most_half_a_step(mode, top):
     rng = np.random.default_rng(0)
     run = jax.jit(quantize.quantize_kernel, static_argnums=(1, 2, 3))
     for lead in ((), (3,)):
         for shape, contract in (((16, 4, 8), 1), ((4, 8, 16), 2), ((16, 24), 1)):
             w = rng.normal(size=lead + shape) * np.linspace(0.01, 3.0, shape[-1])
-            q = run(w.astype(np.float32), contract, bool(lead), "int8_weights")
+            q = run(w.astype(np.float32), contract, bool(lead), mode)
             values, scales = np.asarray(q.values), np.asarray(q.scales)
             assert values.dtype == np.int8 and scales.shape == lead + shape[contract:]
             axes = tuple(range(len(lead), len(lead) + contract))
-            np.testing.assert_allclose(scales, np.abs(w).max(axis=axes) / 127, rtol=1e-6)
-            assert np.abs(values.astype(np.int32)).max() == 127  # each channel's max: 127
+            np.testing.assert_allclose(scales, np.abs(w).max(axis=axes) / top, rtol=1e-6)
+            assert np.abs(values.astype(np.int32)).max() == top  # each channel's max level
+            assert len(np.unique(values)) <= 2 * top + 1
             error = np.abs(values * np.expand_dims(scales, axes) - w)
             assert (error <= np.expand_dims(scales, axes) / 2 + 1e-6).all()
             np.testing.assert_allclose(q.dequantize(), values * np.expand_dims(scales, axes))
@@ -112,7 +114,8 @@ def _forward(graphdef, sampling):
 
 
 @pytest.mark.parametrize(
-    ("name", "weights"), [("untied", "int8_weights"), ("tied", "int8"), ("untied", "fp8")]
+    ("name", "weights"),
+    [("untied", "int8_weights"), ("tied", "int8"), ("untied", "fp8"), ("untied", "int4_weights")],
 )
 def test_engine_logprobs_are_the_quantized_policys(models, name, weights):
     model = models[name]
@@ -129,7 +132,7 @@ def test_engine_logprobs_are_the_quantized_policys(models, name, weights):
         engine.programs.engine_params(pushed)
     quantized = engine.programs.engine_params(params)
     assert quantize.weight_bytes(quantized) < 0.6 * quantize.weight_bytes(params)
-    if weights in ("int8_weights", "fp8"):  # weight-only: the dequantized weights, fp32 model
+    if weights in ("int8_weights", "fp8", "int4_weights"):  # weight-only: dequantized, fp32
         dequant = jax.tree.map(
             lambda x: x.dequantize() if isinstance(x, quantize.QuantizedKernel) else x,
             quantized, is_leaf=lambda x: isinstance(x, quantize.QuantizedKernel),

@@ -12,6 +12,9 @@ steps, three runs from the same weights:
    full-precision log-probs of the sampled tokens at the behaviour version as the behaviour
    log-probs (`GeneratorConfig.mismatch = 'uncorrected'`): the lag is corrected, the
    quantization is not.
+4. int5 and its uncorrected control (`--runs int5,int5_uncorrected`): the same pair with 5-bit
+   levels (`GeneratorConfig.weights = 'int5_weights'`), a mismatch several times int8's, where
+   leaving the quantization uncorrected should cost more.
 
 Each run is a child `launch.rl` on 2 simulated CPU devices (trainer on one, the generator on the
 other) for `--steps` steps, evaluated greedily in full precision on `--eval_size` held-out
@@ -43,12 +46,18 @@ RUNS = {
         "control: int8, full-precision log-probs as behaviour",
         ["GeneratorConfig.weights = 'int8'", "GeneratorConfig.mismatch = 'uncorrected'"],
     ),
+    # 5-bit levels (in int8 bytes): a larger mismatch, where the correction should matter.
+    "int5": ("int5 generator (AIPO corrects it)", ["GeneratorConfig.weights = 'int5_weights'"]),
+    "int5_uncorrected": (
+        "control: int5, full-precision log-probs as behaviour",
+        ["GeneratorConfig.weights = 'int5_weights'", "GeneratorConfig.mismatch = 'uncorrected'"],
+    ),
 }
 WITHIN_PTS = 3.0
 PANELS = [
     ("eval/accuracy", "held-out greedy accuracy"),
     ("reward/mean", "mean train reward"),
-    ("gen/mismatch_kl", "KL(int8 || fp32) at the behaviour version"),
+    ("gen/mismatch_kl", "KL(quantized || fp32) at the behaviour version"),
     ("truncated_fraction", "AIPO truncated fraction"),
 ]
 TITLE = "SmolLM2-135M-Instruct, basic_arithmetic: 8-bit rollouts (smollm2_arith.gin)"
@@ -136,6 +145,9 @@ def run(args) -> None:
         verdict["int8_within_3_pts"] = abs(gap) <= WITHIN_PTS
     if "int8" in dirs and "uncorrected" in dirs:  # b = the control, a = the corrected run
         verdict["uncorrected_minus_int8_mismatch_kl"] = paired_kl(dirs["int8"], dirs["uncorrected"])
+    if "int5" in dirs and "int5_uncorrected" in dirs:
+        pair = (dirs["int5"], dirs["int5_uncorrected"])
+        verdict["uncorrected_minus_int5_mismatch_kl"] = paired_kl(*pair)
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
     from bench.common import command

@@ -73,9 +73,11 @@ class GeneratorConfig:
       weights object (sync: once per step; async: once per pushed version): "int8_weights"
       (weight-only), "int8_dynamic" (activations per token too), "int8" (the platform's choice:
       dynamic on CPU, weight-only on GPU / TPU), "fp8" (weight-only float8_e4m3fn, GPU / CPU;
-      refused on TPU: use "int8"). Engine only; a LoRA policy's base is quantized
-      once and its adapters applied unquantized (`jaxrl.generation.quantized_lora`). The
-      behaviour log-probs are the quantized policy's (docs/quantization.md).
+      refused on TPU: use "int8"), "int4_weights" / "int5_weights" / "int6_weights" (N-bit
+      levels in int8 bytes: a larger mismatch for experiments on the correction, not for
+      speed). Engine only; a LoRA policy's base is quantized once and its adapters applied
+      unquantized (`jaxrl.generation.quantized_lora`). The behaviour log-probs are the
+      quantized policy's (docs/quantization.md).
     mismatch (8-bit weights): "auto" (the default: "measure" with 8-bit weights, else "off"),
       "off", "measure" (each batch's tokens scored with the full-precision weights the engine
       quantized, on the generator's devices: `gen/mismatch_kl` etc., `jaxrl.generation.mismatch`)

@@ -18,6 +18,10 @@ channel (symmetric, `scale = max|w| / 127` over the contracted axes), or fp8:
   kernel converted to the activations' dtype, the output scaled). On GPU and CPU. Refused on
   TPU: v5e / v5p have no fp8 matmul units, so fp8 there reads the same one byte a weight as
   int8 weight-only with 3 mantissa bits in place of int8's 7 (`check_platform`).
+* "int4_weights", "int5_weights", "int6_weights": weight-only, N-bit levels (-7..7, -15..15,
+  -31..31; `scale = max|w| / top`) held one per int8 byte: the mismatch of N-bit rollouts
+  without their bytes or speed, for experiments on the correction (on SmolLM2-135M, per-channel
+  int4's is about 20 times int8's and ruins the samples; docs/quantization.md), not for speed.
 
 Quantized: the q/k/v/o attention kernels, a dense MLP's gate/up/down kernels and an untied
 `lm_head`. Kept: the embedding (so a tied unembedding too), norms, biases, routers and a
@@ -36,7 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WEIGHT_FORMATS = ("native", "int8", "int8_weights", "int8_dynamic", "fp8")
+# The largest integer level of each integer format (symmetric: -top..top).
+INT_TOP = {"int8_weights": 127, "int8_dynamic": 127}
+INT_TOP.update({f"int{bits}_weights": 2 ** (bits - 1) - 1 for bits in (4, 5, 6)})
+WEIGHT_FORMATS = ("native", "int8", "int8_weights", "int8_dynamic", "fp8",
+                  "int4_weights", "int5_weights", "int6_weights")  # fmt: skip
 # The largest finite float8_e4m3fn: the fp8 scale maps each channel's max |w| onto it.
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 # Leaves quantized, with how many leading axes each contracts (`transformer._matmul`).
@@ -109,7 +117,7 @@ class QuantizedKernel:
             acc = jax.lax.dot_general(xq, self.values, dims, preferred_element_type=jnp.int32)
             row_scale = row_scale.reshape(b * t, *(1,) * (acc.ndim - 1))
             y = acc.astype(jnp.float32) * row_scale * self.scales
-        else:  # weight-only ("int8_weights", "fp8")
+        else:  # weight-only ("int8_weights", "fp8", "int4_weights" ...)
             y = jax.lax.dot_general(x, self.values.astype(x.dtype), dims)
             y = y.astype(jnp.float32 if preferred_element_type else y.dtype)
             y = y * self.scales.astype(y.dtype)
@@ -191,18 +199,19 @@ def check_contraction(model_config, fmt: str) -> None:
 
 
 def quantize_kernel(w: jax.Array, contract: int, stacked: bool, mode: str) -> QuantizedKernel:
-    """Symmetric per-output-channel int8 (or, `mode` "fp8", float8_e4m3fn: rounded to nearest
-    even, each channel's max |w| at 448) of one kernel (module docstring)."""
+    """Symmetric per-output-channel int8 (`mode` "int4_weights": levels -7..7, and so on; "fp8":
+    float8_e4m3fn, rounded to nearest even, each channel's max |w| at 448) of one kernel (module
+    docstring)."""
     lead = 1 if stacked else 0
     axes = tuple(range(lead, lead + contract))
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
-    top = FP8_MAX if mode == "fp8" else 127.0
+    top = FP8_MAX if mode == "fp8" else float(INT_TOP[mode])
     scale = jnp.where(amax > 0, amax / top, 1.0)
     if mode == "fp8":  # clipped first: a value past 448 would convert to NaN (e4m3 has no inf)
         values = jnp.clip(w32 / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     else:
-        values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+        values = jnp.clip(jnp.round(w32 / scale), -top, top).astype(jnp.int8)
     return QuantizedKernel(values, jnp.squeeze(scale, axis=axes), mode)
 
 
