@@ -143,11 +143,9 @@ def run(args) -> None:
         gap = by_name["int8"]["gain_pts"] - by_name["fp32"]["gain_pts"]
         verdict["int8_gain_minus_fp32_pts"] = round(gap, 1)
         verdict["int8_within_3_pts"] = abs(gap) <= WITHIN_PTS
-    if "int8" in dirs and "uncorrected" in dirs:  # b = the control, a = the corrected run
-        verdict["uncorrected_minus_int8_mismatch_kl"] = paired_kl(dirs["int8"], dirs["uncorrected"])
-    if "int5" in dirs and "int5_uncorrected" in dirs:
-        pair = (dirs["int5"], dirs["int5_uncorrected"])
-        verdict["uncorrected_minus_int5_mismatch_kl"] = paired_kl(*pair)
+    for a, b in (("int8", "uncorrected"), ("int5", "int5_uncorrected")):  # corrected, control
+        if a in dirs and b in dirs:
+            verdict[f"uncorrected_minus_{a}_mismatch_kl"] = paired_kl(dirs[a], dirs[b])
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
 
     from bench.common import command
