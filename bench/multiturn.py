@@ -14,15 +14,17 @@ episodes really call it: `<bos>37*48=` -> `(37*48)` | `=1776` | `1776<eos>` (two
   `continue="request"` is the old path: each later turn a new request whose prompt, the whole
   history, is prefilled again.
 * **single-turn**: the same P prompts as P requests of G samples on the same engine, no stop
-  ids (EOS ignored), `max_new_tokens` = the multi-turn episodes' mean sampled tokens (rounded
-  up), so both sides sample about the same number of tokens per episode.
+  ids (EOS ignored), paired with a multi-turn run of the same seed: "the episodes' lengths"
+  samples each episode's own sampled token count (`Request.sample_budgets`), "lockstep" their
+  mean for all, so both sides sample the same tokens.
 
 `--turn_tokens L` replaces the calculator by a scripted workload whose turns average L tokens
 (`scripted_workload`): the cost of a turn boundary against the turns' length.
 
 Reported: sampled tokens (loss-masked; observations excluded) per second of `run` wall time,
-median of `--repeats` timed runs after a warm-up run (compiles), the ratio multi / single; and
-from one more, instrumented, run of each: device seconds in prefill / extend / decode calls
+median of `--repeats` timed runs after a warm-up run (compiles), and the ratio multi / single
+of each repeat's pair (their median; "ratios per repeat" lists them); and from one more,
+instrumented, pair: device seconds in prefill / extend / decode calls
 (each call timed to completion), the number of calls, and the seconds the driver waited with
 nothing to decode for tools. A multi-turn run's shapes depend on when tool replies land, so a
 timed run can meet a program its warm-up did not compile: such a run is run again (up to
@@ -320,9 +322,15 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         trajectories = [t for ts in out for t in ts]
         return seconds, trajectories
 
-    def single(kind, seed):
-        """One request of G per prompt; `kind` "lengths": each sample's budget the sampled tokens
-        of that episode in the warm-up run; "lockstep": the mean length for all."""
+    def lengths_of(trajectories):
+        """Each prompt's episodes' sampled token counts: what single-turn samples against them."""
+        return [(p, tuple(sum(t.loss_mask) for t in trajectories if t.episode == e))
+                for e, p in enumerate(prompts)]  # fmt: skip
+
+    def single(kind, seed, lengths):
+        """One request of G per prompt, sampling the `lengths` of a multi-turn run of the same
+        seed: `kind` "lengths", each sample's budget its episode's sampled tokens; "lockstep",
+        their mean for all."""
         temp = work.temperature
         if kind == "lengths":
             requests = [
@@ -331,7 +339,8 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
                 for e, (p, n) in enumerate(lengths)
             ]  # fmt: skip
         else:
-            plain = SamplingConfig(new_tokens, temperature=temp, ignore_eos=True)
+            mean = math.ceil(sum(sum(n) for _, n in lengths) / (len(lengths) * G))
+            plain = SamplingConfig(mean, temperature=temp, ignore_eos=True)
             requests = [Request(i, p, G, plain) for i, p in enumerate(prompts)]
         t = time.perf_counter()
         out = engine.generate(params, requests, jax.random.key(seed))
@@ -352,21 +361,11 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         compiled += engine.precompile(params, plain, samples_per_request=G, max_prompt_len=longest)
     print(f"[{name}] precompiled {compiled} programs in {time.perf_counter() - start:.0f}s")
     rows = []
-    # Warm-up run of every path; the single-turn lengths are the warm-up episodes'.
-    _, first = multi(continue_modes[0], 0)
-    lengths = [(p, tuple(sum(t.loss_mask) for t in first if t.episode == e))
-               for e, p in enumerate(prompts)]  # fmt: skip
-    new_tokens = math.ceil(sum(sum(n) for _, n in lengths) / len(first))
-    for mode in continue_modes[1:]:
-        multi(mode, 0)
     singles = ("lengths", "lockstep")
-    for kind in singles:
-        single(kind, 0)
-    times = {k: [] for k in (*singles, *continue_modes)}
+    paths = (*singles, *continue_modes)
     # A run that compiled a program is run again (up to WARM_TRIES times): what is timed is the
     # steady state an RL run reaches once its programs exist. Timed runs count them per path.
-    compiles = dict.fromkeys(times, 0)
-    sampled = {}
+    compiles = dict.fromkeys(paths, 0)
 
     def steady(fn, path, seed, counts=True):
         for _ in range(WARM_TRIES):
@@ -377,24 +376,37 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             compiles[path] += counts
         return seconds, out
 
+    def paired(seed, run=steady):
+        """Every multi-turn path on `seed`, then single-turn sampling the first path's episodes'
+        token counts on the same seed: {path: (seconds, sampled tokens or trajectories)}."""
+        out = {mode: run(multi, mode, seed) for mode in continue_modes}
+        lengths = lengths_of(out[continue_modes[0]][1])
+        for kind in singles:
+            out[kind] = run(lambda k, s: single(k, s, lengths), kind, seed)
+        return out
+
+    paired(0, run=lambda fn, path, seed: fn(path, seed))  # warm-up: compiles what it meets
     if warm_each:  # not precompiled: each timed run first, again while it compiles (a
         # multi-turn run's shapes depend on when tool replies land, so one warm-up may miss some)
         for seed in (*range(1, args.repeats + 1), 99):  # 99: the instrumented run
-            for kind in singles:
-                single(kind, seed)
-            for mode in continue_modes:
-                steady(multi, mode, seed, counts=False)
+            paired(seed, run=lambda fn, path, seed: steady(fn, path, seed, counts=False))
 
+    # Timed: repeat r's single-turn runs sample the token counts of its multi-turn episodes
+    # (same seed), so each ratio compares the same tokens; medians over the repeats.
+    times, tok_s, ratios, ratios_lockstep = ({p: [] for p in paths} for _ in range(4))
+    sampled, trajectories = dict.fromkeys(paths, 0), {}
     for r in range(args.repeats):
-        for kind in singles:
-            seconds, n = steady(single, kind, r + 1)
-            times[kind].append(seconds)
-            sampled[kind] = n
-        for mode in continue_modes:
-            seconds, trajectories = steady(multi, mode, r + 1)
-            times[mode].append(seconds)
-            sampled[mode] = sum(sum(t.loss_mask) for t in trajectories)
-            sampled[mode, "traj"] = trajectories
+        out = paired(r + 1)
+        for path, (seconds, result) in out.items():
+            if path in continue_modes:
+                trajectories[path] = result
+                result = sum(sum(t.loss_mask) for t in result)
+            times[path].append(seconds)
+            tok_s[path].append(result / seconds)
+            sampled[path] += result
+        for path in paths:
+            ratios[path].append(tok_s[path][-1] / tok_s["lengths"][-1])
+            ratios_lockstep[path].append(tok_s[path][-1] / tok_s["lockstep"][-1])
 
     def split(fn):
         for _ in range(WARM_TRIES):  # as `steady`: a run that compiled is run again
@@ -402,13 +414,13 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             waited["s"] = 0.0
             with Timed(engine) as timed:
                 start = time.perf_counter()
-                fn()
+                result = fn()
                 wall = time.perf_counter() - start
             stats = _stats_delta(engine, before)
             if not stats["num_traces"]:
                 break
         device = sum(timed.seconds.values())
-        return {
+        return result, {
             "prefill_s": round(timed.seconds.get("prefill", 0.0), 3),
             "extend_s": round(timed.seconds.get("extend", 0.0), 3),
             "decode_s": round(timed.seconds.get("decode", 0.0), 3),
@@ -427,12 +439,17 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "kept_wait_calls": stats["kept_wait_calls"],
         }
 
-    single_tps = {kind: sampled[kind] / statistics.median(times[kind]) for kind in singles}
+    # The instrumented run (seed 99), paired as the timed ones.
+    instrumented = {mode: split(lambda mode=mode: multi(mode, 99)) for mode in continue_modes}
+    lengths = lengths_of(instrumented[continue_modes[0]][0][1])
+    for kind in singles:
+        instrumented[kind] = split(lambda kind=kind: single(kind, 99, lengths))
+    episodes = len(items) * G
     common = {
         "model": name,
         "params_m": round(model.config.num_params() / 1e6, 2),
         "task": work.task,
-        "episodes": len(items) * G,
+        "episodes": episodes,
         "slots": args.slots,
         "steps_per_call": args.steps_per_call,
         "extend_min_rows": args.extend_min_rows,
@@ -444,37 +461,28 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
         "sft_loss": round(work.sft_loss, 3),
         "sft_s": round(work.sft_s, 1),
     }
-    for kind, label in (("lengths", "single-turn, the episodes' lengths"),
-                        ("lockstep", "single-turn, mean length, lockstep")):  # fmt: skip
-        row = common | {
-            "path": label,
-            "turns_mean": 1.0,
-            "sampled_per_episode": round(sampled[kind] / len(first), 2),
-            "sampled_tok_s": round(single_tps[kind], 1),
-            "ratio": round(single_tps[kind] / single_tps["lengths"], 3),
-            "ratio_lockstep": round(single_tps[kind] / single_tps["lockstep"], 3),
-            "wall_s": round(statistics.median(times[kind]), 3),
-            "timed_compiles": compiles[kind],
+    labels = {"lengths": "single-turn, the episodes' lengths",
+              "lockstep": "single-turn, mean length, lockstep"}  # fmt: skip
+    for path in paths:
+        row = common | {"path": labels.get(path, f"multi-turn ({path})")}
+        if path in continue_modes:
+            last = trajectories[path]
+            row |= {
+                "turns_mean": round(sum(t.turns for t in last) / len(last), 2),
+                "tool_call_rate": round(sum(t.turns > 1 for t in last) / len(last), 3),
+            }
+        else:
+            row["turns_mean"] = 1.0
+        row |= {
+            "sampled_per_episode": round(sampled[path] / (args.repeats * episodes), 2),
+            "sampled_tok_s": round(statistics.median(tok_s[path]), 1),
+            "ratio": round(statistics.median(ratios[path]), 3),
+            "ratios": [round(x, 3) for x in ratios[path]],
+            "ratio_lockstep": round(statistics.median(ratios_lockstep[path]), 3),
+            "wall_s": round(statistics.median(times[path]), 3),
+            "timed_compiles": compiles[path],
         }
-        row |= split(lambda kind=kind: single(kind, 99))
-        rows.append(row)
-    for mode in continue_modes:
-        trajectories = sampled[mode, "traj"]
-        tps = sampled[mode] / statistics.median(times[mode])
-        called = sum(t.turns > 1 for t in trajectories) / len(trajectories)
-        row = common | {
-            "path": f"multi-turn ({mode})",
-            "turns_mean": round(sum(t.turns for t in trajectories) / len(trajectories), 2),
-            "tool_call_rate": round(called, 3),
-            "sampled_per_episode": round(sampled[mode] / len(trajectories), 2),
-            "sampled_tok_s": round(tps, 1),
-            "ratio": round(tps / single_tps["lengths"], 3),
-            "ratio_lockstep": round(tps / single_tps["lockstep"], 3),
-            "wall_s": round(statistics.median(times[mode]), 3),
-            "timed_compiles": compiles[mode],
-        }
-        row |= split(lambda mode=mode: multi(mode, 99))
-        rows.append(row)
+        rows.append(row | instrumented[path][1])
     for runner in runners.values():
         runner.close()
     return rows
@@ -611,6 +619,7 @@ def main(argv=None) -> None:
         ("sampled_tok_s", "sampled tok/s"),
         ("ratio", "vs single-turn, same lengths"),
         ("ratio_lockstep", "vs single-turn, lockstep"),
+        ("ratios", "ratios per repeat"),
         ("prefill_calls", "prefill calls"),
         ("extend_calls", "decode calls extending"),
         ("decode_calls", "decode calls"),

@@ -366,6 +366,7 @@ def build_feed(
         "extend_widths": gen.extend_widths,
         "keep_calls": gen.keep_calls,
         "exit_stops": gen.exit_stops,
+        "span_buckets": gen.span_buckets,
         "max_total_len": gen.max_len or None,
     }
     role, gen_mesh = place.role, place.gen_mesh

@@ -382,27 +382,32 @@ def test_rl_main_refuses_an_unknown_generator_or_engine_knobs(tmp_path):
         run("d", keep_calls=-1)
     with pytest.raises(SystemExit, match="GeneratorConfig.exit_stops=-1; need >= 0"):
         run("e", exit_stops=-1)
-    assert not any((tmp_path / n).exists() for n in "abcde")
+    with pytest.raises(SystemExit, match=r"GeneratorConfig.span_buckets=\(0, 64\): need posi"):
+        run("f", span_buckets=(0, 64))
+    assert not any((tmp_path / n).exists() for n in "abcdef")
 
 
 def test_generator_extension_buckets_reach_the_engine(tiny_model):
-    """`GeneratorConfig.extend_min_rows` / `extend_widths` / `keep_calls` / `exit_stops`, as
-    launch.rl passes them to `make_sampler`: the engine's extension rows and widths, how long
-    kept rows hold their slots, when a decode call ends; the static sampler has none."""
+    """`GeneratorConfig.extend_min_rows` / `extend_widths` / `keep_calls` / `exit_stops` /
+    `span_buckets`, as launch.rl passes them to `make_sampler`: the engine's extension rows and
+    widths, how long kept rows hold their slots, when a decode call ends, the prefixes it
+    attends to; the static sampler has none."""
     from jaxrl.generation.engine_sampler import make_sampler
 
     graphdef, config = nnx.graphdef(tiny_model), tiny_model.config
     common = {"pad_id": 0, "max_total_len": 64}
     sampler = make_sampler("engine", graphdef, config, num_slots=32, extend_min_rows=2,
                            extend_buckets=(8, 24, 40), keep_calls=1, exit_stops=3,
-                           **common)  # fmt: skip
+                           span_buckets=(24, 48), **common)  # fmt: skip
     engine = sampler.engine
     assert engine.extend_min_rows == 2 and engine.extend_widths() == (8, 24, 40, 64)
     assert engine.keep_calls == 1 and engine.exit_stops == 3 and engine.programs.early_exit
     assert engine.extend_widths(20) == (8, 24)  # up to the one that holds 20 new tokens
+    assert engine.span_buckets == (24, 48)
     default = make_sampler("engine", graphdef, config, num_slots=32, **common).engine
     assert default.extend_min_rows == 8 and default.extend_widths() == (8, 16, 32, 64)
     assert default.keep_calls == 0 and default.exit_stops == 0
+    assert default.span_buckets == (32, 64)
     static = make_sampler("static", graphdef, config, extend_min_rows=2, **common)
     assert not hasattr(static, "engine")
 

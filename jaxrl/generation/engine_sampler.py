@@ -77,6 +77,7 @@ class EngineSampler:
         extend_buckets: Sequence[int] | None = None,
         keep_calls: int = 0,
         exit_stops: int = 0,
+        span_buckets: Sequence[int] | None = None,
     ):
         self.graphdef, self.model_config = graphdef, model_config
         self.precompile = precompile
@@ -109,6 +110,7 @@ class EngineSampler:
             extend_buckets=extend_buckets,
             keep_calls=keep_calls,
             exit_stops=exit_stops,
+            span_buckets=span_buckets,
         )
 
     @classmethod
@@ -215,7 +217,7 @@ def make_sampler(
             )
         kind = "static"
     precompile = kwargs.pop("precompile", False)
-    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls", "exit_stops")
+    engine_only = ("extend_min_rows", "extend_buckets", "keep_calls", "exit_stops", "span_buckets")
     engine_args = {k: kwargs.pop(k) for k in engine_only if k in kwargs}
     if kind == "static" and kwargs.get("weights", "native") != "native":
         raise ValueError(

@@ -57,6 +57,11 @@ class GeneratorConfig:
     exit_stops (multi-turn): a decode call ends once this many of its rows have stopped, so a
       row whose turn ended mid-call starts its next turn (or frees its slot) sooner, for more,
       shorter calls (`Engine.exit_stops`; 0: every call runs `steps_per_call` steps).
+    span_buckets: the attended prefixes a decode call is padded to (`Engine.span_buckets`; () :
+      powers of two from 32 and the cache's length). Finer steps above the prompts' length
+      (e.g. 192, 224, 256, 288 for 171-token prompts) spare a call whose longest row just
+      passed a power of two from attending to the next one in every row, at one decode
+      program per bucket (docs/multiturn_chat.md).
     max_len: the engine's cache length, the longest prompt + max_new_tokens it takes (0: sized
       from the prompts it gets, the next power of two above the longest prompt +
       max_new_tokens, growing up to the model's context). The engine holds one cache of slots x
@@ -97,6 +102,7 @@ class GeneratorConfig:
     extend_widths: tuple[int, ...] = ()
     keep_calls: int = 0
     exit_stops: int = 0
+    span_buckets: tuple[int, ...] = ()
     max_len: int = 0
     precompile: bool = False
     weights: str = "native"
@@ -143,6 +149,11 @@ class GeneratorConfig:
             raise ValueError(
                 f"GeneratorConfig.extend_min_rows={self.extend_min_rows}, extend_widths="
                 f"{self.extend_widths}: need a row floor >= 1 and widths >= 1 (() : the default)"
+            )
+        if any(int(b) < 1 for b in self.span_buckets):
+            raise ValueError(
+                f"GeneratorConfig.span_buckets={self.span_buckets}: need positions >= 1 (() : "
+                "powers of two)"
             )
         if self.slots < 0 or self.steps_per_call < 1 or self.max_len < 0:
             raise ValueError(
@@ -245,6 +256,7 @@ def mesh_sampler(
     extend_widths: Sequence[int] = (),
     keep_calls: int = 0,
     exit_stops: int = 0,
+    span_buckets: Sequence[int] = (),
 ) -> Sampler:
     """A sampler for the trainer's model on `mesh` with that role's rules table: the trainer's
     own (colocated, `colocated_sampler`) or the generator's devices in async mode.
@@ -252,7 +264,8 @@ def mesh_sampler(
     the same bucket). `generator`: "engine" (`EngineSampler` with `num_slots` decode slots and
     `steps_per_call` decode steps per device call, `precompile` its programs ahead of their
     first use, `weights` its weight format: `GeneratorConfig.weights`, `extend_min_rows` /
-    `extend_widths` its extension buckets, `keep_calls` and `exit_stops`: `GeneratorConfig`'s)
+    `extend_widths` its extension buckets, `keep_calls`, `exit_stops` and `span_buckets`:
+    `GeneratorConfig`'s)
     or "static" (`jaxrl.generation.sampler.Sampler`); see `make_sampler`.
 
     A LoRA trainer gets an `AdapterEngineSampler` / `AdapterSampler` holding the trainer's base
@@ -273,6 +286,7 @@ def mesh_sampler(
         extend_buckets=tuple(extend_widths) or None,
         keep_calls=keep_calls,
         exit_stops=exit_stops,
+        span_buckets=tuple(span_buckets) or None,
         **quantized,
         cls_static=AdapterSampler if lora else StaticSampler,
         cls_engine=AdapterEngineSampler if lora else EngineSampler,
