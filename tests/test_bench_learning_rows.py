@@ -102,6 +102,7 @@ def test_quantized_rows_read_the_mismatch(tmp_path):
     assert row["steps"] == 4 and row["greedy_start"] == 0.3 and row["greedy_end"] == 0.45
     assert row["gain_pts"] == 15.0 and row["mismatch_kl"] == 0.025
     assert row["truncated_fraction"] == 0.5 and row["reward_last10"] == 0.1
+    assert row["eval_curve"] == [[0, 0.3], [2, 0.4], [4, 0.45]]
     (tmp_path / "f").mkdir()
     for r in records:
         r.pop("gen/mismatch_kl", None)
@@ -203,3 +204,45 @@ def test_a_run_keeps_its_colour_in_panels_where_an_earlier_run_is_missing(tmp_pa
     colours = {line.get_label(): line.get_color() for line in accuracy.lines}
     assert [line.get_label() for line in tool_rate.lines] == ["rl"]
     assert tool_rate.lines[0].get_color() == colours["rl"] != colours["single"]
+
+
+def test_pairs_pool_over_seeds(tmp_path, monkeypatch):
+    """`bench learning quantized --pool`: per seed the control's gain, mean held-out accuracy
+    after step 0 and mean mismatch KL minus the corrected run's; pooled, mean, se and t over
+    the seeds; a results file without evaluation curves is refused with the fix."""
+    from bench.learning import quantized
+
+    monkeypatch.setattr("bench.common.RESULTS_DIR", str(tmp_path))
+
+    def results(name, corrected, control, kls):
+        rows = [{"name": n, "steps": 100, "gain_pts": round(100 * (c[-1] - c[0]), 1),
+                 "mismatch_kl": kl, "eval_curve": [[25 * i, a] for i, a in enumerate(c)]}
+                for n, c, kl in (("int5", corrected, kls[0]),
+                                 ("int5_uncorrected", control, kls[1]))]  # fmt: skip
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+
+    results("s0", [0.3, 0.5, 0.6], [0.3, 0.46, 0.56], (0.28, 0.27))  # control 4 pts below
+    results("s1", [0.3, 0.5, 0.6], [0.3, 0.48, 0.58], (0.30, 0.31))  # 2 below
+    rows = quantized.pool(["s0", "s1"])
+    assert [r["results"] for r in rows] == ["s0", "s1", "pooled over 2 seeds"]
+    assert rows[0]["gain_diff_pts"] == -4.0 and rows[0]["eval_diff_pts"] == pytest.approx(-4.0)
+    assert rows[1]["eval_diff_pts"] == pytest.approx(-2.0)
+    assert rows[0]["kl_diff"] == pytest.approx(-0.01) and rows[0]["evals_after_0"] == 2
+    pooled = rows[2]
+    assert pooled["pair"] == "int5_uncorrected - int5"
+    assert pooled["eval_diff_pts"] == pytest.approx(-3.0)
+    assert pooled["eval_diff_pts_se"] == pytest.approx(1.0)  # stdev(-4, -2) / sqrt(2)
+    assert pooled["eval_diff_pts_t"] == pytest.approx(-3.0)
+    assert pooled["kl_diff"] == pytest.approx(0.0, abs=1e-9)
+    (tmp_path / "old.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"name": "int5", "gain_pts": 1.0},
+                    {"name": "int5_uncorrected", "gain_pts": 0.0},
+                ]
+            }
+        )
+    )
+    with pytest.raises(SystemExit, match="old.json has no eval_curve.*--no_launch"):
+        quantized.pool(["old"])

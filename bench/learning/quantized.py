@@ -27,6 +27,12 @@ md} and NAME.png (held-out accuracy, train reward, mismatch KL and truncated fra
     python -m bench learning quantized --init_from ~/.cache/jaxrl/smollm2-135m-instruct
     python -m bench learning quantized --init_from DIR --smoke   # 2 short steps each: plumbing
     python -m bench learning quantized --workdir W --no_launch   # summarise runs already in W
+    python -m bench learning quantized --pool A,B,C --name P   # pairs over seeds' results files
+
+`--pool` reads results files written by runs of the same pairs on different seeds (each row's
+`eval_curve`) and writes, per seed and pooled, the control's held-out accuracy minus the
+corrected run's (its gain, and its mean over the evaluations after step 0) and the difference of
+their mean mismatch KL; over the seeds each difference's mean, standard error and t (`pool`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ RUNS = {
     ),
 }
 WITHIN_PTS = 3.0
+PAIRS = (("int8", "uncorrected"), ("int5", "int5_uncorrected"))  # (corrected, its control)
 PANELS = [
     ("eval/accuracy", "held-out greedy accuracy"),
     ("reward/mean", "mean train reward"),
@@ -72,6 +79,7 @@ def add_options(parser) -> None:
     parser.add_argument("--gin_param", action="append", default=[], help="more overrides")
     parser.add_argument("--no_launch", action="store_true", help="summarise WORKDIR's runs")
     parser.add_argument("--name", default="", help=f"results name (default {RESULTS})")
+    parser.add_argument("--pool", default="", help="comma list of results names: pool their pairs")
 
 
 def _mean(records, key):
@@ -86,6 +94,7 @@ def summarise(name: str, label: str, workdir: str) -> dict:
         row["greedy_end"] = evals[-1]["eval/accuracy"]
         row["gain_pts"] = round(100 * (row["greedy_end"] - row["greedy_start"]), 1)
         row["evals"] = len(evals)
+        row["eval_curve"] = [[r["step"], r["eval/accuracy"]] for r in evals]
     row |= smollm2.reward_ends(steps)
     if steps:
         for key, column in (("gen/mismatch_kl", "mismatch_kl"),
@@ -119,7 +128,77 @@ def paired_kl(workdir_a: str, workdir_b: str, key: str = "gen/mismatch_kl") -> d
     return out
 
 
+def _spread(values: list[float]) -> dict:
+    """Mean, standard error and t of `values` (one per seed; se and t need two)."""
+    out = {"mean": round(statistics.mean(values), 6)}
+    if len(values) >= 2:
+        se = statistics.stdev(values) / len(values) ** 0.5
+        out |= {"se": round(se, 6), "t": round(out["mean"] / se, 2) if se else None}
+    return out
+
+
+def pool(names: list[str]) -> list[dict]:
+    """The corrected / control pairs of the results files `names` (one seed each), one row per
+    pair and seed: the control's gain minus the corrected run's (points), the mean over the
+    held-out evaluations after step 0 of the control's accuracy minus the corrected run's
+    (points; both runs evaluate the same problems, so each difference is paired), and the
+    control's mean mismatch KL minus the corrected run's; then, per pair kind, a pooled row of
+    each difference over the seeds (`_spread`)."""
+    from bench.common import RESULTS_DIR
+
+    rows = []
+    for name in names:
+        with open(os.path.join(RESULTS_DIR, f"{name}.json")) as f:
+            by = {r["name"]: r for r in json.load(f)["rows"]}
+        for a, b in PAIRS:
+            if a not in by or b not in by:
+                continue
+            if "eval_curve" not in by[a] or "eval_curve" not in by[b]:
+                raise SystemExit(f"{name}.json has no eval_curve: summarise its runs again "
+                                 "(--workdir W --no_launch)")  # fmt: skip
+            ca, cb = dict(map(tuple, by[a]["eval_curve"])), dict(map(tuple, by[b]["eval_curve"]))
+            later = sorted(s for s in set(ca) & set(cb) if s > 0)
+            rows.append({
+                "results": name, "pair": f"{b} - {a}", "steps": by[a]["steps"],
+                "gain_diff_pts": round(by[b]["gain_pts"] - by[a]["gain_pts"], 1),
+                "eval_diff_pts": round(100 * statistics.mean(cb[s] - ca[s] for s in later), 2),
+                "evals_after_0": len(later),
+                "kl_diff": round(by[b]["mismatch_kl"] - by[a]["mismatch_kl"], 6),
+            })  # fmt: skip
+    for pair in dict.fromkeys(r["pair"] for r in rows):
+        mine = [r for r in rows if r["pair"] == pair]
+        if len(mine) < 2:
+            continue
+        pooled = {"results": f"pooled over {len(mine)} seeds", "pair": pair}
+        for key in ("gain_diff_pts", "eval_diff_pts", "kl_diff"):
+            spread = _spread([r[key] for r in mine])
+            pooled[key] = spread["mean"]
+            pooled |= {f"{key}_{k}": v for k, v in spread.items() if k != "mean"}
+        rows.append(pooled)
+    return rows
+
+
+def write_pool(args) -> None:
+    from bench.common import command, write_results
+
+    rows = pool([n for n in args.pool.split(",") if n])
+    if not rows:
+        raise SystemExit(f"--pool {args.pool}: no corrected / control pair in those results")
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    columns = [
+        ("results", "results"), ("pair", "control - corrected"), ("steps", "steps"),
+        ("gain_diff_pts", "gain diff (pts)"), ("gain_diff_pts_se", "se"),
+        ("gain_diff_pts_t", "t"), ("eval_diff_pts", "eval diff after step 0 (pts)"),
+        ("eval_diff_pts_se", "se"), ("eval_diff_pts_t", "t"), ("kl_diff", "mismatch KL diff"),
+        ("kl_diff_se", "se"), ("kl_diff_t", "t"),
+    ]  # fmt: skip
+    print(write_results(args.name or RESULTS + "_pooled", rows, columns, f"`{command()}`"))
+
+
 def run(args) -> None:
+    if args.pool:
+        return write_pool(args)
     if args.smoke:
         args.steps, args.eval_every, args.eval_size = 2, 1, 8
         args.gin_param += ["RLConfig.num_prompts = 2", "RLConfig.max_new_tokens = 16"]
@@ -143,7 +222,7 @@ def run(args) -> None:
         gap = by_name["int8"]["gain_pts"] - by_name["fp32"]["gain_pts"]
         verdict["int8_gain_minus_fp32_pts"] = round(gap, 1)
         verdict["int8_within_3_pts"] = abs(gap) <= WITHIN_PTS
-    for a, b in (("int8", "uncorrected"), ("int5", "int5_uncorrected")):  # corrected, control
+    for a, b in PAIRS:
         if a in dirs and b in dirs:
             verdict[f"uncorrected_minus_{a}_mismatch_kl"] = paired_kl(dirs[a], dirs[b])
     print(json.dumps({"verdict": verdict, "workdir": workdir}), flush=True)
