@@ -181,6 +181,9 @@ def pool(names: list[str]) -> list[dict]:
 def write_pool(args) -> None:
     from bench.common import command, write_results
 
+    workdir = args.workdir  # launches nothing: the directory `bench learning` made goes again
+    if os.path.basename(workdir).startswith(RESULTS + "_") and not os.listdir(workdir):
+        os.rmdir(workdir)
     rows = pool([n for n in args.pool.split(",") if n])
     if not rows:
         raise SystemExit(f"--pool {args.pool}: no corrected / control pair in those results")
