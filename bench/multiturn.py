@@ -44,9 +44,11 @@ so each setting applies to single-turn too.
     python -m bench.multiturn --extension_cost   # a decode call with 0-32 continued rows
 
 From the instrumented run also: host seconds (its wall time less the device calls and the
-driver's waits for tools) and how many decode calls continued rows waited for their
+driver's waits for tools), how many decode calls continued rows waited for their
 continuation in all (`EngineStats.kept_wait_calls`; 0 when every tool reply joined the next
-call). `--extension_cost` times one decode call of each model at its random init (32 active
+call), and the attended positions (`EngineStats.attended_positions`: on the CPU a decode step
+reads the cache prefix of its call's longest row in every row).
+`--extension_cost` times one decode call of each model at its random init (32 active
 slots, span 32, `--steps_per_call` steps) plain and with 8, 16 and 32 continued rows of 8 new
 tokens each: what a turn boundary adds to the call its continuation joins.
 """
@@ -433,6 +435,8 @@ def measure(name, preset, args, continue_modes) -> list[dict]:
             "extend_tokens": stats.get("extend_tokens", 0),
             "extend_padded_tokens": stats.get("extend_padded_tokens", 0),
             "utilisation": round(stats["kept_tokens"] / max(stats["slot_steps"], 1), 3),
+            "slot_steps": stats["slot_steps"],
+            "attended_positions": stats["attended_positions"],
             "tool_wait_s": round(waited["s"], 3),
             "host_s": round(wall - device - waited["s"], 3),
             "continued_rows": stats["continued_rows"],
@@ -632,6 +636,7 @@ def main(argv=None) -> None:
         ("kept_wait_calls", "calls continuations waited"),
         ("early_exits", "decode calls ended early"),
         ("utilisation", "slot utilisation"),
+        ("attended_positions", "attended positions (slot-steps x span)"),
         ("timed_compiles", "timed runs that compiled (run again)"),
     ]
     name = args.name or ("multiturn_smoke" if args.smoke else "multiturn")

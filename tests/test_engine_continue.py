@@ -173,3 +173,15 @@ def test_calls_that_end_at_their_first_stops_sample_the_same_in_fewer_slot_steps
     assert stats1.continued_rows == stats0.continued_rows == 1
     with pytest.raises(ValueError, match="exit_stops=-1"):
         Engine.for_model(model, num_slots=4, exit_stops=-1)
+
+
+def test_attended_positions_count_each_calls_span(model):
+    """`EngineStats.attended_positions`: slot-steps times the span of their call. A 3-token
+    prompt sampling 40 tokens, 8 a call on 4 slots: its last writes reach 10, 18, 26, 34, 42,
+    so three calls attend over the 32-position bucket and two over the cache's 64."""
+    engine, params = Engine.for_model(model, num_slots=4, steps_per_call=8, max_total_len=64,
+                                      prompt_buckets=(16, 32))  # fmt: skip
+    cfg = SamplingConfig(40, ignore_eos=True)
+    engine.generate(params, [Request(0, [1, 5, 9], 1, cfg)], jax.random.key(0))
+    assert engine.stats.decode_calls == 5 and engine.stats.slot_steps == 5 * 8 * 4
+    assert engine.stats.attended_positions == 8 * 4 * (3 * 32 + 2 * 64)

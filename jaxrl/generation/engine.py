@@ -514,6 +514,7 @@ class Engine(EngineDevice):
             self.stats.decode_calls += 1
             steps = int(out_valid.any(axis=1).sum()) if self.exit_stops else n_steps
             self.stats.slot_steps += steps * active
+            self.stats.attended_positions += steps * active * span
             self.stats.early_exits += steps < n_steps
             self.stats.kept_tokens += int(out_valid.sum())
             records = self._stopped_records(owner, live, pos, running, active)

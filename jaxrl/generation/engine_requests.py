@@ -114,6 +114,9 @@ class EngineStats:
     prefill_tokens: prompt tokens run through prefill (each request's prompt once).
     prefill_padded_tokens: prefill positions computed, padding included.
     slot_steps: decode slot-steps executed (S per decode step, idle slots included).
+    attended_positions: slot-steps times the span each attended over (the cache prefix a
+      decode call reads every step where it runs in the XLA form: the longest row's, in every
+      row).
     kept_tokens: slot-steps that produced a completion token (utilisation = kept / slot_steps).
     decode_calls, prefill_calls: device calls; num_traces: programs compiled. early_exits:
       decode calls that ended before `steps_per_call` steps (`Engine.exit_stops`).
@@ -131,6 +134,7 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_padded_tokens: int = 0
     slot_steps: int = 0
+    attended_positions: int = 0
     kept_tokens: int = 0
     decode_calls: int = 0
     early_exits: int = 0
