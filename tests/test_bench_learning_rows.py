@@ -216,7 +216,8 @@ def test_pairs_pool_over_seeds(tmp_path, monkeypatch):
 
     def results(name, corrected, control, kls):
         rows = [{"name": n, "steps": 100, "gain_pts": round(100 * (c[-1] - c[0]), 1),
-                 "mismatch_kl": kl, "eval_curve": [[25 * i, a] for i, a in enumerate(c)]}
+                 "mismatch_kl": kl, "reward_last10": c[-1],
+                 "eval_curve": [[25 * i, a] for i, a in enumerate(c)]}
                 for n, c, kl in (("int5", corrected, kls[0]),
                                  ("int5_uncorrected", control, kls[1]))]  # fmt: skip
         (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
@@ -234,6 +235,8 @@ def test_pairs_pool_over_seeds(tmp_path, monkeypatch):
     assert pooled["eval_diff_pts_se"] == pytest.approx(1.0)  # stdev(-4, -2) / sqrt(2)
     assert pooled["eval_diff_pts_t"] == pytest.approx(-3.0)
     assert pooled["kl_diff"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[0]["reward_last10_diff"] == pytest.approx(-0.04)
+    assert pooled["reward_last10_diff"] == pytest.approx(-0.03)
     (tmp_path / "old.json").write_text(
         json.dumps(
             {

@@ -31,8 +31,9 @@ md} and NAME.png (held-out accuracy, train reward, mismatch KL and truncated fra
 
 `--pool` reads results files written by runs of the same pairs on different seeds (each row's
 `eval_curve`) and writes, per seed and pooled, the control's held-out accuracy minus the
-corrected run's (its gain, and its mean over the evaluations after step 0) and the difference of
-their mean mismatch KL; over the seeds each difference's mean, standard error and t (`pool`).
+corrected run's (its gain, and its mean over the evaluations after step 0) and the differences
+of their mean mismatch KL and late train reward; over the seeds each difference's mean, standard
+error and t (`pool`).
 """
 
 from __future__ import annotations
@@ -141,9 +142,10 @@ def pool(names: list[str]) -> list[dict]:
     """The corrected / control pairs of the results files `names` (one seed each), one row per
     pair and seed: the control's gain minus the corrected run's (points), the mean over the
     held-out evaluations after step 0 of the control's accuracy minus the corrected run's
-    (points; both runs evaluate the same problems, so each difference is paired), and the
-    control's mean mismatch KL minus the corrected run's; then, per pair kind, a pooled row of
-    each difference over the seeds (`_spread`)."""
+    (points; both runs evaluate the same problems, so each difference is paired), the
+    control's mean mismatch KL minus the corrected run's, and its mean train reward (on its own
+    quantized samples) over the last 10 steps minus the corrected run's; then, per pair kind, a
+    pooled row of each difference over the seeds (`_spread`)."""
     from bench.common import RESULTS_DIR
 
     rows = []
@@ -164,13 +166,14 @@ def pool(names: list[str]) -> list[dict]:
                 "eval_diff_pts": round(100 * statistics.mean(cb[s] - ca[s] for s in later), 2),
                 "evals_after_0": len(later),
                 "kl_diff": round(by[b]["mismatch_kl"] - by[a]["mismatch_kl"], 6),
+                "reward_last10_diff": round(by[b]["reward_last10"] - by[a]["reward_last10"], 3),
             })  # fmt: skip
     for pair in dict.fromkeys(r["pair"] for r in rows):
         mine = [r for r in rows if r["pair"] == pair]
         if len(mine) < 2:
             continue
         pooled = {"results": f"pooled over {len(mine)} seeds", "pair": pair}
-        for key in ("gain_diff_pts", "eval_diff_pts", "kl_diff"):
+        for key in ("gain_diff_pts", "eval_diff_pts", "kl_diff", "reward_last10_diff"):
             spread = _spread([r[key] for r in mine])
             pooled[key] = spread["mean"]
             pooled |= {f"{key}_{k}": v for k, v in spread.items() if k != "mean"}
@@ -195,6 +198,8 @@ def write_pool(args) -> None:
         ("gain_diff_pts_t", "t"), ("eval_diff_pts", "eval diff after step 0 (pts)"),
         ("eval_diff_pts_se", "se"), ("eval_diff_pts_t", "t"), ("kl_diff", "mismatch KL diff"),
         ("kl_diff_se", "se"), ("kl_diff_t", "t"),
+        ("reward_last10_diff", "train reward diff, last 10 steps"),
+        ("reward_last10_diff_se", "se"), ("reward_last10_diff_t", "t"),
     ]  # fmt: skip
     print(write_results(args.name or RESULTS + "_pooled", rows, columns, f"`{command()}`"))
 
