@@ -185,3 +185,5 @@ def test_attended_positions_count_each_calls_span(model):
     engine.generate(params, [Request(0, [1, 5, 9], 1, cfg)], jax.random.key(0))
     assert engine.stats.decode_calls == 5 and engine.stats.slot_steps == 5 * 8 * 4
     assert engine.stats.attended_positions == 8 * 4 * (3 * 32 + 2 * 64)
+    with pytest.raises(ValueError, match=r"span_buckets=\(0, 64\); need positions >= 1"):
+        Engine.for_model(model, num_slots=4, max_total_len=64, span_buckets=(0, 64))

@@ -215,6 +215,8 @@ class Engine(EngineDevice):
         self._asked_buckets = (tuple(prompt_buckets), span_buckets)
         if extend_buckets is not None and (not extend_buckets or min(extend_buckets) < 1):
             raise ValueError(f"extend_buckets={extend_buckets}; need widths >= 1 (None: 8, 16..)")
+        if span_buckets and min(span_buckets) < 1:
+            raise ValueError(f"span_buckets={span_buckets}; need positions >= 1 (None: 32, 64..)")
         self._extend_buckets = None if extend_buckets is None else tuple(sorted(extend_buckets))
         start = min(MIN_CAPACITY, self.max_capacity) if self.grows else self.max_capacity
         self._set_capacity(start)
